@@ -1,0 +1,131 @@
+"""Writing results so that a crash never leaves a half-written file.
+
+- CSVs and the run manifest are written to a temporary file in the same folder,
+  flushed to disk, then renamed over the target: a reader sees the old file or
+  the new one, never a torn one.
+- While a run is in progress, rank 0 appends every finished case to a journal
+  (one JSON line per case, flushed and fsynced). ``--resume`` reads it back and
+  skips those cases. The journal is removed when the run completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from harness.errors import UsageError
+
+JOURNAL_DIR = ".partial"
+JOURNAL_FILE = "journal.jsonl"
+MANIFEST = "run.json"
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; on success rename it over ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    temp_path = Path(temp)
+    try:
+        yield temp_path
+        with open(temp_path, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp_path, target)
+    finally:
+        temp_path.unlink(missing_ok=True)
+
+
+def write_text_atomic(target: Path, text: str) -> None:
+    with atomic_path(target) as temp:
+        temp.write_text(text)
+
+
+def write_csv_atomic(target: Path, rows: Sequence[dict], columns: Sequence[str]) -> None:
+    """Write ``rows`` with exactly ``columns``, in that order; floats round-trip exactly."""
+    import pandas as pd  # only rank 0 writes: keep pandas out of the other ranks' start-up
+
+    missing = sorted({key for row in rows for key in columns if key not in row})
+    extra = sorted({key for row in rows for key in row if key not in columns})
+    if missing or extra:
+        raise ValueError(f"{target.name}: rows do not match the schema "
+                         f"(missing {missing}, undocumented {extra})")
+    frame = pd.DataFrame(list(rows), columns=list(columns))
+    with atomic_path(target) as temp:
+        frame.to_csv(temp, index=False)
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value
+
+
+def _from_json(value: object) -> object:
+    if isinstance(value, dict) and set(value) == {"float"}:
+        return float(value["float"])
+    return value
+
+
+class Journal:
+    """Finished cases of the run in progress, one fsynced JSON line each."""
+
+    def __init__(self, out: Path, fingerprint: str) -> None:
+        self.path = out / JOURNAL_DIR / JOURNAL_FILE
+        self.fingerprint = fingerprint
+
+    def load(self) -> dict[str, list[dict]]:
+        """Rows of finished cases by case id, from a journal of the same configuration."""
+        if not self.path.exists():
+            return {}
+        lines = self.path.read_text().splitlines()
+        if not lines:
+            return {}
+        try:
+            header = json.loads(lines[0])
+        except json.JSONDecodeError:
+            header = {}
+        if header.get("fingerprint") != self.fingerprint:
+            raise UsageError(
+                f"--resume: the unfinished run in {str(self.path.parent.parent)!r} used a "
+                "different configuration; rerun it with the same flags, or without --resume")
+        rows: dict[str, list[dict]] = {}
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the line being written when the run died: that case reruns
+            rows[entry["case_id"]] = [{k: _from_json(v) for k, v in row.items()}
+                                      for row in entry["rows"]]
+        return rows
+
+    def start(self, keep: dict[str, list[dict]]) -> None:
+        """Begin a journal holding the header and the rows being kept from a resumed run."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.path) as temp, open(temp, "w") as handle:
+            handle.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
+            for case_id, rows in keep.items():
+                handle.write(self._line(case_id, rows))
+        self._handle = open(self.path, "a")  # noqa: SIM115 -- kept open for the run
+
+    def append(self, case_id: str, rows: list[dict]) -> None:
+        self._handle.write(self._line(case_id, rows))
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def finish(self) -> None:
+        """The run completed: its results are in the CSVs, the journal is no longer needed."""
+        self._handle.close()
+        self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()
+
+    @staticmethod
+    def _line(case_id: str, rows: list[dict]) -> str:
+        safe = [{k: _json_safe(v) for k, v in row.items()} for row in rows]
+        return json.dumps({"case_id": case_id, "rows": safe}) + "\n"

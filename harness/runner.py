@@ -1,0 +1,248 @@
+"""Runs the selected studies inside one torchrun launch.
+
+Every rank builds the same case list. A case of world size k runs on the ranks
+0..k-1 (a process subgroup created once, up front); single-process cases run
+on rank 0. Rank 0 collects one row per case, journals it, and writes each
+study's CSV atomically when the study ends.
+
+Waiting is split in two on purpose: collectives *inside* a case time out after
+``--timeout`` (a rank that hangs fails the run instead of stalling it), while
+ranks with nothing to do wait for rank 0 at the end of a study on a separate
+group with no practical limit (rank 0 may legitimately compute alone for a
+while). Multi-rank cases run first, widest first, so that a rank leaves a study
+only once it has no case left in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.config import RunConfig
+from harness.context import RunContext
+from harness.errors import UsageError
+from harness.launch import Launch, Placement
+from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
+from harness.studies.base import Case, Study
+
+#: How long idle ranks wait for rank 0 between studies (a week: "no limit").
+IDLE_WAIT = timedelta(days=7)
+
+#: Test hook: "rank=R,case=SUBSTRING,mode=raise|kill|hang" makes rank R fail in
+#: the first case whose id contains SUBSTRING. Used by the fault-tolerance tests.
+FAULT_VARIABLE = "HARNESS_FAULT"
+
+
+class _Activity:
+    """What this rank is doing, for the message printed if the run is stopped."""
+
+    current = "starting up"
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    rank = os.environ.get("RANK", "?")
+    print(f"study.py: rank {rank} stopped by signal {signum} while {_Activity.current}",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def fingerprint(config: RunConfig, placement: Placement, world_sizes: tuple[int, ...]) -> str:
+    """A hash of everything that changes the numbers: resuming across it would mix runs."""
+    settings = {
+        "seed": config.seed, "dtype": config.dtype, "backend": placement.backend,
+        "device": placement.device.type, "world_sizes": world_sizes,
+        "strategies": config.strategies, "shard_size": config.shard_size,
+        "accum_steps": config.accum_steps, "matrix": config.matrix, "epochs": config.epochs,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _inject_fault(case: Case, rank: int) -> None:
+    spec = os.environ.get(FAULT_VARIABLE)
+    if not spec:
+        return
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    if int(fields.get("rank", -1)) != rank or fields.get("case", "") not in case.id:
+        return
+    mode = fields.get("mode", "raise")
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":
+        while True:
+            time.sleep(60)
+    raise RuntimeError(f"fault injected by {FAULT_VARIABLE}")
+
+
+class Runner:
+    def __init__(self, config: RunConfig, launch: Launch, placement: Placement,
+                 world_sizes: tuple[int, ...], studies: list[Study]) -> None:
+        self.config, self.launch, self.placement = config, launch, placement
+        self.world_sizes, self.studies = world_sizes, studies
+        self.leader = launch.is_leader
+
+    # ----------------------------------------------------------------- set-up
+    def _init_distributed(self) -> RunContext:
+        if self.placement.device.type == "cuda":
+            torch.cuda.set_device(self.placement.device)
+        timeout = timedelta(seconds=self.config.timeout)
+        if not dist.is_initialized():  # tests initialise it themselves, through a FileStore
+            dist.init_process_group(self.placement.backend, timeout=timeout)
+        # new_group is collective: every rank creates every group, in the same order.
+        groups = {}
+        for k in self.world_sizes:
+            groups[k] = (dist.group.WORLD if k == self.launch.world_size
+                         else dist.new_group(list(range(k)), timeout=timeout))
+        self.idle_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
+        hostnames: list[str] = [""] * self.launch.world_size
+        dist.all_gather_object(hostnames, self.launch.hostname, group=self.idle_group)
+        return RunContext(self.config, self.launch, self.placement, self.world_sizes,
+                          groups, hosts=len(set(hostnames)))
+
+    def _resumed_rows(self, journal: Journal) -> dict[str, list[dict]]:
+        """Rank 0 reads the journal; every rank learns which cases are done (or why not)."""
+        payload: list[Any] = [None]
+        if self.leader:
+            try:
+                payload[0] = journal.load() if self.config.resume else {}
+            except UsageError as error:
+                payload[0] = error
+        dist.broadcast_object_list(payload, src=0, group=self.idle_group)
+        if isinstance(payload[0], UsageError):
+            raise payload[0]
+        return payload[0]
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        started = time.time()
+        ctx = self._init_distributed()
+        journal = Journal(self.config.out, fingerprint(self.config, self.placement,
+                                                       self.world_sizes))
+        try:
+            done = self._resumed_rows(journal)
+        except UsageError as error:
+            if self.leader:
+                print(f"study.py: error: {error}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
+        plan = [(study, study.cases(ctx)) for study in self.studies]
+        if self.leader:
+            self._announce(ctx, plan, done)
+            journal.start(done)
+        study_times: dict[str, float] = {}
+        with self._progress(sum(len(cases) for _, cases in plan)) as progress:
+            for study, cases in plan:
+                begun = time.perf_counter()
+                rows = self._run_study(study, cases, ctx, done, journal, progress)
+                if self.leader:
+                    write_csv_atomic(self.config.out / study.csv_name, rows, study.columns)
+                study_times[study.name] = time.perf_counter() - begun
+                _Activity.current = f"waiting for rank 0 to finish study {study.name}"
+                dist.barrier(group=self.idle_group)
+        if self.leader:
+            self._finish(ctx, plan, study_times, started)
+            journal.finish()
+        dist.destroy_process_group()
+        return 0
+
+    def _run_study(self, study: Study, cases: list[Case], ctx: RunContext,
+                   done: dict[str, list[dict]], journal: Journal, progress) -> list[dict]:
+        rows: dict[str, list[dict]] = {}
+        # Widest cases first: a rank is then idle only after its last case in the study.
+        for case in sorted(cases, key=lambda c: -c.participants):
+            if case.id in done:
+                rows[case.id] = done[case.id]
+            elif ctx.rank < case.participants:
+                case_rows = self._run_case(study, case, ctx)
+                if self.leader:
+                    rows[case.id] = case_rows
+                    journal.append(case.id, case_rows)
+            progress.update()
+        return [row for case in cases for row in rows[case.id]] if self.leader else []
+
+    def _run_case(self, study: Study, case: Case, ctx: RunContext) -> list[dict] | None:
+        _Activity.current = f"running case {case.id}"
+        try:
+            _inject_fault(case, ctx.rank)
+            own_rows = study.run_case(case, ctx)
+        except Exception as error:
+            print(f"study.py: rank {ctx.rank} failed in case {case.id}: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            raise
+        if own_rows is None:
+            return None
+        rows = []
+        for own in own_rows:
+            device = own.pop("device", None)
+            status = own.pop("status", "ok")
+            rows.append({"study": study.name, "case_id": case.id, **own,
+                         **ctx.context_columns(device), "status": status})
+        return rows
+
+    # ---------------------------------------------------------------- output
+    @contextmanager
+    def _progress(self, total: int) -> Iterator[Any]:
+        if not self.leader or self.config.quiet:
+            yield _NoProgress()
+            return
+        from tqdm import tqdm
+
+        # delay: short runs finish before a bar would be worth drawing.
+        with tqdm(total=total, unit="case", desc="cases", delay=2.0, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            yield bar
+
+    def _announce(self, ctx: RunContext, plan: list, done: dict) -> None:
+        if self.config.quiet:
+            return
+        sizes = ",".join(map(str, self.world_sizes))
+        total = sum(len(cases) for _, cases in plan)
+        print(f"study.py: {self.launch.world_size} rank(s) on {ctx.hosts} host(s), "
+              f"{self.placement.description} dtype={self.config.dtype}, world sizes {sizes}; "
+              f"{total} cases in {', '.join(s.name for s, _ in plan)}"
+              + (f" ({len(done)} resumed)" if done else ""), flush=True)
+
+    def _finish(self, ctx: RunContext, plan: list, study_times: dict[str, float],
+                started: float) -> None:
+        manifest = {
+            "command": " ".join(["scripts/study.py", *sys.argv[1:]]),
+            "config": {k: (str(v) if isinstance(v, Path) else v)
+                       for k, v in asdict(self.config).items() if k != "known_studies"},
+            "world_sizes": list(self.world_sizes),
+            **ctx.context_columns(),
+            "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+            "wall_time_s": round(time.time() - started, 3),
+            "studies": {study.name: {"csv": study.csv_name, "cases": len(cases),
+                                     "wall_time_s": round(study_times[study.name], 3)}
+                        for study, cases in plan},
+        }
+        write_text_atomic(self.config.out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        if not self.config.quiet:
+            self._print_summaries(plan)
+
+    def _print_summaries(self, plan: list) -> None:
+        import pandas as pd
+
+        for study, _ in plan:
+            frame = pd.read_csv(self.config.out / study.csv_name)
+            print(f"\n== {study.name} ({len(frame)} cases) -> "
+                  f"{self.config.out / study.csv_name}\n{study.summary_table(frame)}")
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass

@@ -1,0 +1,17 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Tiny models gain nothing from threads, and a process that never started an
+# OpenMP pool can fork ranks safely (tests/distributed.py).
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT

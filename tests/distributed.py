@@ -1,0 +1,78 @@
+"""Run code on several ranks inside pytest, without torchrun and without ports.
+
+Ranks are forked from the test process (cheap: torch is already imported) and
+meet through a ``FileStore`` in the test's own temporary folder, so tests that
+run in parallel under pytest-xdist never collide. The test process keeps
+torch single-threaded (see conftest.py), which is what makes forking safe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RANK_TIMEOUT_S = 120
+
+
+def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
+            env: dict[str, str], queue: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; their results."""
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    store_path = str(store_dir / f"store-{os.getpid()}-{id(fn)}")
+    processes = [context.Process(target=_worker, daemon=True,
+                                 args=(r, world_size, store_path, fn, args, env or {}, queue))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures = []
+    for _ in processes:
+        rank, ok, value = queue.get(timeout=RANK_TIMEOUT_S)
+        if ok:
+            results[rank] = value
+        else:
+            failures.append(f"rank {rank}:\n{value}")
+    for process in processes:
+        process.join(RANK_TIMEOUT_S)
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results[r] for r in range(world_size)]
+
+
+def run_cli(world_size: int, argv: list[str], store_dir: Path,
+            env: dict[str, str] | None = None) -> list[int]:
+    """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code."""
+    return run_ranks(world_size, _cli, argv, store_dir=store_dir, env=env)
+
+
+def _cli(rank: int, world_size: int, argv: list[str]) -> int:
+    from harness.cli import main
+
+    return main(argv)
