@@ -1,0 +1,32 @@
+"""One module per strategy: how a model is wrapped, fed and reduced.
+
+- :mod:`~harness.strategies.local`: one process, the reference everything is compared with;
+- :mod:`~harness.strategies.ddp`: DistributedDataParallel over a process subgroup;
+- :mod:`~harness.strategies.dp_emulated`: DataParallel's dataflow emulated on the CPU;
+- :mod:`~harness.strategies.dp`: the real torch.nn.DataParallel on CUDA devices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.strategies import ddp, dp, dp_emulated
+from harness.strategies.common import StepMeasurement, StepSpec
+
+if TYPE_CHECKING:
+    from harness.context import RunContext
+
+
+def measure_step(strategy: str, spec: StepSpec, world_size: int, run: RunContext
+                 ) -> StepMeasurement | None:
+    """One measured step of ``spec`` under ``strategy`` over ``world_size`` devices.
+
+    Returns the measurement on rank 0; None on the other ranks of a DDP case.
+    """
+    if strategy == "ddp":
+        return ddp.measure_step(spec, run.group(world_size), run.device)
+    if strategy == "dp-emulated":
+        return dp_emulated.measure_step(spec, world_size, run.device)
+    if strategy == "dp":
+        return dp.measure_step(spec, world_size)
+    raise ValueError(f"strategy {strategy!r} does not measure single steps")

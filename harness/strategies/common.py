@@ -1,0 +1,72 @@
+"""What every strategy measures after a step, and small gradient helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def flat_grad(module: nn.Module) -> torch.Tensor:
+    """All parameter gradients of ``module`` as one vector (zeros where a grad is None)."""
+    parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
+                                                                         device=p.device)
+             for p in module.parameters() if p.requires_grad]
+    return torch.cat(parts).detach().cpu()
+
+
+def clear_grad(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of every floating-point buffer (BatchNorm's running statistics)."""
+    return {name: b.detach().cpu().clone() for name, b in module.named_buffers()
+            if b.is_floating_point()}
+
+
+def relative_spread(reference: torch.Tensor, others: list[torch.Tensor]) -> float:
+    """Largest ||other - reference|| / ||reference||: 0 when every rank holds the same tensor."""
+    ref = reference.to(torch.float64)
+    norm = float(ref.norm()) or 1.0
+    return max((float((o.to(torch.float64) - ref).norm()) / norm for o in others), default=0.0)
+
+
+@dataclass
+class StepMeasurement:
+    """What one strategy left behind after a few backward passes, as seen on rank 0."""
+
+    #: ``param.grad`` of rank 0 (flattened) after each backward pass.
+    grads: list[torch.Tensor]
+    #: For each device, the gradient it fed into the reduction during the first pass.
+    contributions: list[torch.Tensor]
+    #: Samples each device computed on (DataParallel may use fewer devices than asked).
+    chunk_sizes: tuple[int, ...]
+    #: Largest relative difference between any rank's ``param.grad`` and rank 0's.
+    rank_spread: float = 0.0
+    #: Floating-point buffers of the module after the first pass.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def devices_used(self) -> int:
+        return len(self.chunk_sizes)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One measured step: a model, the global batch split into per-device shards, a loss."""
+
+    task: object  # harness.tasks.Task (kept untyped here to avoid an import cycle)
+    #: Freshly initialised model; every strategy and reference works on a deep copy.
+    model: nn.Module
+    #: One shard per device slot; the global batch is their concatenation.
+    shards: list
+    #: 'mean' or 'sum' of the loss terms -- or, with ``loss_in_forward``, of the
+    #: vector of per-device losses DataParallel gathers.
+    reduction: str
+    #: The model's forward returns its own mean loss (the DataParallel pitfall).
+    loss_in_forward: bool = False
+    #: Backward passes without zeroing in between (seed 001, experiment 3).
+    backward_passes: int = 1

@@ -1,0 +1,107 @@
+"""DistributedDataParallel over a process subgroup of ranks 0..k-1.
+
+One torchrun launch of N ranks measures every world size k <= N: the runner
+creates the subgroups once, and a case of world size k wraps its model in DDP
+on the subgroup of the first k ranks. Ranks outside it skip the case.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from harness.models import device_slot
+from harness.strategies.common import (
+    StepMeasurement,
+    StepSpec,
+    buffers_of,
+    clear_grad,
+    flat_grad,
+    relative_spread,
+)
+
+
+def wrap(module: nn.Module, group: dist.ProcessGroup, device: torch.device
+         ) -> DistributedDataParallel:
+    """DDP with its defaults (bucketing, buffer broadcast), on ``group``."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, process_group=group, device_ids=device_ids)
+
+
+@dataclass
+class CommCounter:
+    """All-reduce calls and bytes, counted as DDP hands buckets to the communication hook."""
+
+    calls: int = 0
+    bytes: int = 0
+
+
+def count_allreduces(ddp: DistributedDataParallel, group: dist.ProcessGroup) -> CommCounter:
+    """Register a hook that counts every bucket DDP all-reduces, then does exactly what
+    DDP's default does (``allreduce_hook``: divide by the group size, all-reduce SUM).
+
+    Why a hook and not arithmetic: the counts are then what DDP actually sent,
+    including the all-reduces that ``no_sync`` skips.
+    """
+    counter = CommCounter()
+
+    def hook(state: CommCounter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        state.calls += 1
+        state.bytes += buffer.numel() * buffer.element_size()
+        return allreduce_hook(group, bucket)
+
+    ddp.register_comm_hook(counter, hook)
+    return counter
+
+
+def gather_to_leader(tensor: torch.Tensor, group: dist.ProcessGroup,
+                     device: torch.device) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (same shape everywhere), on rank 0; None elsewhere."""
+    local = tensor.to(device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    if dist.get_rank() != 0:
+        return None
+    return [t.cpu() for t in gathered]
+
+
+def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
+                 ) -> StepMeasurement | None:
+    """Each rank trains on its own shard; rank 0 returns what DDP left in ``param.grad``.
+
+    After the measured passes, one more pass under ``no_sync`` yields each rank's
+    local gradient: exactly what that rank feeds into DDP's all-reduce.
+    """
+    rank = dist.get_rank(group)
+    model = copy.deepcopy(spec.model).to(device)
+    ddp = wrap(model, group, device)
+    shard = spec.shards[rank].to(device)
+    grads, buffers = [], {}
+    for step in range(spec.backward_passes):
+        with device_slot(rank):
+            output = ddp(shard.x)
+        spec.task.loss(output, shard, spec.reduction).backward()
+        grads.append(flat_grad(model))
+        if step == 0:
+            buffers = buffers_of(model)
+    clear_grad(model)
+    with ddp.no_sync(), device_slot(rank):
+        spec.task.loss(ddp(shard.x), shard, spec.reduction).backward()
+    local = flat_grad(model)
+
+    every_rank_grads = gather_to_leader(torch.stack(grads), group, device)
+    contributions = gather_to_leader(local, group, device)
+    if every_rank_grads is None or contributions is None:
+        return None
+    spread = max(relative_spread(g, [other[i] for other in every_rank_grads])
+                 for i, g in enumerate(grads))
+    return StepMeasurement(grads=grads, contributions=contributions,
+                           chunk_sizes=tuple(len(s) for s in spec.shards),
+                           rank_spread=spread, buffers=buffers)

@@ -1,0 +1,60 @@
+"""One process, no reduction: the references every strategy is measured against.
+
+``g_full`` is the gradient of the loss over the whole global batch; ``g_r`` the
+gradient device r would compute on its own shard alone. For a model that reads
+its device slot (seed 001's), each shard is forwarded under its own slot and
+the outputs are concatenated before the loss, so the reference computes the
+same per-sample function the devices did. Other models see the whole batch in
+one forward, so BatchNorm's reference statistics are those of the full batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from harness.models import device_slot
+from harness.strategies.common import buffers_of, clear_grad, flat_grad
+from harness.tasks import Batch, Task
+
+
+def forward_shards(model: nn.Module, shards: Sequence[Batch],
+                   slots: Sequence[int] | None = None) -> tuple[torch.Tensor, Batch]:
+    """Forward ``shards`` as one batch; each shard under its own slot if the model reads slots."""
+    batch = Batch.cat(shards)
+    if not getattr(model, "uses_device_slot", False):
+        return model(batch.x), batch
+    slots = range(len(shards)) if slots is None else slots
+    outputs = []
+    for slot, shard in zip(slots, shards, strict=True):
+        with device_slot(slot):
+            outputs.append(model(shard.x))
+    return torch.cat(outputs), batch
+
+
+def local_gradient(task: Task, model: nn.Module, shards: Sequence[Batch], reduction: str,
+                   slots: Sequence[int] | None = None) -> torch.Tensor:
+    """The gradient one process computes for the loss over ``shards``, on a copy of ``model``."""
+    replica = copy.deepcopy(model)
+    clear_grad(replica)
+    output, batch = forward_shards(replica, shards, slots)
+    task.loss(output, batch, reduction).backward()
+    return flat_grad(replica)
+
+
+def per_device_gradients(task: Task, model: nn.Module, shards: Sequence[Batch],
+                         reduction: str) -> list[torch.Tensor]:
+    """``g_r`` for every device r: its own shard, alone, with the same loss."""
+    return [local_gradient(task, model, [shard], reduction, slots=[r])
+            for r, shard in enumerate(shards)]
+
+
+def running_stats_after(model: nn.Module, shards: Sequence[Batch]) -> dict[str, torch.Tensor]:
+    """The buffers a copy of ``model`` holds after one training-mode forward over ``shards``."""
+    replica = copy.deepcopy(model)
+    with torch.no_grad():
+        forward_shards(replica, shards)
+    return buffers_of(replica)
