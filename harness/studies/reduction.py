@@ -1,0 +1,183 @@
+"""The reduction study: summed or averaged across devices?
+
+For every strategy, world size k, model and loss reduction, one global batch
+(seeded, split into k equal shards) goes through one training step. What lands
+in ``param.grad`` (g) is fitted against two references computed in one process:
+
+- ``sum_r g_r``: each device's gradient of *its own shard alone*, same loss.
+  ``rank_weight`` w in ``g ~ w * sum_r g_r``: 1/k means averaged, 1 summed;
+- ``g_full``: the gradient of the whole global batch. ``full_batch_scale`` s in
+  ``g ~ s * g_full``: 1 means "the same as single-device big-batch training".
+
+A third fit, ``reduce_weight``, compares g with the sum of what each device
+actually fed into the reduction (DDP: its local gradient; DataParallel: each
+replica's gradient of the *gathered* loss), which isolates the collective itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from harness.context import RunContext
+from harness.fit import fit_scale, reduction_verdict
+from harness.seeding import generator_for
+from harness.strategies import dp, measure_step
+from harness.strategies.common import StepMeasurement, StepSpec
+from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
+from harness.studies.base import Case, Study
+from harness.tasks import (
+    LOSS_REDUCTIONS,
+    Batch,
+    LossInForward,
+    Task,
+    make_shards,
+    task_by_name,
+)
+
+STRATEGIES = ("ddp", "dp-emulated", "dp")
+MODELS = ("toy", "mlp", "mlp-batchnorm", "loss-in-forward")
+#: The forward-returns-the-loss pitfall only exists where outputs are gathered.
+DATAPARALLEL_ONLY_MODELS = ("loss-in-forward",)
+
+
+def _join(values) -> str:
+    return ";".join(str(v) for v in values)
+
+
+class ReductionStudy(Study):
+    name = "reduction"
+    summary = ("one step per strategy x world size x model x loss: is param.grad the sum "
+               "or the mean over devices, and does it equal the big-batch gradient?")
+    example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"
+    own_columns = (
+        "strategy", "emulated", "world_size", "model", "loss_reduction", "shard_sizes",
+        "devices_used", "chunk_sizes", "rank_weight", "rank_weight_residual",
+        "full_batch_scale", "full_batch_residual", "fit_residual", "verdict",
+        "reduce_weight", "reduce_op", "rank_spread", "running_stats_vs_full",
+        "running_stats_vs_first_shard",
+    )
+
+    def cases(self, run: RunContext) -> list[Case]:
+        cases = []
+        for strategy in run.strategies(STRATEGIES):
+            for k in run.world_sizes:
+                for model in MODELS:
+                    if model in DATAPARALLEL_ONLY_MODELS and strategy == "ddp":
+                        continue
+                    for reduction in LOSS_REDUCTIONS:
+                        cases.append(Case.of(
+                            self.name, participants=k if strategy == "ddp" else 1,
+                            strategy=strategy, world_size=k, model=model,
+                            loss_reduction=reduction))
+        return cases
+
+    def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
+        strategy, k = case["strategy"], case["world_size"]
+        spec = self._spec(case, run)
+        shard_sizes = _join(len(s) for s in spec.shards)
+        if strategy == "dp" and (reason := dp.unavailable_reason(k)):
+            return [_skipped_row(case, shard_sizes, reason)]
+        measurement = measure_step(strategy, spec, k, run)
+        if measurement is None:
+            return None
+        return [{**_identity(case, shard_sizes), **_analyse(spec, measurement, run.rtol),
+                 "status": "ok", "device": "cuda" if strategy == "dp" else None}]
+
+    @staticmethod
+    def _spec(case: Case, run: RunContext) -> StepSpec:
+        """The same weights and batch for every strategy and loss of a (model, k) pair."""
+        model_name, k = case["model"], case["world_size"]
+        task_name = "mlp" if model_name == "loss-in-forward" else model_name
+        task = task_by_name(task_name)
+        generator = generator_for(run.seed, "reduction", task_name, k)
+        model = task.build_model(generator, run.dtype)
+        shards = make_shards(task, [run.config.shard_size] * k, generator, run.dtype)
+        loss_in_forward = model_name == "loss-in-forward"
+        if loss_in_forward:
+            model = LossInForward(model, task)
+        return StepSpec(task=task, model=model, shards=shards, reduction=case["loss_reduction"],
+                        loss_in_forward=loss_in_forward)
+
+    def summary_table(self, frame) -> str:
+        table = frame[frame["status"] == "ok"].pivot_table(
+            index=["strategy", "model", "loss_reduction"], columns="world_size",
+            values="verdict", aggfunc="first")
+        return "verdict (param.grad vs the sum of per-device gradients) by world size:\n" + \
+            table.to_string()
+
+
+
+def _identity(case: Case, shard_sizes: str) -> dict[str, Any]:
+    return {"strategy": case["strategy"], "emulated": case["strategy"] == "dp-emulated",
+            "world_size": case["world_size"], "model": case["model"],
+            "loss_reduction": case["loss_reduction"], "shard_sizes": shard_sizes}
+
+
+def _skipped_row(case: Case, shard_sizes: str, reason: str) -> dict[str, Any]:
+    numbers = ("devices_used", "rank_weight", "rank_weight_residual", "full_batch_scale",
+               "full_batch_residual", "fit_residual", "reduce_weight", "rank_spread",
+               "running_stats_vs_full", "running_stats_vs_first_shard")
+    return {**_identity(case, shard_sizes), **dict.fromkeys(numbers, math.nan),
+            "chunk_sizes": "", "verdict": "", "reduce_op": "", "status": reason,
+            "device": "cuda"}
+
+
+def _references(spec: StepSpec, chunks: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``g_r`` per device and ``g_full``, each device computing on the chunk it really got.
+
+    With the loss inside forward, every device's own loss is the mean over its
+    chunk, and a single device's loss is the mean over the whole batch.
+    """
+    task: Task = spec.task
+    reduction = "mean" if spec.loss_in_forward else spec.reduction
+    model = spec.model.model if spec.loss_in_forward else spec.model
+    per_device = per_device_gradients(task, model, chunks, reduction)
+    full = local_gradient(task, model, chunks, reduction)
+    return per_device, full
+
+
+def _running_stats_errors(spec: StepSpec, measured: dict, chunks: list) -> tuple[float, float]:
+    if not measured:
+        return math.nan, math.nan
+    model = spec.model.model if spec.loss_in_forward else spec.model
+    full = running_stats_after(model, chunks)
+    first = running_stats_after(model, chunks[:1])
+    return _buffer_distance(measured, full), _buffer_distance(measured, first)
+
+
+def _buffer_distance(measured: dict, reference: dict) -> float:
+    names = [n for n in measured if n.endswith(("running_mean", "running_var"))]
+    if not names:
+        return math.nan
+    a = torch.cat([measured[n].reshape(-1).to(torch.float64) for n in names])
+    b = torch.cat([reference[n].reshape(-1).to(torch.float64) for n in names])
+    return float((a - b).norm() / b.norm())
+
+
+def _analyse(spec: StepSpec, m: StepMeasurement, rtol: float) -> dict[str, Any]:
+    chunks = _device_chunks(spec, m)
+    per_device, full = _references(spec, chunks)
+    grad = m.grads[0]
+    weight = fit_scale(grad, torch.stack(per_device).sum(0))
+    scale = fit_scale(grad, full)
+    reduce = fit_scale(grad, torch.stack(m.contributions).sum(0))
+    vs_full, vs_first = _running_stats_errors(spec, m.buffers, chunks)
+    return {
+        "devices_used": m.devices_used, "chunk_sizes": _join(m.chunk_sizes),
+        "rank_weight": weight.scale, "rank_weight_residual": weight.residual,
+        "full_batch_scale": scale.scale, "full_batch_residual": scale.residual,
+        "fit_residual": max(weight.residual, scale.residual),
+        "verdict": reduction_verdict(weight, m.devices_used, rtol),
+        "reduce_weight": reduce.scale,
+        "reduce_op": reduction_verdict(reduce, m.devices_used, rtol),
+        "rank_spread": m.rank_spread,
+        "running_stats_vs_full": vs_full, "running_stats_vs_first_shard": vs_first,
+    }
+
+
+def _device_chunks(spec: StepSpec, m: StepMeasurement) -> list[Batch]:
+    """The samples each device really computed on: DDP's shards, DataParallel's chunks."""
+    return Batch.cat(spec.shards).split(m.chunk_sizes)

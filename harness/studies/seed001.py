@@ -1,0 +1,170 @@
+"""Seed 001's three experiments, with its exact tensors, explained.
+
+The seed runs ``y = x.reshape(b, -1) @ (w.reshape(-1, 2) * extra)`` with
+``x = ones(2, 1, 2, 2)``, ``w = ones(2, 2, 2) * 2`` and the loss
+``(z.sum(1) - 1).mean()``, under DataParallel over g GPUs, and reads "mean" off
+printed gradients. Every entry of ``w.grad`` is the same number here, so each
+row reports that number, measured, next to the value first principles predict
+and the arithmetic that predicts it:
+
+    d loss / d w[j, c] = (1/B) * sum_i a_i * f_i        (mean loss; no 1/B for sum)
+
+where sample i has all inputs equal to a_i and runs on a device whose factor is
+f_i (``device index + 1`` in experiment 1, else 1), and B is the number of
+samples the loss averages over: the *gathered* batch under DataParallel, each
+rank's own batch under DDP (whose all-reduce then averages over ranks).
+
+Experiments: (1) the per-device factor; (2) samples that differ (``x[1] += 1``);
+(3) three backward passes without ``zero_grad``: the gradient after pass t is t
+times the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.context import RunContext
+from harness.models import SeedToyModel
+from harness.strategies import dp, measure_step
+from harness.strategies.common import StepMeasurement, StepSpec
+from harness.studies.base import Case, Study
+from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
+from harness.tolerances import close
+
+STRATEGIES = ("dp-emulated", "ddp", "dp")
+EXPERIMENTS = ("1-per-device-factor", "2-distinct-samples", "3-no-zero-grad")
+PASSES = {"1-per-device-factor": 1, "2-distinct-samples": 1, "3-no-zero-grad": 3}
+SEED_BATCH = 2
+
+
+@dataclass(frozen=True)
+class SeedSetup:
+    """The seed's tensors for one experiment."""
+
+    experiment: str
+
+    @property
+    def per_device_factor(self) -> bool:
+        return self.experiment == "1-per-device-factor"
+
+    def inputs(self, dtype: torch.dtype) -> torch.Tensor:
+        x = torch.ones(SEED_BATCH, 1, 2, 2, dtype=dtype)
+        if self.experiment == "2-distinct-samples":
+            x[1] += 1
+        return x
+
+    def model(self, dtype: torch.dtype) -> SeedToyModel:
+        return SeedToyModel(torch.ones(2, 2, 2, dtype=dtype) * 2, self.per_device_factor)
+
+    def sample_values(self) -> list[float]:
+        """a_i: the value every input entry of sample i holds."""
+        return [float(v) for v in self.inputs(torch.float64).reshape(SEED_BATCH, -1)[:, 0]]
+
+
+def _factor(setup: SeedSetup, device: int) -> int:
+    return device + 1 if setup.per_device_factor else 1
+
+
+def predict(setup: SeedSetup, strategy: str, world_size: int, reduction: str,
+            passes: int) -> tuple[float, str]:
+    """The predicted entry of ``w.grad`` after ``passes`` backward passes, and its arithmetic."""
+    values = setup.sample_values()
+    divisor = "" if reduction == "sum" else f"/{len(values)}"
+    if strategy == "ddp":
+        # Every rank runs the seed's script on its own copy of the batch, then DDP averages.
+        per_rank = [sum(a * _factor(setup, r) for a in values) for r in range(world_size)]
+        if reduction == "mean":
+            per_rank = [g / len(values) for g in per_rank]
+        value = sum(per_rank) / world_size
+        terms = " + ".join(f"({' + '.join(f'{a:g}*{_factor(setup, r)}' for a in values)}"
+                           f"){divisor}" for r in range(world_size))
+        formula = f"({terms})/{world_size}"
+    else:
+        # DataParallel: torch.chunk puts sample i on device min(i, k-1) for a batch of 2.
+        devices = [i * min(world_size, len(values)) // len(values) for i in range(len(values))]
+        value = sum(a * _factor(setup, d) for a, d in zip(values, devices, strict=True))
+        if reduction == "mean":
+            value /= len(values)
+        formula = "(" + " + ".join(f"{a:g}*{_factor(setup, d)}"
+                                   for a, d in zip(values, devices, strict=True)) + ")" + divisor
+    if passes > 1:
+        formula = f"{passes}*{formula}"
+    return passes * value, formula
+
+
+class Seed001Study(Study):
+    name = "seed001"
+    summary = ("seed 001's DataParallel experiments with its exact tensors: measured w.grad "
+               "next to the first-principles value and its arithmetic")
+    example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies seed001 "
+               "--strategies dp-emulated,ddp")
+    own_columns = (
+        "strategy", "emulated", "experiment", "world_size", "devices_used", "loss_reduction",
+        "iteration", "measured_grad", "measured_grad_spread", "predicted_grad", "formula",
+        "abs_error", "matches", "device_contributions",
+    )
+
+    def cases(self, run: RunContext) -> list[Case]:
+        return [Case.of(self.name, participants=k if strategy == "ddp" else 1,
+                        strategy=strategy, experiment=experiment, world_size=k,
+                        loss_reduction=reduction)
+                for strategy in run.strategies(STRATEGIES)
+                for experiment in EXPERIMENTS
+                for k in run.world_sizes
+                for reduction in LOSS_REDUCTIONS]
+
+    def run_case(self, case: Case, run: RunContext) -> dict[str, Any] | None:
+        strategy, k = case["strategy"], case["world_size"]
+        setup = SeedSetup(case["experiment"])
+        passes = PASSES[setup.experiment]
+        if strategy == "dp" and (reason := dp.unavailable_reason(k)):
+            return [self._skipped(case, t + 1, reason) for t in range(passes)]
+        x = setup.inputs(run.dtype)
+        batch = Batch(x, torch.zeros(SEED_BATCH, dtype=run.dtype))
+        # DDP: each rank has the seed's batch; DataParallel: the seed's batch is the global one.
+        shards = [batch] * k if strategy == "ddp" else [batch]
+        spec = StepSpec(task=ToyTask(), model=setup.model(run.dtype), shards=shards,
+                        reduction=case["loss_reduction"], backward_passes=passes)
+        measurement = measure_step(strategy, spec, k, run)
+        if measurement is None:
+            return None
+        return [self._row(case, setup, measurement, t, run) for t in range(passes)]
+
+    def _row(self, case: Case, setup: SeedSetup, m: StepMeasurement, t: int,
+             run: RunContext) -> dict[str, Any]:
+        grad = m.grads[t].to(torch.float64)
+        predicted, formula = predict(setup, case["strategy"], case["world_size"],
+                                     case["loss_reduction"], t + 1)
+        measured = float(grad.mean())
+        return {
+            **self._identity(case, t + 1), "devices_used": m.devices_used,
+            "measured_grad": measured, "measured_grad_spread": float(grad.max() - grad.min()),
+            "predicted_grad": predicted, "formula": formula,
+            "abs_error": abs(measured - predicted),
+            "matches": close(measured, predicted, run.rtol),
+            "device_contributions": ";".join(f"{float(c.mean()):g}" for c in m.contributions),
+            "status": "ok", "device": "cuda" if case["strategy"] == "dp" else None,
+        }
+
+    @staticmethod
+    def _identity(case: Case, iteration: int) -> dict[str, Any]:
+        return {"strategy": case["strategy"], "emulated": case["strategy"] == "dp-emulated",
+                "experiment": case["experiment"], "world_size": case["world_size"],
+                "loss_reduction": case["loss_reduction"], "iteration": iteration}
+
+    def _skipped(self, case: Case, iteration: int, reason: str) -> dict[str, Any]:
+        nan = float("nan")
+        return {**self._identity(case, iteration), "devices_used": nan, "measured_grad": nan,
+                "measured_grad_spread": nan, "predicted_grad": nan, "formula": "",
+                "abs_error": nan, "matches": False, "device_contributions": "",
+                "status": reason, "device": "cuda"}
+
+    def summary_table(self, frame) -> str:
+        shown = frame[(frame["status"] == "ok") & (frame["loss_reduction"] == "mean")]
+        table = shown.pivot_table(index=["strategy", "experiment", "iteration"],
+                                  columns="world_size", values="measured_grad", aggfunc="first")
+        return "w.grad entry with the seed's mean loss, by world size:\n" + table.to_string()
+

@@ -1,0 +1,40 @@
+"""The real thing: torchrun launching scripts/study.py."""
+
+import pandas as pd
+import pytest
+
+from harness.studies import STUDIES
+from tests.launch import torchrun
+
+
+def test_torchrun_runs_the_reduction_study_and_writes_a_tidy_csv(tmp_path):
+    out = tmp_path / "results"
+    done = torchrun("--studies", "reduction", "--strategies", "ddp,dp-emulated",
+                    "--out", str(out), "--no-report", nproc=3)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(out / "reduction.csv")
+    assert list(frame.columns) == list(STUDIES["reduction"]().columns)
+    assert sorted(frame.world_size.unique()) == [1, 2, 3]
+    ddp = frame[(frame.strategy == "ddp") & (frame.world_size > 1)
+                & (frame.model != "mlp-batchnorm")]
+    assert (ddp.verdict == "mean").all()
+    assert ddp.rank_weight.to_numpy() == pytest.approx(1 / ddp.world_size.to_numpy(), rel=1e-9)
+    summed = ddp[ddp.loss_reduction == "sum"]
+    assert summed.full_batch_scale.to_numpy() == pytest.approx(
+        1 / summed.world_size.to_numpy(), rel=1e-9)
+    assert (frame.status == "ok").all()
+    assert "backend=gloo device=cpu" in done.stdout, "the placement is printed"
+    assert "verdict (param.grad vs the sum of per-device gradients)" in done.stdout
+    assert not (out / ".partial").exists(), "the journal goes away once the run completes"
+    assert (out / "run.json").exists()
+
+
+def test_bad_input_under_torchrun_stops_every_rank_with_one_line(tmp_path):
+    out = tmp_path / "results"
+    done = torchrun("--world-sizes", "5", "--out", str(out), nproc=2, timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("study.py: error:")]
+    assert lines == ["study.py: error: --world-sizes: 5 is larger than the launch's 2 ranks; "
+                     "allowed: 1..2 (or launch more ranks with torchrun --nproc_per_node)"]
+    assert "exitcode  : 2" in done.stderr, "workers exit with code 2"
+    assert not out.exists()
