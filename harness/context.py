@@ -50,6 +50,11 @@ class RunContext:
     def seed(self) -> int:
         return self.config.seed
 
+    def reports(self, case) -> bool:
+        """Whether this rank returns the rows of ``case``: the rank running a
+        single-process case, or rank 0 of a collective one."""
+        return not case.collective or self.rank == 0
+
     def group(self, world_size: int) -> dist.ProcessGroup:
         return self.groups[world_size]
 

@@ -3,9 +3,9 @@
 - CSVs and the run manifest are written to a temporary file in the same folder,
   flushed to disk, then renamed over the target: a reader sees the old file or
   the new one, never a torn one.
-- While a run is in progress, rank 0 appends every finished case to a journal
-  (one JSON line per case, flushed and fsynced). ``--resume`` reads it back and
-  skips those cases. The journal is removed when the run completes.
+- While a run is in progress, every rank appends the cases it finished to its
+  own journal (one JSON line per case, flushed and fsynced). ``--resume`` reads
+  them back and skips those cases. The journals are removed when the run completes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 from harness.errors import UsageError
 
 JOURNAL_DIR = ".partial"
-JOURNAL_FILE = "journal.jsonl"
 MANIFEST = "run.json"
 
 
@@ -73,10 +72,10 @@ def _from_json(value: object) -> object:
 
 
 class Journal:
-    """Finished cases of the run in progress, one fsynced JSON line each."""
+    """Finished cases of one rank in the run in progress, one fsynced JSON line each."""
 
-    def __init__(self, out: Path, fingerprint: str) -> None:
-        self.path = out / JOURNAL_DIR / JOURNAL_FILE
+    def __init__(self, out: Path, fingerprint: str, rank: int = 0) -> None:
+        self.path = out / JOURNAL_DIR / f"journal.rank{rank}.jsonl"
         self.fingerprint = fingerprint
 
     def load(self) -> dict[str, list[dict]]:
@@ -122,6 +121,9 @@ class Journal:
         """The run completed: its results are in the CSVs, the journal is no longer needed."""
         self._handle.close()
         self.path.unlink(missing_ok=True)
+
+    def remove_folder(self) -> None:
+        """Once every rank has finished: the journal folder, if nothing else is in it."""
         with contextlib.suppress(OSError):
             self.path.parent.rmdir()
 

@@ -1,16 +1,16 @@
 """Runs the selected studies inside one torchrun launch.
 
-Every rank builds the same case list. A case of world size k runs on the ranks
-0..k-1 (a process subgroup created once, up front); single-process cases run
-on rank 0. Rank 0 collects one row per case, journals it, and writes each
-study's CSV atomically when the study ends.
+Every rank builds the same case list and the same schedule (harness/schedule.py):
+a collective case of world size k runs on ranks 0..k-1 (a process subgroup
+created once, up front); single-process cases are spread over the ranks that
+are idle. The rank that finishes a case journals its rows; at the end of each
+study rank 0 gathers every row and writes the study's CSV atomically.
 
 Waiting is split in two on purpose: collectives *inside* a case time out after
 ``--timeout`` (a rank that hangs fails the run instead of stalling it), while
-ranks with nothing to do wait for rank 0 at the end of a study on a separate
-group with no practical limit (rank 0 may legitimately compute alone for a
-while). Multi-rank cases run first, widest first, so that a rank leaves a study
-only once it has no case left in it.
+ranks that have finished their share wait for the others at the end of a study
+on a separate group with no practical limit (a rank may legitimately compute
+alone for a while).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -35,7 +33,9 @@ from harness.config import RunConfig
 from harness.context import RunContext
 from harness.errors import UsageError
 from harness.launch import Launch, Placement
+from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
+from harness.schedule import make_schedule
 from harness.studies.base import Case, Study
 
 #: How long idle ranks wait for rank 0 between studies (a week: "no limit").
@@ -113,17 +113,25 @@ class Runner:
                           groups, hosts=len(set(hostnames)))
 
     def _resumed_rows(self, journal: Journal) -> dict[str, list[dict]]:
-        """Rank 0 reads the journal; every rank learns which cases are done (or why not)."""
-        payload: list[Any] = [None]
-        if self.leader:
-            try:
-                payload[0] = journal.load() if self.config.resume else {}
-            except UsageError as error:
-                payload[0] = error
-        dist.broadcast_object_list(payload, src=0, group=self.idle_group)
-        if isinstance(payload[0], UsageError):
-            raise payload[0]
-        return payload[0]
+        """Every rank reads its own journal; all learn every finished case (or why not).
+
+        Journals are per rank because single-process cases finish on whichever
+        rank ran them -- and on multi-node runs the ranks may share no folder.
+        """
+        try:
+            mine: dict | UsageError = journal.load() if self.config.resume else {}
+        except UsageError as error:
+            mine = error
+        everyone: list[Any] = [None] * self.launch.world_size
+        dist.all_gather_object(everyone, mine, group=self.idle_group)
+        for entry in everyone:
+            if isinstance(entry, UsageError):
+                raise entry
+        done: dict[str, list[dict]] = {}
+        for entry in everyone:
+            done.update(entry)
+        self.kept = mine if isinstance(mine, dict) else {}
+        return done
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
@@ -131,7 +139,7 @@ class Runner:
         started = time.time()
         ctx = self._init_distributed()
         journal = Journal(self.config.out, fingerprint(self.config, self.placement,
-                                                       self.world_sizes))
+                                                       self.world_sizes), self.launch.rank)
         try:
             done = self._resumed_rows(journal)
         except UsageError as error:
@@ -142,37 +150,47 @@ class Runner:
         plan = [(study, study.cases(ctx)) for study in self.studies]
         if self.leader:
             self._announce(ctx, plan, done)
-            journal.start(done)
+        journal.start(self.kept)
         study_times: dict[str, float] = {}
-        with self._progress(sum(len(cases) for _, cases in plan)) as progress:
+        total = sum(len(cases) for _, cases in plan)
+        with Progress(total, len(done), self.leader and not self.config.quiet) as progress:
             for study, cases in plan:
                 begun = time.perf_counter()
                 rows = self._run_study(study, cases, ctx, done, journal, progress)
                 if self.leader:
                     write_csv_atomic(self.config.out / study.csv_name, rows, study.columns)
                 study_times[study.name] = time.perf_counter() - begun
-                _Activity.current = f"waiting for rank 0 to finish study {study.name}"
-                dist.barrier(group=self.idle_group)
+        _Activity.current = "finishing"
+        journal.finish()
+        dist.barrier(group=self.idle_group)
         if self.leader:
+            journal.remove_folder()
             self._finish(ctx, plan, study_times, started)
-            journal.finish()
         dist.destroy_process_group()
         return 0
 
     def _run_study(self, study: Study, cases: list[Case], ctx: RunContext,
-                   done: dict[str, list[dict]], journal: Journal, progress) -> list[dict]:
-        rows: dict[str, list[dict]] = {}
-        # Widest cases first: a rank is then idle only after its last case in the study.
-        for case in sorted(cases, key=lambda c: -c.participants):
-            if case.id in done:
-                rows[case.id] = done[case.id]
-            elif ctx.rank < case.participants:
-                case_rows = self._run_case(study, case, ctx)
-                if self.leader:
-                    rows[case.id] = case_rows
-                    journal.append(case.id, case_rows)
-            progress.update()
-        return [row for case in cases for row in rows[case.id]] if self.leader else []
+                   done: dict[str, list[dict]], journal: Journal, progress: Progress
+                   ) -> list[dict]:
+        """Run this rank's share of ``study``; on rank 0, return every row in case order."""
+        pending = [case for case in cases if case.id not in done]
+        schedule = make_schedule(pending, self.launch.world_size)
+        finished: dict[str, list[dict]] = {}
+        for case in schedule.runs(ctx.rank):
+            rows = self._run_case(study, case, ctx)
+            if schedule.owner[case.id] == ctx.rank:
+                finished[case.id] = rows
+                journal.append(case.id, rows)
+                progress.advance()
+        _Activity.current = f"waiting for the other ranks to finish study {study.name}"
+        gathered: list[Any] = [None] * self.launch.world_size if self.leader else None
+        dist.gather_object(finished, gathered, dst=0, group=self.idle_group)
+        if not self.leader:
+            return []
+        every = dict(done)
+        for part in gathered:
+            every.update(part)
+        return [row for case in cases for row in every[case.id]]
 
     def _run_case(self, study: Study, case: Case, ctx: RunContext) -> list[dict] | None:
         _Activity.current = f"running case {case.id}"
@@ -194,18 +212,6 @@ class Runner:
         return rows
 
     # ---------------------------------------------------------------- output
-    @contextmanager
-    def _progress(self, total: int) -> Iterator[Any]:
-        if not self.leader or self.config.quiet:
-            yield _NoProgress()
-            return
-        from tqdm import tqdm
-
-        # delay: short runs finish before a bar would be worth drawing.
-        with tqdm(total=total, unit="case", desc="cases", delay=2.0, file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            yield bar
-
     def _announce(self, ctx: RunContext, plan: list, done: dict) -> None:
         if self.config.quiet:
             return
@@ -241,8 +247,3 @@ class Runner:
             frame = pd.read_csv(self.config.out / study.csv_name)
             print(f"\n== {study.name} ({len(frame)} cases) -> "
                   f"{self.config.out / study.csv_name}\n{study.summary_table(frame)}")
-
-
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,3 +74,69 @@ class StepSpec:
     loss_in_forward: bool = False
     #: Backward passes without zeroing in between (seed 001, experiment 3).
     backward_passes: int = 1
+
+
+@dataclass
+class CommCounter:
+    """Collective calls and the bytes they carried, counted where they happen."""
+
+    calls: int = 0
+    bytes: int = 0
+
+    def add(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.calls += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+    def reset(self) -> None:
+        self.calls = self.bytes = 0
+
+
+class Trainer(ABC):
+    """A model under a strategy, fed one micro-step at a time (the accumulation study's view).
+
+    ``shards`` always holds one batch per device slot of the micro-step; each
+    strategy decides what this process feeds its model: DDP its own rank's shard,
+    DataParallel and one process the concatenation (DataParallel then scatters it).
+    """
+
+    #: The module whose parameters and ``.grad`` the optimizer sees.
+    module: nn.Module
+    #: The strategy divides gradients by this (DDP: its world size); a loss normalised
+    #: by the global element count is multiplied by it to give the global mean.
+    average_divisor: int = 1
+
+    def __init__(self) -> None:
+        #: All-reduce calls/bytes (DDP), counted by a communication hook.
+        self.allreduce = CommCounter()
+        #: Reduce-add calls/bytes into device 0 (DataParallel's backward).
+        self.reduce_add = CommCounter()
+
+    def batch_for_this_process(self, shards: Sequence[Any]) -> Any:
+        from harness.tasks import Batch
+
+        return Batch.cat(shards)
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Skip the gradient reduction of the enclosed backward (DDP); a no-op elsewhere."""
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:  # noqa: B027 -- optional hook, most strategies need none
+        """Called after every micro-step's backward (real DataParallel counts its reduce-add)."""
+
+    def chunk_sizes(self, batch: Any) -> tuple[int, ...]:
+        """Samples each device computes on for ``batch`` (this process's batch)."""
+        return (len(batch),)
+
+    def grads_of_every_rank(self) -> list[torch.Tensor] | None:
+        """``param.grad`` of every rank, on rank 0 (None on the others)."""
+        return [flat_grad(self.module)]
+
+    def reset(self, state: dict[str, torch.Tensor]) -> None:
+        """Back to ``state`` with no gradient and zeroed counters, ready for the next case."""
+        self.module.load_state_dict(state)
+        clear_grad(self.module)
+        self.allreduce.reset()
+        self.reduce_add.reset()

@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, flat_grad
+from harness.strategies.common import StepMeasurement, StepSpec, Trainer, buffers_of, flat_grad
 from harness.tasks import Batch
 
 
@@ -80,3 +80,32 @@ def measure_step(spec: StepSpec, replicas: int) -> StepMeasurement:
             recorder.handle.remove()
     return StepMeasurement(grads=grads, contributions=contributions,
                            chunk_sizes=chunk_sizes, buffers=buffers)
+
+
+class DPTrainer(Trainer):
+    """Real DataParallel over cuda:0..replicas-1, fed the concatenated micro-batch."""
+
+    def __init__(self, module: nn.Module, replicas: int) -> None:
+        super().__init__()
+        self.module = module.to("cuda:0")
+        self.replicas = replicas
+        self.recorder = _ReplicaGradientRecorder(self.module)
+        self.wrapper = nn.DataParallel(self.module, device_ids=list(range(replicas)))
+
+    def batch_for_this_process(self, shards):
+        return Batch.cat(shards).to(torch.device("cuda:0"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrapper(x)
+
+    def after_backward(self) -> None:
+        """One reduce-add per backward with several replicas: all but device 0's gradients."""
+        devices = sorted(self.recorder.grads)
+        if len(devices) > 1:
+            self.reduce_add.add([g for d in devices[1:] for g in self.recorder.grads[d].values()])
+        self.recorder.grads.clear()
+
+    def chunk_sizes(self, batch: Batch) -> tuple[int, ...]:
+        if self.replicas == 1:
+            return (len(batch),)
+        return tuple(len(c) for c in batch.chunk(self.replicas))

@@ -28,7 +28,14 @@ from torch import nn
 from torch.func import functional_call
 
 from harness.models import device_slot
-from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, flat_grad
+from harness.strategies.common import (
+    CommCounter,
+    StepMeasurement,
+    StepSpec,
+    Trainer,
+    buffers_of,
+    flat_grad,
+)
 from harness.tasks import Batch
 
 
@@ -53,10 +60,14 @@ class _ReplicateParameters(torch.autograd.Function):
 class EmulatedDataParallel(nn.Module):
     """A CPU emulation of ``torch.nn.DataParallel(module, device_ids=range(replicas))``."""
 
-    def __init__(self, module: nn.Module, replicas: int) -> None:
+    def __init__(self, module: nn.Module, replicas: int,
+                 reduce_add: CommCounter | None = None) -> None:
         super().__init__()
         self.module = module
         self.replicas = replicas
+        #: Counts the reduce-adds into device 0: one per backward, carrying the
+        #: gradients of every replica but the first (which is already there).
+        self.reduce_add = reduce_add if reduce_add is not None else CommCounter()
         #: Per replica, its flattened parameter gradients from the last backward.
         self.last_contributions: list[torch.Tensor] = []
         #: Samples per replica in the last forward.
@@ -86,6 +97,7 @@ class EmulatedDataParallel(nn.Module):
         return torch.cat(outputs)
 
     def _record(self, per_replica: list[list[torch.Tensor]]) -> None:
+        self.reduce_add.add([g for grads in per_replica[1:] for g in grads])
         self.last_contributions = [torch.cat([g.reshape(-1) for g in grads]).detach().cpu()
                                    for grads in per_replica]
 
@@ -114,3 +126,24 @@ def measure_step(spec: StepSpec, replicas: int, device: torch.device) -> StepMea
             contributions = wrapper.last_contributions or [grads[0]]
     return StepMeasurement(grads=grads, contributions=contributions,
                            chunk_sizes=wrapper.last_chunk_sizes, buffers=buffers)
+
+
+class EmulatedDPTrainer(Trainer):
+    """The emulated DataParallel, fed the concatenated micro-batch of every device."""
+
+    def __init__(self, module: nn.Module, replicas: int, device: torch.device) -> None:
+        super().__init__()
+        self.module = module.to(device)
+        self.device = device
+        self.wrapper = EmulatedDataParallel(self.module, replicas, self.reduce_add)
+
+    def batch_for_this_process(self, shards):
+        return Batch.cat(shards).to(self.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrapper(x)
+
+    def chunk_sizes(self, batch: Batch) -> tuple[int, ...]:
+        if self.wrapper.replicas == 1:
+            return (len(batch),)
+        return tuple(len(c) for c in batch.chunk(self.wrapper.replicas))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from harness.models import device_slot
-from harness.strategies.common import buffers_of, clear_grad, flat_grad
+from harness.strategies.common import Trainer, buffers_of, clear_grad, flat_grad
 from harness.tasks import Batch, Task
 
 
@@ -58,3 +58,15 @@ def running_stats_after(model: nn.Module, shards: Sequence[Batch]) -> dict[str, 
     with torch.no_grad():
         forward_shards(replica, shards)
     return buffers_of(replica)
+
+
+class LocalTrainer(Trainer):
+    """One process, no reduction: micro-steps straight into the module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with device_slot(0):
+            return self.module(x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.studies.accumulation import AccumulationStudy
 from harness.studies.base import Case, Study
 from harness.studies.reduction import ReductionStudy
 from harness.studies.seed001 import Seed001Study
@@ -11,6 +12,7 @@ STUDIES: dict[str, type[Study]] = {
     for study in (
         ReductionStudy,
         Seed001Study,
+        AccumulationStudy,
     )
 }
 

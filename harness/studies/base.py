@@ -22,12 +22,22 @@ class Case:
     study: str
     #: The case's coordinates, in column order: they become the row's first columns.
     spec: tuple[tuple[str, Any], ...]
-    #: Ranks that run the case: 1 means rank 0 alone; k means ranks 0..k-1 (a subgroup).
+    #: Ranks that run the case together.
     participants: int = 1
+    #: True: the case runs collectives on the subgroup of ranks 0..participants-1.
+    #: False: it is a single process, which the runner may place on any rank.
+    collective: bool = False
+    #: Rough relative cost, for spreading single-process cases over idle ranks.
+    cost: float = 1.0
 
     @classmethod
-    def of(cls, study: str, participants: int = 1, **spec: Any) -> Case:
-        return cls(study, tuple(spec.items()), participants)
+    def of(cls, study: str, participants: int = 1, collective: bool | None = None,
+           cost: float = 1.0, **spec: Any) -> Case:
+        """``collective`` defaults to ``participants > 1``; pass True for a
+        one-rank case that still uses its (one-rank) process group, e.g. DDP at k = 1."""
+        if collective is None:
+            collective = participants > 1
+        return cls(study, tuple(spec.items()), participants, collective, cost)
 
     @property
     def id(self) -> str:
@@ -67,7 +77,8 @@ class Study(ABC):
 
     @abstractmethod
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        """Measure ``case``; on rank 0 return its rows (usually one), None elsewhere.
+        """Measure ``case``; return its rows (usually one) where ``run.reports(case)``,
+        None on the other ranks of a collective case.
 
         A row holds the study's own columns plus ``status`` and, where it differs
         from the run's, ``device``; the runner adds the rest."""

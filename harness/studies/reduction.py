@@ -24,7 +24,7 @@ import torch
 from harness.context import RunContext
 from harness.fit import fit_scale, reduction_verdict
 from harness.seeding import generator_for
-from harness.strategies import dp, measure_step
+from harness.strategies import dp, measure_step, step_cost
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
 from harness.studies.base import Case, Study
@@ -70,6 +70,7 @@ class ReductionStudy(Study):
                     for reduction in LOSS_REDUCTIONS:
                         cases.append(Case.of(
                             self.name, participants=k if strategy == "ddp" else 1,
+                            collective=strategy == "ddp", cost=2 * step_cost(strategy, k),
                             strategy=strategy, world_size=k, model=model,
                             loss_reduction=reduction))
         return cases

@@ -28,7 +28,7 @@ import torch
 
 from harness.context import RunContext
 from harness.models import SeedToyModel
-from harness.strategies import dp, measure_step
+from harness.strategies import dp, measure_step, step_cost
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.studies.base import Case, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
@@ -109,6 +109,8 @@ class Seed001Study(Study):
 
     def cases(self, run: RunContext) -> list[Case]:
         return [Case.of(self.name, participants=k if strategy == "ddp" else 1,
+                        collective=strategy == "ddp",
+                        cost=step_cost(strategy, k) * (PASSES[experiment] + 1),
                         strategy=strategy, experiment=experiment, world_size=k,
                         loss_reduction=reduction)
                 for strategy in run.strategies(STRATEGIES)
