@@ -102,10 +102,9 @@ class Runner:
         if not dist.is_initialized():  # tests initialise it themselves, through a FileStore
             dist.init_process_group(self.placement.backend, timeout=timeout)
         # new_group is collective: every rank creates every group, in the same order.
-        groups = {}
-        for k in self.world_sizes:
-            groups[k] = (dist.group.WORLD if k == self.launch.world_size
-                         else dist.new_group(list(range(k)), timeout=timeout))
+        # The full-size one too, rather than reusing WORLD: then --timeout holds
+        # however the default group was initialised.
+        groups = {k: dist.new_group(list(range(k)), timeout=timeout) for k in self.world_sizes}
         self.idle_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         hostnames: list[str] = [""] * self.launch.world_size
         dist.all_gather_object(hostnames, self.launch.hostname, group=self.idle_group)

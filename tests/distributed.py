@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 -- DDP imports it on first use (~2 s); forked ranks inherit it
 import torch.distributed as dist
 
 RANK_TIMEOUT_S = 120
@@ -76,3 +78,54 @@ def _cli(rank: int, world_size: int, argv: list[str]) -> int:
     from harness.cli import main
 
     return main(argv)
+
+
+def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
+                 env: dict[str, str]) -> None:
+    """A rank that behaves like a torchrun worker: ``main``'s result is its exit code."""
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=RANK_TIMEOUT_S))
+        from harness.cli import main
+
+        code = main(argv)
+    except BaseException:  # noqa: BLE001 -- a failing worker prints and exits non-zero
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str] | None = None,
+           wait_s: float = 90, grace_s: float = 10) -> list[int | None]:
+    """Run the CLI on forked ranks that may fail, hang or die; each rank's exit code.
+
+    Once one rank has exited, the others get ``grace_s`` to follow (as torchrun
+    would stop them); a rank still running then is killed and reported as None.
+    """
+    context = mp.get_context("fork")
+    store_path = str(store_dir / f"store-launch-{os.getpid()}-{time.monotonic_ns()}")
+    processes = [context.Process(target=_exiting_cli, daemon=True,
+                                 args=(r, world_size, store_path, argv, env or {}))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + wait_s
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        if any(not p.is_alive() for p in processes):
+            deadline = min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.05)
+    codes: list[int | None] = []
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+            codes.append(None)
+        else:
+            codes.append(process.exitcode)
+    return codes

@@ -1,0 +1,89 @@
+"""Faults: a rank that raises, dies or hangs; what survives; and --resume.
+
+Ranks are forked (tests/distributed.py) except in the SIGKILL test, which
+needs torchrun itself to see a worker die.
+"""
+
+import pandas as pd
+import pytest
+
+from harness.results import JOURNAL_DIR
+from tests.distributed import launch, run_cli
+from tests.launch import torchrun
+
+WORLD = 2
+ARGS = ["--studies", "seed001,reduction", "--strategies", "ddp", "--quiet", "--no-report"]
+#: A DDP case of world size 2 in the second study; the two before it finish first.
+VICTIM = "reduction/strategy=ddp/world_size=2/model=mlp/loss_reduction=sum"
+FINISHED_BEFORE_VICTIM = "reduction/strategy=ddp/world_size=2/model=toy/loss_reduction=mean"
+
+
+def fault(mode: str, case: str = VICTIM, rank: int = 1) -> dict[str, str]:
+    return {"HARNESS_FAULT": f"rank={rank},case={case},mode={mode}"}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The same command without any fault: what every recovery must reproduce."""
+    out = tmp_path_factory.mktemp("clean")
+    assert run_cli(WORLD, [*ARGS, "--out", str(out)], store_dir=out.parent) == [0, 0]
+    return out
+
+
+def test_a_raising_rank_fails_the_run_naming_itself_and_the_case(tmp_path, capfd, clean_run):
+    out = tmp_path / "out"
+    codes = launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
+    err = capfd.readouterr().err
+    assert codes[1] == 1 and codes[0] != 0
+    assert f"study.py: rank 1 failed in case {VICTIM}: RuntimeError: fault injected" in err
+    # The study that finished before the fault is intact and complete ...
+    finished = pd.read_csv(out / "seed001.csv")
+    pd.testing.assert_frame_equal(finished, pd.read_csv(clean_run / "seed001.csv"))
+    # ... the interrupted one has no half-written CSV, only journals of finished cases.
+    assert not (out / "reduction.csv").exists()
+    assert list((out / JOURNAL_DIR).glob("journal.rank*.jsonl"))
+    assert not list(out.glob(".*.tmp")), "no temporary files left behind"
+
+
+def test_resume_completes_the_run_without_recomputing_finished_cases(tmp_path, capfd,
+                                                                     clean_run):
+    out = tmp_path / "out"
+    launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
+    capfd.readouterr()
+    # A fault armed on a case that finished before: recomputing it would fail the run.
+    codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume"], tmp_path,
+                   env=fault("raise", case=FINISHED_BEFORE_VICTIM))
+    assert codes == [0, 0], capfd.readouterr().err
+    for name in ("seed001.csv", "reduction.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(out / name), pd.read_csv(clean_run / name))
+    assert not (out / JOURNAL_DIR).exists()
+
+
+def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd):
+    out = tmp_path / "out"
+    launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
+    capfd.readouterr()
+    codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume", "--seed", "7"], tmp_path)
+    err = capfd.readouterr().err
+    assert codes == [2, 2]
+    assert err.count("study.py: error: --resume: the unfinished run in") == 1
+
+
+def test_a_hanging_rank_times_out_instead_of_stalling(tmp_path, capfd):
+    out = tmp_path / "out"
+    codes = launch(WORLD, [*ARGS, "--out", str(out), "--timeout", "3"], tmp_path,
+                   env=fault("hang"), grace_s=5)
+    err = capfd.readouterr().err
+    assert codes[0] == 1, err
+    assert codes[1] is None, "the hung rank never returned (torchrun would stop it)"
+    assert f"study.py: rank 0 failed in case {VICTIM}" in err
+
+
+def test_a_killed_rank_fails_the_torchrun_launch(tmp_path):
+    out = tmp_path / "out"
+    done = torchrun(*ARGS, "--out", str(out), nproc=WORLD, env=fault("kill"))
+    assert done.returncode != 0
+    assert "Signal 9 (SIGKILL)" in done.stderr and "rank      : 1" in done.stderr
+    assert f"study.py: rank 0 failed in case {VICTIM}" in done.stderr
+    assert len(pd.read_csv(out / "seed001.csv")) > 0
+    assert not (out / "reduction.csv").exists()
