@@ -34,10 +34,9 @@ class Launch:
     #: SLURM_JOB_ID when the launch runs inside a Slurm allocation, else "".
     slurm_job_id: str
 
-    @property
-    def nodes(self) -> int:
-        """Number of torchrun agents (nodes); torchrun gives each the same rank count."""
-        return max(1, self.world_size // max(1, self.local_world_size))
+    #: torchrun agents (nodes) in the launch: GROUP_WORLD_SIZE, exact even when
+    #: nodes run different numbers of ranks.
+    nodes: int = 1
 
     @property
     def is_leader(self) -> bool:
@@ -60,6 +59,7 @@ class Launch:
             local_world_size=int(env["LOCAL_WORLD_SIZE"]),
             hostname=socket.gethostname(),
             slurm_job_id=env.get("SLURM_JOB_ID", ""),
+            nodes=int(env.get("GROUP_WORLD_SIZE", 1)),
         )
 
 

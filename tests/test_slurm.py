@@ -1,0 +1,195 @@
+"""scripts/slurm/study.sbatch: submitted to a real (local, one-node) Slurm, and its checks.
+
+The tests marked ``slurm`` start a cluster of their own with
+scripts/slurm/local_cluster.sh (munged, slurmctld, slurmd; its own ports and
+folder) and stop it afterwards, failed or not. The others run the batch script
+directly with a Slurm job's environment and a stand-in ``srun``, which needs no
+Slurm: they check what the script decides before anything is launched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.studies import STUDIES
+from tests.distributed import run_cli
+from tests.launch import ROOT, free_port
+
+SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "study.sbatch"
+CLUSTER_SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
+SLURM_TOOLS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "srun", "slurmctld",
+               "slurmd", "munged")
+ARGS = ["--studies", "reduction", "--strategies", "ddp,dp-emulated", "--quiet", "--no-report"]
+RANKS = 2
+
+
+def _slurm_missing_reason() -> str | None:
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return (f"Slurm is not installed (no {', '.join(missing)}); "
+                "apt-get install slurmctld slurmd slurm-client munge")
+    if os.geteuid() != 0:
+        return "the local Slurm cluster needs root: slurmd starts job steps through setuid"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory):
+    """The environment of a client of a freshly started one-node cluster."""
+    reason = _slurm_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("slurm") / "cluster"
+    try:
+        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(folder)],
+                                 capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, f"the local cluster did not start:\n{started.stderr}"
+        yield {**_clean_environment(), "SLURM_CONF": str(folder / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(folder)], timeout=180,
+                       check=False)
+
+
+def _clean_environment() -> dict[str, str]:
+    # A test suite that itself runs inside a Slurm job must not pass that job on.
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STUDY_"))}
+
+
+def sbatch(env: dict[str, str], folder: Path, *args: str,
+           ranks: int) -> tuple[subprocess.CompletedProcess, str, str]:
+    """``sbatch --wait`` the study script; the result, the job id and the job's output."""
+    job_env = {**env, "STUDY_NPROC_PER_NODE": str(ranks), "STUDY_PYTHON": sys.executable,
+               "STUDY_RESULTS": str(folder / "results"), "STUDY_RDZV_PORT": str(free_port()),
+               "OMP_NUM_THREADS": "1"}
+    # One CPU per job: the cluster is this machine, which may have only two.
+    command = ["sbatch", "--wait", "--parsable", "--cpus-per-task=1",
+               f"--output={folder}/slurm-%j.out", str(SBATCH_SCRIPT), *args]
+    done = subprocess.run(command, cwd=ROOT, env=job_env, capture_output=True, text=True,
+                          timeout=300)
+    job_id = done.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch gave no job id:\n{done.stdout}\n{done.stderr}"
+    return done, job_id, (folder / f"slurm-{job_id}.out").read_text()
+
+
+def reference_run(out: Path) -> pd.DataFrame:
+    """The same study on RANKS ranks of this machine, without Slurm (forked ranks)."""
+    assert run_cli(RANKS, [*ARGS, "--out", str(out)], store_dir=out.parent) == [0] * RANKS
+    return pd.read_csv(out / "reduction.csv")
+
+
+@pytest.mark.slurm
+def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_path):
+    done, job_id, output = sbatch(slurm_env, tmp_path, *ARGS, ranks=RANKS)
+    assert done.returncode == 0, output
+    # The endpoint comes from the job's node list, through scontrol.
+    assert (f"study.sbatch: job {job_id}: 1 node(s) x {RANKS} rank(s) = {RANKS} ranks"
+            in output)
+    assert "rendezvous c10d at localhost:" in output
+
+    results = tmp_path / "results" / job_id
+    frame = pd.read_csv(results / "reduction.csv", dtype={"slurm_job_id": str})
+    assert list(frame.columns) == list(STUDIES["reduction"]().columns)
+    assert (frame.slurm_job_id == job_id).all()
+    assert (frame[["hosts", "nodes", "ranks_per_node", "launch_world_size"]]
+            == [1, 1, RANKS, RANKS]).all().all()
+
+    reference = reference_run(tmp_path / "reference")
+    assert list(frame.verdict) == list(reference.verdict)
+    # Not the verdicts alone: every measured number is the same, bit for bit.
+    pd.testing.assert_frame_equal(frame.drop(columns="slurm_job_id"),
+                                  reference.drop(columns="slurm_job_id"), check_exact=True)
+    # And from first principles: DDP averages (rank_weight 1/k), smooth models only.
+    ddp = frame[(frame.strategy == "ddp") & (frame.model != "mlp-batchnorm")]
+    assert ddp.rank_weight.to_numpy() == pytest.approx(1 / ddp.world_size.to_numpy(), rel=1e-9)
+
+
+@pytest.mark.slurm
+def test_world_sizes_the_job_cannot_hold_fail_the_job_with_one_line(slurm_env, tmp_path):
+    done, job_id, output = sbatch(slurm_env, tmp_path, "--world-sizes", "1,3", ranks=2)
+    assert done.returncode == 2, "sbatch --wait returns the job's exit code"
+    assert output.splitlines() == [
+        "study.sbatch: error: --world-sizes: 3 is more than this job's 2 ranks "
+        "(1 node(s) x 2 per node); allowed: 1..2, or more nodes (sbatch --nodes) "
+        "or ranks per node (STUDY_NPROC_PER_NODE)"]
+    assert not (tmp_path / "results" / job_id).exists()
+
+
+# ------------------------------------------------- the script's own checks, no Slurm
+def run_script(tmp_path: Path, *args: str, srun: str = "exit 0",
+               **variables: str | None) -> subprocess.CompletedProcess:
+    """study.sbatch run as Slurm would run it on a job's first node, with ``srun``
+    replaced by a script whose body is ``srun``; it records its arguments.
+    ``variables`` change the job's environment (None: unset)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "srun"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "{tmp_path}/srun.args"\n'
+                    f"{srun}\n")
+    fake.chmod(0o755)
+    env = {**_clean_environment(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "STUDY_PYTHON": sys.executable, "STUDY_RESULTS": str(tmp_path / "results"),
+           "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
+           "STUDY_RDZV_ENDPOINT": "node1:29400", "STUDY_NPROC_PER_NODE": "3",
+           "SLURM_SUBMIT_DIR": str(ROOT), **variables}
+    env = {name: value for name, value in env.items() if value is not None}
+    return subprocess.run(["bash", str(SBATCH_SCRIPT), *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_each_node_gets_one_torchrun_agent_meeting_on_the_first_node(tmp_path):
+    done = run_script(tmp_path, "--studies", "reduction", SLURM_CPUS_PER_TASK="3")
+    assert done.returncode == 0, done.stderr
+    srun_args = (tmp_path / "srun.args").read_text().splitlines()
+    launcher = srun_args[:srun_args.index(sys.executable)]
+    torchrun = srun_args[srun_args.index(sys.executable):]
+    assert {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "--cpus-per-task=3"} <= set(launcher)
+    assert torchrun == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                        "--nproc_per_node=3", "--rdzv_backend=c10d",
+                        "--rdzv_endpoint=node1:29400", "--rdzv_id=7",
+                        str(ROOT / "scripts" / "study.py"), "--out",
+                        str(tmp_path / "results" / "7"), "--studies", "reduction"]
+
+
+@pytest.mark.parametrize(("variables", "args", "message"), [
+    ({"SLURM_JOB_ID": None}, [], "not inside a Slurm job (SLURM_JOB_ID is unset)"),
+    ({"STUDY_RDZV_ENDPOINT": None, "SLURM_JOB_NODELIST": ""}, [],
+     "no rendezvous endpoint: SLURM_JOB_NODELIST is empty"),
+    ({"STUDY_RDZV_ENDPOINT": "node1"}, [], "STUDY_RDZV_ENDPOINT 'node1' is not host:port"),
+    ({"SLURM_GPUS_ON_NODE": "0"}, ["--backend", "nccl"], "--backend nccl needs GPUs"),
+    ({}, ["--world-sizes=2,7"], "--world-sizes: 7 is more than this job's 6 ranks"),
+    ({"STUDY_NPROC_PER_NODE": "two"}, [], "ranks per node 'two' is not a positive integer"),
+    ({"STUDY_ROOT": "/nonexistent"}, [], "no scripts/study.py in /nonexistent"),
+], ids=["outside-slurm", "no-node-list", "bad-endpoint", "nccl-without-gpus",
+        "world-size-too-large", "bad-ranks-per-node", "not-the-repository"])
+def test_bad_configuration_is_refused_with_one_line_before_launching(
+        tmp_path, variables, args, message):
+    done = run_script(tmp_path, *args, **variables)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"study.sbatch: error: {message}"), lines
+    assert not (tmp_path / "srun.args").exists(), "nothing is launched"
+
+
+def test_the_harness_refusal_is_repeated_as_the_job_output_last_line(tmp_path):
+    # torchrun's failure report follows the harness's one line: the script finds
+    # that line and repeats it last, with the harness's exit code for bad input.
+    refusal = "study.py: error: --dtype 'float16' is unknown; allowed: float64, float32"
+    srun = f'echo "{refusal}" >&2; echo "torchrun: ChildFailedError ..." >&2; exit 1'
+    done = run_script(tmp_path, srun=srun)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == f"study.sbatch: error: {refusal}"
+
+
+def test_any_other_failure_keeps_srun_exit_code(tmp_path):
+    done = run_script(tmp_path, srun='echo "Traceback ..." >&2; exit 3')
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[-1] == (
+        "study.sbatch: error: the study failed (srun exit code 3); torchrun's report is above")
