@@ -23,6 +23,7 @@ DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.flo
 STRATEGIES: dict[str, str] = {
     "local": "one process, no reduction: the single-device reference",
     "ddp": "torch.nn.parallel.DistributedDataParallel over a process subgroup",
+    "fsdp": "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
     "dp-emulated": "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
     "dp": "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
 }

@@ -44,11 +44,13 @@ def approx(value):
 SMOOTH_MODELS = ["toy", "mlp"]
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("model", SMOOTH_MODELS)
-def test_ddp_averages_and_a_summed_loss_is_k_times_too_small(reduction, k, model):
+def test_ddp_and_fsdp_average_and_a_summed_loss_is_k_times_too_small(reduction, strategy, k,
+                                                                      model):
     for loss, scale in [("mean", 1.0), ("sum", 1.0 / k)]:
-        row = rows(reduction, strategy="ddp", world_size=k, model=model,
+        row = rows(reduction, strategy=strategy, world_size=k, model=model,
                    loss_reduction=loss).iloc[0]
         assert row.rank_weight == approx(1.0 / k)
         assert row.full_batch_scale == approx(scale)
@@ -84,7 +86,7 @@ def test_loss_returned_by_forward_mean_vs_sum_of_the_per_device_vector(reduction
     assert summed.verdict == "sum" and mean.verdict == "mean"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "dp-emulated"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "dp-emulated"])
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_batchnorm_breaks_big_batch_equivalence_and_keeps_first_device_statistics(
         reduction, strategy, k):
@@ -130,7 +132,7 @@ def seed001(results):
 
 def test_every_seed001_measurement_matches_its_prediction(seed001):
     ok = rows(seed001, status="ok")
-    assert len(ok) == 2 * 4 * 2 * (1 + 1 + 3)
+    assert len(ok) == 3 * 4 * 2 * (1 + 1 + 3), "dp-emulated, ddp and fsdp; k = 1..4; 2 losses"
     assert ok.matches.all()
     assert (ok.abs_error < RTOL).all()
     assert (ok.measured_grad_spread < RTOL).all(), "every entry of w.grad is the same number"
@@ -147,9 +149,10 @@ def test_seed001_dataparallel_with_device_factor(seed001, k, expected):
         assert row.device_contributions == "0.5;1", "replicas send 0.5 and 1, summed to 1.5"
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_seed001_ddp_averages_the_rank_factors(seed001, k):
-    row = rows(seed001, strategy="ddp", experiment="1-per-device-factor", world_size=k,
+def test_seed001_ddp_and_fsdp_average_the_rank_factors(seed001, strategy, k):
+    row = rows(seed001, strategy=strategy, experiment="1-per-device-factor", world_size=k,
                loss_reduction="mean").iloc[0]
     assert row.measured_grad == approx((k + 1) / 2)
 

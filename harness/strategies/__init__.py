@@ -2,6 +2,7 @@
 
 - :mod:`~harness.strategies.local`: one process, the reference everything is compared with;
 - :mod:`~harness.strategies.ddp`: DistributedDataParallel over a process subgroup;
+- :mod:`~harness.strategies.fsdp`: FSDP2's ``fully_shard`` over a process subgroup;
 - :mod:`~harness.strategies.dp_emulated`: DataParallel's dataflow emulated on the CPU;
 - :mod:`~harness.strategies.dp`: the real torch.nn.DataParallel on CUDA devices.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.strategies import ddp, dp, dp_emulated
+from harness.strategies import ddp, dp, dp_emulated, fsdp
 from harness.strategies.common import StepMeasurement, StepSpec
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ def measure_step(strategy: str, spec: StepSpec, world_size: int, run: RunContext
     """
     if strategy == "ddp":
         return ddp.measure_step(spec, run.group(world_size), run.device)
+    if strategy == "fsdp":
+        return fsdp.measure_step(spec, run.group(world_size), run.device)
     if strategy == "dp-emulated":
         return dp_emulated.measure_step(spec, world_size, run.device)
     if strategy == "dp":
@@ -39,6 +42,6 @@ def step_cost(strategy: str, world_size: int) -> float:
     all-reduce's latency, which grows with the group; single-process strategies
     cost about one forward/backward per device.
     """
-    if strategy == "ddp":
+    if strategy in ("ddp", "fsdp"):
         return 1.2 + 2.2 * (world_size - 1)
     return 1.0 + 0.75 * world_size

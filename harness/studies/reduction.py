@@ -37,7 +37,9 @@ from harness.tasks import (
     task_by_name,
 )
 
-STRATEGIES = ("ddp", "dp-emulated", "dp")
+STRATEGIES = ("ddp", "fsdp", "dp-emulated", "dp")
+#: Strategies whose cases run collectives on the subgroup of ranks 0..k-1.
+COLLECTIVE = ("ddp", "fsdp")
 MODELS = ("toy", "mlp", "mlp-batchnorm", "loss-in-forward")
 #: The forward-returns-the-loss pitfall only exists where outputs are gathered.
 DATAPARALLEL_ONLY_MODELS = ("loss-in-forward",)
@@ -65,12 +67,12 @@ class ReductionStudy(Study):
         for strategy in run.strategies(STRATEGIES):
             for k in run.world_sizes:
                 for model in MODELS:
-                    if model in DATAPARALLEL_ONLY_MODELS and strategy == "ddp":
+                    if model in DATAPARALLEL_ONLY_MODELS and strategy in COLLECTIVE:
                         continue
                     for reduction in LOSS_REDUCTIONS:
                         cases.append(Case.of(
-                            self.name, participants=k if strategy == "ddp" else 1,
-                            collective=strategy == "ddp", cost=2 * step_cost(strategy, k),
+                            self.name, participants=k if strategy in COLLECTIVE else 1,
+                            collective=strategy in COLLECTIVE, cost=2 * step_cost(strategy, k),
                             strategy=strategy, world_size=k, model=model,
                             loss_reduction=reduction))
         return cases

@@ -12,7 +12,7 @@ and the arithmetic that predicts it:
 where sample i has all inputs equal to a_i and runs on a device whose factor is
 f_i (``device index + 1`` in experiment 1, else 1), and B is the number of
 samples the loss averages over: the *gathered* batch under DataParallel, each
-rank's own batch under DDP (whose all-reduce then averages over ranks).
+rank's own batch under DDP and FSDP (whose reduction then averages over ranks).
 
 Experiments: (1) the per-device factor; (2) samples that differ (``x[1] += 1``);
 (3) three backward passes without ``zero_grad``: the gradient after pass t is t
@@ -34,7 +34,9 @@ from harness.studies.base import Case, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
 from harness.tolerances import close
 
-STRATEGIES = ("dp-emulated", "ddp", "dp")
+STRATEGIES = ("dp-emulated", "ddp", "fsdp", "dp")
+#: Every rank runs the seed's script on its own batch; the collective averages.
+RANK_AVERAGING = ("ddp", "fsdp")
 EXPERIMENTS = ("1-per-device-factor", "2-distinct-samples", "3-no-zero-grad")
 PASSES = {"1-per-device-factor": 1, "2-distinct-samples": 1, "3-no-zero-grad": 3}
 SEED_BATCH = 2
@@ -73,8 +75,8 @@ def predict(setup: SeedSetup, strategy: str, world_size: int, reduction: str,
     """The predicted entry of ``w.grad`` after ``passes`` backward passes, and its arithmetic."""
     values = setup.sample_values()
     divisor = "" if reduction == "sum" else f"/{len(values)}"
-    if strategy == "ddp":
-        # Every rank runs the seed's script on its own copy of the batch, then DDP averages.
+    if strategy in RANK_AVERAGING:
+        # Every rank runs the seed's script on its own copy of the batch, then it is averaged.
         per_rank = [sum(a * _factor(setup, r) for a in values) for r in range(world_size)]
         if reduction == "mean":
             per_rank = [g / len(values) for g in per_rank]
@@ -108,8 +110,8 @@ class Seed001Study(Study):
     )
 
     def cases(self, run: RunContext) -> list[Case]:
-        return [Case.of(self.name, participants=k if strategy == "ddp" else 1,
-                        collective=strategy == "ddp",
+        return [Case.of(self.name, participants=k if strategy in RANK_AVERAGING else 1,
+                        collective=strategy in RANK_AVERAGING,
                         cost=step_cost(strategy, k) * (PASSES[experiment] + 1),
                         strategy=strategy, experiment=experiment, world_size=k,
                         loss_reduction=reduction)
@@ -126,8 +128,8 @@ class Seed001Study(Study):
             return [self._skipped(case, t + 1, reason) for t in range(passes)]
         x = setup.inputs(run.dtype)
         batch = Batch(x, torch.zeros(SEED_BATCH, dtype=run.dtype))
-        # DDP: each rank has the seed's batch; DataParallel: the seed's batch is the global one.
-        shards = [batch] * k if strategy == "ddp" else [batch]
+        # DDP/FSDP: each rank has the seed's batch; DataParallel: it is the global batch.
+        shards = [batch] * k if strategy in RANK_AVERAGING else [batch]
         spec = StepSpec(task=ToyTask(), model=setup.model(run.dtype), shards=shards,
                         reduction=case["loss_reduction"], backward_passes=passes)
         measurement = measure_step(strategy, spec, k, run)

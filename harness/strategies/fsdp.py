@@ -1,0 +1,77 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) over a process subgroup.
+
+Each rank keeps a shard of every parameter and of its gradient; the backward
+reduce-scatters the ranks' local gradients. To compare with the other
+strategies, the sharded gradient is gathered back into one vector
+(``DTensor.full_tensor``) on every rank.
+
+What each rank fed into the reduce-scatter is measured the same way DDP's is
+not: a second copy of the model is sharded with a gradient divide factor of 1,
+so its reduce-scatter sums the local gradients undivided -- their sum is then
+exactly the sum of the collective's inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from harness.models import device_slot
+from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, relative_spread
+from harness.strategies.ddp import gather_to_leader
+
+
+def shard(module: nn.Module, group: dist.ProcessGroup, device: torch.device,
+          divide_factor: float | None = None) -> nn.Module:
+    """``fully_shard`` the whole module on a 1-D mesh over ``group``."""
+    mesh = DeviceMesh.from_group(group, device.type)
+    sharded = fully_shard(module.to(device), mesh=mesh)
+    if divide_factor is not None:
+        sharded.set_gradient_divide_factor(divide_factor)
+    return sharded
+
+
+def full_grad(module: nn.Module) -> torch.Tensor:
+    """The whole gradient as one vector, gathered from every rank's shard (a collective)."""
+    parts = []
+    for param in module.parameters():
+        grad = param.grad
+        full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        parts.append(full.reshape(-1))
+    return torch.cat(parts).detach().cpu()
+
+
+def _backward_passes(model: nn.Module, spec: StepSpec, rank: int, shard_data, passes: int
+                     ) -> list[torch.Tensor]:
+    grads = []
+    for _ in range(passes):
+        with device_slot(rank):
+            output = model(shard_data.x)
+        spec.task.loss(output, shard_data, spec.reduction).backward()
+        grads.append(full_grad(model))
+    return grads
+
+
+def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
+                 ) -> StepMeasurement | None:
+    """Each rank trains on its own shard; rank 0 returns the gathered ``param.grad``."""
+    rank = dist.get_rank(group)
+    shard_data = spec.shards[rank].to(device)
+    model = shard(copy.deepcopy(spec.model), group, device)
+    grads = _backward_passes(model, spec, rank, shard_data, spec.backward_passes)
+    buffers = buffers_of(model)
+    summing = shard(copy.deepcopy(spec.model), group, device, divide_factor=1.0)
+    inputs_sum = _backward_passes(summing, spec, rank, shard_data, 1)[0]
+    every_rank_grads = gather_to_leader(torch.stack(grads), group, device)
+    if every_rank_grads is None:
+        return None
+    spread = max(relative_spread(g, [other[i] for other in every_rank_grads])
+                 for i, g in enumerate(grads))
+    return StepMeasurement(grads=grads, contributions=[inputs_sum],
+                           chunk_sizes=tuple(len(s) for s in spec.shards),
+                           rank_spread=spread, buffers=buffers)
