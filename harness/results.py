@@ -31,6 +31,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
     fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     temp_path = Path(temp)
+    # mkstemp makes the file private (0600); results are meant to be shared like any file.
+    temp_path.chmod(0o666 & ~_umask())
     try:
         yield temp_path
         with open(temp_path, "rb+") as handle:
@@ -38,6 +40,12 @@ def atomic_path(target: Path) -> Iterator[Path]:
         os.replace(temp_path, target)
     finally:
         temp_path.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(target: Path, text: str) -> None:

@@ -134,7 +134,13 @@ class Runner:
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return self._run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> int:
         started = time.time()
         ctx = self._init_distributed()
         journal = Journal(self.config.out, fingerprint(self.config, self.placement,
@@ -166,6 +172,21 @@ class Runner:
             journal.remove_folder()
             self._finish(ctx, plan, study_times, started)
         dist.destroy_process_group()
+        return self._write_report() if self.leader and self.config.report else 0
+
+    def _write_report(self) -> int:
+        """REPORT.md from the CSVs just written; they are safe on disk whatever happens here."""
+        from harness.report import write_report
+
+        try:
+            path = write_report(self.config.out)
+        except Exception as error:  # a report bug must not hide that the CSVs are fine
+            print(f"study.py: error: the CSVs in {self.config.out} are complete, but "
+                  f"REPORT.md could not be written: {type(error).__name__}: {error}",
+                  file=sys.stderr)
+            return 1
+        if not self.config.quiet:
+            print(f"\nstudy.py: report -> {path}")
         return 0
 
     def _run_study(self, study: Study, cases: list[Case], ctx: RunContext,

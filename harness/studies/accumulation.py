@@ -13,7 +13,8 @@ Axes of a case (a row):
   (zero after each optimizer step: the textbook recipe);
 - ``loss_scaling``: ``none`` (k micro-batch means summed: k times too large) or ``1/k``;
 - ``sync``: DDP all-reducing at ``every-micro-step`` or under ``no_sync`` for the
-  first k-1 micro-steps; ``n/a`` for strategies without an all-reduce;
+  first k-1 micro-steps; DataParallel reduces at ``every-micro-step`` (it has no
+  ``no_sync``); one process has nothing to reduce (``none``);
 - ``norm``: none, BatchNorm, GroupNorm (SyncBatchNorm on CUDA under DDP);
 - ``shards``: ``even`` (4 samples per device per micro-step), ``uneven`` (2..6,
   varying per device and micro-step), ``tokens`` (4 sequences of 1..6 tokens);
@@ -102,7 +103,10 @@ class Recipe:
 
 
 def _syncs(strategy: str) -> tuple[str, ...]:
-    return DDP_SYNC if strategy == "ddp" else ("n/a",)
+    """DDP can defer its all-reduce; DataParallel reduces in every backward; one process never."""
+    if strategy == "ddp":
+        return DDP_SYNC
+    return ("none",) if strategy == "local" else ("every-micro-step",)
 
 
 def _norms(strategy: str) -> tuple[str, ...]:

@@ -1,0 +1,144 @@
+"""Assembling REPORT.md: the run's context, then one section per study."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from harness.report.data import RunResults
+from harness.report.section import Section, SectionOutput
+from harness.report.text import code, count, integers, table, words
+
+TITLE = "Gradient-reduction study: report"
+
+
+def render_document(results: RunResults, sections: dict[str, Section],
+                    outputs: dict[str, SectionOutput | str]) -> str:
+    """The whole report; ``outputs`` maps a study to its rendered section or an error text."""
+    parts = [f"# {TITLE}", _preamble(), _context_table(results.manifest),
+             _contents(results, sections)]
+    glance = _at_a_glance(results, sections, outputs)
+    if glance:
+        parts.append(glance)
+    for study in results.manifest["studies"]:
+        if study in results.frames:
+            parts.append(_section(sections[study], results, outputs[study]))
+        elif study in results.unsummarized:
+            parts.append(_unsummarized(study, results))
+    if results.foreign_csvs:
+        names = words([code(n) for n in results.foreign_csvs])
+        parts.append("---\n\nIn this folder but not written by this run (not listed in "
+                     f"`run.json`), so not reported: {names}.")
+    return "\n\n".join(parts) + "\n"
+
+
+def _preamble() -> str:
+    return ("What lands in `param.grad` when a model trains on several devices, as measured by "
+            "the run below. Every finding is a sentence built from the run's CSVs and ends with "
+            "the rows it comes from, in brackets: the CSV, the filter, and how many rows match. "
+            "Regenerate with `python scripts/report.py <results folder>`.")
+
+
+def _context_table(manifest: dict[str, Any]) -> str:
+    def field(key: str, default: str = "unknown") -> str:
+        value = manifest.get(key)
+        return default if value in (None, "") else str(value)
+
+    rows = [
+        ["torch", field("torch_version")],
+        ["backend · device · dtype",
+         f"{field('backend')} · {field('device')} · {field('dtype')}"],
+        ["world sizes", integers(manifest.get("world_sizes") or []) or "unknown"],
+        ["launch", _launch(manifest)],
+        ["date", _date(field("started"))],
+        ["wall time", _seconds(manifest.get("wall_time_s"))],
+        ["command", code(field("command"))],
+        ["studies", _studies(manifest)],
+    ]
+    return table(["setting", "value"], rows)
+
+
+def _launch(manifest: dict[str, Any]) -> str:
+    ranks, hosts = manifest.get("launch_world_size"), manifest.get("hosts")
+    nodes, per_node = manifest.get("nodes"), manifest.get("ranks_per_node")
+    text = f"{ranks} rank(s) on {hosts} host(s): {nodes} node(s) x {per_node} rank(s)"
+    if manifest.get("slurm_job_id"):
+        text += f", Slurm job {manifest['slurm_job_id']}"
+    return text
+
+
+def _date(started: str) -> str:
+    try:
+        moment = datetime.fromisoformat(started)
+    except ValueError:
+        return started
+    return moment.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+
+
+def _seconds(value: Any) -> str:
+    return f"{float(value):.1f} s" if isinstance(value, (int, float)) else "unknown"
+
+
+def _studies(manifest: dict[str, Any]) -> str:
+    entries = []
+    for study, entry in manifest["studies"].items():
+        entry = entry if isinstance(entry, dict) else {}
+        details = []
+        if "cases" in entry:
+            details.append(count(int(entry["cases"]), "case"))
+        if "wall_time_s" in entry:
+            details.append(_seconds(entry["wall_time_s"]))
+        entries.append(f"{study} ({', '.join(details)})" if details else study)
+    return ", ".join(entries)
+
+
+def anchor(title: str) -> str:
+    """The id a code forge (GitHub, GitLab) gives a heading: lower case, punctuation dropped."""
+    text = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _contents(results: RunResults, sections: dict[str, Section]) -> str:
+    lines = ["**Studies in this run**"]
+    for study in results.manifest["studies"]:
+        title = sections[study].title if study in results.frames else study
+        lines.append(f"- [{title}](#{anchor(title)})")
+    return "\n".join(lines)
+
+
+def _at_a_glance(results: RunResults, sections: dict[str, Section],
+                 outputs: dict[str, SectionOutput | str]) -> str:
+    """The headline findings of every section, first: the answers a reader came for."""
+    lines = []
+    for study in results.frames:
+        output = outputs[study]
+        if isinstance(output, SectionOutput):
+            lines += [f.markdown() for f in output.findings if f.headline]
+    if not lines:
+        return ""
+    return "## At a glance\n\n" + "\n".join(lines)
+
+
+def _section(section: Section, results: RunResults, output: SectionOutput | str) -> str:
+    frame = results.frames[section.study]
+    csv_name = results.csv_name(section.study)
+    measured = int((frame["status"] == "ok").sum())
+    parts = [f"## {section.title}", section.intro,
+             f"Source: {code(csv_name)}, {count(len(frame), 'row')}, {measured} measured "
+             f"(status ok)."]
+    if isinstance(output, str):
+        parts.append(f"> **The report could not summarize this study:** {output}")
+        return "\n\n".join(parts)
+    parts.append("### Findings")
+    parts.append("\n".join(f.markdown() for f in output.findings)
+                 or "No finding: the CSV has no rows.")
+    parts += output.blocks
+    return "\n\n".join(parts)
+
+
+def _unsummarized(study: str, results: RunResults) -> str:
+    csv_name = results.csv_name(study)
+    rows = count(results.unsummarized[study], "row")
+    return (f"## {study}\n\nThe report has no section for this study yet: see {code(csv_name)} "
+            f"({rows}).")

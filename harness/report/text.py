@@ -1,0 +1,90 @@
+"""Turning measured numbers into Markdown: number formats, lists and tables.
+
+The report quotes numbers in sentences and tables; the formats here decide how
+many digits a reader sees. Ratios get four significant digits (enough to tell
+1/3 from 0.33, short enough for a table cell); deviations and residuals get
+two in scientific notation, because their order of magnitude is the message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+
+def number(value: float) -> str:
+    """A measured ratio or gradient, as a reader wants to see it: 0.5, 0.3333, 2.5, 1.2e+06."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return f"{value:.2g}"
+
+
+def small(value: float) -> str:
+    """A deviation or residual: its order of magnitude matters, not its digits (2.2e-16)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e3:
+        return f"{value:.2g}"
+    return f"{value:.1e}"
+
+
+def integers(values: Iterable[float]) -> str:
+    """Sorted distinct integers as a comma-separated list: '2, 3, 4'."""
+    return ", ".join(str(int(v)) for v in sorted({int(v) for v in values}))
+
+
+def words(items: Sequence[str], conjunction: str = "and") -> str:
+    """'a', 'a and b', 'a, b and c' (or 'a, b or c')."""
+    items = list(items)
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + f" {conjunction} " + items[-1]
+
+
+def code(text: str) -> str:
+    return f"`{text}`"
+
+
+def count(n: int, noun: str) -> str:
+    """'1 case', '3 cases'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def cite_cases(case_ids: Sequence[str], shown: int = 2) -> str:
+    """A few case_ids in code font, and how many more there are."""
+    ids = list(dict.fromkeys(case_ids))
+    text = ", ".join(code(i) for i in ids[:shown])
+    if len(ids) > shown:
+        text += f" and {len(ids) - shown} more"
+    return text
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+          numeric: Sequence[bool] | None = None) -> str:
+    """A GitHub-flavoured Markdown table; numeric columns are right-aligned."""
+    numeric = list(numeric) if numeric is not None else [False] * len(headers)
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    rule = "|" + "|".join("---:" if n else "---" for n in numeric) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+#: How the report names each strategy of ``--strategies`` in sentences.
+STRATEGY_NAMES = {
+    "local": "one process (local)",
+    "ddp": "DDP",
+    "dp-emulated": "DataParallel (CPU emulation)",
+    "dp": "DataParallel",
+}
+
+
+def strategy_name(strategy: str) -> str:
+    return STRATEGY_NAMES.get(strategy, strategy)

@@ -1,0 +1,270 @@
+"""REPORT.md from a real run: sections, figures, findings built from the CSVs, bad folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from filelock import FileLock
+
+from harness.report import REPORT_NAME, write_report
+from harness.report.cli import main as report_main
+from harness.report.text import small
+from tests.distributed import run_cli
+
+RUN_ARGS = ["--studies", "reduction,seed001", "--strategies", "ddp,dp-emulated",
+            "--no-report", "--quiet"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def reported_run(tmp_path_factory) -> Path:
+    """A 2-rank run of reduction and seed001 with its report, made once per test session.
+
+    Under pytest-xdist every worker has its own base temp folder; their common
+    parent belongs to this session alone, so the workers share one run (behind
+    a lock) instead of each paying for it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / "report-run"
+    with FileLock(str(shared / "report-run.lock")):
+        if not (out / REPORT_NAME).exists():
+            codes = run_cli(2, [*RUN_ARGS, "--out", str(out)], store_dir=shared)
+            assert codes == [0, 0]
+            write_report(out)
+    return out
+
+
+@pytest.fixture
+def run_copy(reported_run, tmp_path) -> Path:
+    """A private copy of the reported run, for tests that change or rewrite it."""
+    return Path(shutil.copytree(reported_run, tmp_path / "results"))
+
+
+def findings(report: str, start: str) -> list[str]:
+    """The report's findings (list items) that begin with ``start``."""
+    return [line[2:] for line in report.splitlines() if line.startswith(f"- {start}")]
+
+
+def the_finding(report: str, start: str) -> str:
+    found = findings(report, start)
+    assert found, f"no finding starts with {start!r}"
+    return found[0]
+
+
+def ddp_multi_device(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[(frame.strategy == "ddp") & (frame.status == "ok") & (frame.devices_used >= 2)]
+
+
+def test_the_report_has_the_runs_context_every_section_and_its_figures(reported_run):
+    report = (reported_run / REPORT_NAME).read_text()
+    manifest = json.loads((reported_run / "run.json").read_text())
+    for value in (manifest["torch_version"], manifest["backend"], manifest["dtype"],
+                  manifest["command"], manifest["started"][:10]):
+        assert value in report
+    assert "## At a glance" in report
+    assert "## reduction: summed or averaged?" in report
+    assert "## seed001: the seed's DataParallel experiments, explained" in report
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert links, "figures are embedded"
+    for link in links:
+        assert link.startswith("figures/") and link.endswith(".png"), link
+        assert (reported_run / link).is_file(), f"{link} is not relative to REPORT.md"
+    pngs = {p.name for p in (reported_run / "figures").iterdir()}
+    assert pngs == {Path(link).name for link in links}, "every figure is shown, none left over"
+
+
+def test_findings_quote_the_numbers_in_the_csv(reported_run):
+    report = (reported_run / REPORT_NAME).read_text()
+    frame = pd.read_csv(reported_run / "reduction.csv")
+    ddp = ddp_multi_device(frame)
+    deviation = (ddp.reduce_weight - 1 / ddp.devices_used).abs().max()
+    sentence = the_finding(report, "DDP averaged what its devices fed into the reduction")
+    assert f"in all {len(ddp)} cases" in sentence
+    assert f"reduce_weight = 1/k at k = 2; largest deviation {small(deviation)}" in sentence
+    assert f"`reduction.csv`: strategy = ddp, status = ok, devices_used >= 2 ({len(ddp)} rows)" \
+        in sentence, "the finding names its rows"
+    batchnorm = ddp[(ddp.model == "mlp-batchnorm") & (ddp.loss_reduction == "mean")]
+    sentence = the_finding(report, "With a mean loss, DDP's param.grad")
+    assert f"full_batch_residual {small(batchnorm.full_batch_residual.max())}" in sentence
+    assert "no multiple of it for mlp-batchnorm" in sentence
+    seed = pd.read_csv(reported_run / "seed001.csv")
+    example = seed[(seed.strategy == "dp-emulated") & (seed.devices_used >= 2)].iloc[0]
+    parts = example.device_contributions.split(";")
+    sentence = the_finding(report, "With two or more devices, the w.grad that DataParallel")
+    assert f"{' + '.join(parts)} = {example.measured_grad:g}" in sentence
+
+
+def test_a_regenerated_report_follows_the_folder_and_nothing_else(run_copy, reported_run):
+    # One value changes (reduce_weight, which no figure plots): the finding built from it
+    # says something else, and every figure comes out byte for byte the same.
+    csv = run_copy / "reduction.csv"
+    frame = pd.read_csv(csv)
+    row = ddp_multi_device(frame).index[0]
+    frame.loc[row, ["reduce_weight", "reduce_op"]] = [0.7, "other"]
+    frame.to_csv(csv, index=False)
+    # A study the report has no section for, a CSV of another run, a figure of an older report.
+    manifest = json.loads((run_copy / "run.json").read_text())
+    manifest["studies"]["future"] = {"csv": "future.csv", "cases": 1, "wall_time_s": 0.1}
+    (run_copy / "run.json").write_text(json.dumps(manifest))
+    (run_copy / "future.csv").write_text("study,case_id,status\nfuture,future/a=1,ok\n")
+    (run_copy / "older.csv").write_text("study,case_id,status\n")
+    (run_copy / "figures" / "stale.png").write_bytes(b"left by an older report")
+    write_report(run_copy)
+
+    report = (run_copy / REPORT_NAME).read_text()
+    assert not findings(report, "DDP averaged what its devices fed into the reduction")
+    sentence = the_finding(report, "DDP did not reduce what its devices fed into the reduction")
+    assert "neither summed nor averaged it in 1 case (reduce_weight = 0.7 at k = 2" in sentence
+    assert frame.loc[row, "case_id"] in sentence, "an odd case is cited by its case_id"
+    assert ("## future\n\nThe report has no section for this study yet: see `future.csv` "
+            "(1 row).") in report
+    assert "not reported: `older.csv`" in report
+    assert not (run_copy / "figures" / "stale.png").exists()
+    for png in (reported_run / "figures").iterdir():
+        assert (run_copy / "figures" / png.name).read_bytes() == png.read_bytes(), \
+            "the same numbers give byte-identical figures"
+
+
+def write_run(folder: Path, csv_text: str = "study,case_id,status\n") -> None:
+    folder.mkdir()
+    (folder / "run.json").write_text(json.dumps({"studies": {"reduction": {
+        "csv": "reduction.csv"}}}))
+    (folder / "reduction.csv").write_text(csv_text)
+
+
+def make_missing(folder: Path) -> Path:
+    return folder / "nowhere"
+
+
+def make_file(folder: Path) -> Path:
+    (folder / "results").write_text("not a folder")
+    return folder / "results"
+
+
+def make_empty(folder: Path) -> Path:
+    (folder / "results").mkdir()
+    return folder / "results"
+
+
+def make_csvs_without_manifest(folder: Path) -> Path:
+    write_run(folder / "results")
+    (folder / "results" / "run.json").unlink()
+    return folder / "results"
+
+
+def make_bad_json(folder: Path) -> Path:
+    write_run(folder / "results")
+    (folder / "results" / "run.json").write_text("{not json")
+    return folder / "results"
+
+
+def make_missing_columns(folder: Path) -> Path:
+    write_run(folder / "results")
+    return folder / "results"
+
+
+def make_missing_csv(folder: Path) -> Path:
+    write_run(folder / "results")
+    (folder / "results" / "reduction.csv").unlink()
+    return folder / "results"
+
+
+def make_empty_csv(folder: Path) -> Path:
+    write_run(folder / "results", csv_text="")
+    return folder / "results"
+
+
+BAD_FOLDERS = [
+    (make_missing, "does not exist"),
+    (make_file, "is not a folder"),
+    (make_empty, "is empty"),
+    (make_csvs_without_manifest, "has no run.json"),
+    (make_bad_json, "run.json: not valid JSON"),
+    (make_missing_columns, "reduction.csv: missing column(s) strategy, world_size"),
+    (make_missing_csv, "reduction.csv: missing, although run.json lists it"),
+    (make_empty_csv, "reduction.csv: empty file"),
+]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    root = folder.parent
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("make, message", BAD_FOLDERS, ids=[m.__name__ for m, _ in BAD_FOLDERS])
+def test_a_bad_folder_is_one_line_exit_2_and_nothing_written(make, message, tmp_path, capsys):
+    folder = make(tmp_path)
+    before = snapshot(folder)
+    assert report_main([str(folder)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("report.py: error: ") and message in lines[0], lines[0]
+    assert captured.out == ""
+    assert snapshot(folder) == before
+
+
+def test_the_script_exits_2_on_a_bad_folder_and_explains_itself(tmp_path):
+    script = str(ROOT / "scripts" / "report.py")
+    done = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"report.py: error: {str(tmp_path)!r} is empty; a finished "
+                                   "run of scripts/study.py writes run.json next to its CSVs")
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0
+    assert "python scripts/report.py results/" in helped.stdout
+
+
+def accumulation_row(recipe, setting, k, verdict, scale, error):
+    zero_grad, loss_scaling = recipe
+    norm, shards, normalization = setting
+    case_id = f"accumulation/k={k}/{zero_grad}/{loss_scaling}/{norm}/{shards}/{normalization}"
+    residual = 1e-16 if verdict != "differs" else 0.4
+    return {"study": "accumulation", "case_id": case_id, "status": "ok", "strategy": "local",
+            "world_size": 1, "accum_steps": k, "zero_grad": zero_grad,
+            "loss_scaling": loss_scaling, "sync": "none", "norm": norm, "shards": shards,
+            "loss_normalization": normalization, "allreduce_calls": None,
+            "full_batch_scale": scale, "fit_residual": residual, "relative_error": error,
+            "cumulative_scale": 1.0, "cumulative_residual": 0.0, "verdict": verdict}
+
+
+def test_accumulation_findings_name_the_recipes_the_rows_say_are_exact(tmp_path):
+    from harness.report.accumulation import SECTION
+    from harness.report.figures import FigureWriter, style
+    from harness.report.section import SectionInputs
+
+    plain, batchnorm = ("none", "even", "micro-batch-mean"), ("batchnorm", "even",
+                                                              "micro-batch-mean")
+    textbook, unscaled, never = ("every-step", "1/k"), ("every-step", "none"), ("never", "none")
+    rows = [accumulation_row(textbook, plain, k, "matches", 1.0, 1e-16) for k in (1, 2)]
+    rows += [accumulation_row(unscaled, plain, 1, "matches", 1.0, 1e-16),
+             accumulation_row(unscaled, plain, 2, "scaled", 2.0, 1.0)]
+    rows += [accumulation_row(never, plain, k, "differs", 1.5, error)
+             for k, error in ((1, 2.5), (2, 4.0))]
+    rows += [accumulation_row(textbook, batchnorm, k, "differs", 0.9, error)
+             for k, error in ((1, 0.3), (2, 0.5))]
+    with style():
+        output = SECTION.render(pd.DataFrame(rows), SectionInputs(
+            "accumulation.csv", 1e-9, FigureWriter(tmp_path)))
+    text = "\n".join(f.text for f in output.findings)
+    assert ("zero_grad = every-step with loss_scaling = 1/k gave the big-batch gradient in all "
+            "2 cases") in text
+    assert "zero_grad = every-step with loss_scaling = none (full_batch_scale = k at k = 1, 2" \
+        in text
+    assert (f"zero_grad = never with loss_scaling = none (relative_error up to {small(4.0)}, "
+            "differing in all 2 cases, largest at k = 2") in text
+    assert ("batchnorm, even shards, micro-batch-mean loss (every-step, 1/k: relative_error up "
+            f"to {small(0.5)}, differing in all 2 cases)") in text
+    assert (tmp_path / "figures" / "accumulation_errors.png").is_file()
