@@ -148,8 +148,9 @@ class RunConfig:
             return tuple(range(1, launch.world_size + 1))
         for k in self.world_sizes:
             if k > launch.world_size:
+                ranks = f"{launch.world_size} rank{'s' if launch.world_size > 1 else ''}"
                 raise UsageError(
-                    f"--world-sizes: {k} is larger than the launch's {launch.world_size} "
-                    f"ranks; allowed: 1..{launch.world_size} "
+                    f"--world-sizes: {k} is larger than the launch's {ranks}; "
+                    f"allowed: 1..{launch.world_size} "
                     f"(or launch more ranks with torchrun --nproc_per_node)")
         return tuple(sorted(self.world_sizes))

@@ -7,7 +7,7 @@ from tests.distributed import run_cli
 
 WORLD = 2
 #: Every study, shrunk to stay quick: determinism does not depend on the matrix size.
-ARGS = ["--world-sizes", "1,2", "--accum-steps", "2", "--epochs", "1", "--quiet", "--no-report"]
+ARGS = ["--world-sizes", "2", "--accum-steps", "2", "--epochs", "1", "--quiet", "--no-report"]
 
 
 def test_two_runs_write_identical_csvs(tmp_path):
