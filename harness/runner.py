@@ -46,19 +46,6 @@ IDLE_WAIT = timedelta(days=7)
 FAULT_VARIABLE = "HARNESS_FAULT"
 
 
-class _Activity:
-    """What this rank is doing, for the message printed if the run is stopped."""
-
-    current = "starting up"
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    rank = os.environ.get("RANK", "?")
-    print(f"study.py: rank {rank} stopped by signal {signum} while {_Activity.current}",
-          file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
-
 def fingerprint(config: RunConfig, placement: Placement, world_sizes: tuple[int, ...]) -> str:
     """A hash of everything that changes the numbers: resuming across it would mix runs."""
     settings = {
@@ -134,13 +121,9 @@ class Runner:
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        try:
-            return self._run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def _run(self) -> int:
+        # No Python handler for SIGTERM on purpose: Python runs handlers only between
+        # bytecodes, so a rank blocked inside a collective would ignore torchrun's
+        # SIGTERM until its SIGKILL, long after another rank failed.
         started = time.time()
         ctx = self._init_distributed()
         journal = Journal(self.config.out, fingerprint(self.config, self.placement,
@@ -165,7 +148,6 @@ class Runner:
                 if self.leader:
                     write_csv_atomic(self.config.out / study.csv_name, rows, study.columns)
                 study_times[study.name] = time.perf_counter() - begun
-        _Activity.current = "finishing"
         journal.finish()
         dist.barrier(group=self.idle_group)
         if self.leader:
@@ -202,7 +184,6 @@ class Runner:
                 finished[case.id] = rows
                 journal.append(case.id, rows)
                 progress.advance()
-        _Activity.current = f"waiting for the other ranks to finish study {study.name}"
         gathered: list[Any] = [None] * self.launch.world_size if self.leader else None
         dist.gather_object(finished, gathered, dst=0, group=self.idle_group)
         if not self.leader:
@@ -213,7 +194,6 @@ class Runner:
         return [row for case in cases for row in every[case.id]]
 
     def _run_case(self, study: Study, case: Case, ctx: RunContext) -> list[dict] | None:
-        _Activity.current = f"running case {case.id}"
         try:
             _inject_fault(case, ctx.rank)
             own_rows = study.run_case(case, ctx)

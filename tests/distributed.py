@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -47,7 +48,9 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; their results."""
     context = mp.get_context("fork")
     queue = context.Queue()
-    store_path = str(store_dir / f"store-{os.getpid()}-{id(fn)}")
+    # A fresh file per run: a store file left by an earlier run would hand these
+    # ranks that run's addresses.
+    store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_worker, daemon=True,
                                  args=(r, world_size, store_path, fn, args, env or {}, queue))
                  for r in range(world_size)]
@@ -55,14 +58,20 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
         process.start()
     results: dict[int, Any] = {}
     failures = []
-    for _ in processes:
-        rank, ok, value = queue.get(timeout=RANK_TIMEOUT_S)
-        if ok:
-            results[rank] = value
-        else:
-            failures.append(f"rank {rank}:\n{value}")
-    for process in processes:
-        process.join(RANK_TIMEOUT_S)
+    try:
+        for _ in processes:
+            rank, ok, value = queue.get(timeout=RANK_TIMEOUT_S)
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+    finally:
+        for process in processes:
+            # A rank left waiting for a failed one would wait for its whole timeout.
+            process.join(RANK_TIMEOUT_S if not failures else 5)
+            if process.is_alive():
+                process.kill()
+                process.join()
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
@@ -109,7 +118,7 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
     would stop them); a rank still running then is killed and reported as None.
     """
     context = mp.get_context("fork")
-    store_path = str(store_dir / f"store-launch-{os.getpid()}-{time.monotonic_ns()}")
+    store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,
                                  args=(r, world_size, store_path, argv, env or {}))
                  for r in range(world_size)]
