@@ -1,0 +1,392 @@
+"""Seed 002's debugging questions, answered by :mod:`harness.diagnostics` instead of prints.
+
+Experiments (column ``experiment``), each on scikit-learn's digits:
+
+- ``lr-sweep``: a ReLU MLP trained with SGD at several learning rates; per
+  step and parameter, the gradient norm, the fraction of exactly-zero gradient
+  entries, the update/weight ratio and the fraction of dead ReLU units. A
+  too-large rate pushes every unit of a layer below zero for every input, after
+  which the gradients into that layer are exactly 0 and stay 0 (seed 002's
+  "the gradient shrank to 0 and the parameters stopped changing").
+- ``frozen-layer``: the middle layer with ``requires_grad=False``: its ``.grad``
+  stays None and SGD leaves it alone. Under ``ddp``: does DDP need
+  ``find_unused_parameters`` for it? Measured with the flag off and on, and
+  against a control whose middle layer requires grad but is skipped in
+  ``forward`` (an *unused* parameter).
+- ``train-vs-eval``: one batch through the training study's BatchNorm CNN in
+  ``train()`` and ``eval()``: batch or running statistics, running statistics
+  updated or not, and whether ``backward()`` still works in eval mode.
+- ``no-grad``: the same forward with grad enabled and under ``torch.no_grad()``:
+  whether the output has a graph, what ``backward()`` then does, and whether
+  the parameters' ``requires_grad`` changed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harness.context import RunContext
+from harness.diagnostics import (
+    GradientRecorder,
+    GradientStats,
+    dead_relu_fraction,
+    gradient_stats,
+    graph_of,
+)
+from harness.seeding import generator_for
+from harness.strategies import ddp
+from harness.strategies.common import flat_grad, relative_spread
+from harness.studies.base import Case, Study
+from harness.studies.training import (
+    Digits,
+    TrainingSetup,
+    build_model,
+    ddp_world_sizes,
+    seeded_init,
+)
+
+STRATEGIES = ("local", "ddp")
+EXPERIMENTS = ("lr-sweep", "frozen-layer", "train-vs-eval", "no-grad")
+#: Middle-layer states of the DDP frozen-layer experiment.
+MIDDLE_STATES = ("frozen", "unused")
+
+
+@dataclass(frozen=True)
+class DiagnosticsSetup:
+    """The experiments' fixed knobs."""
+
+    batch_size: int = 30
+    #: Two epochs of 50 steps: the dying happens within the first ten.
+    epochs: int = 2
+    #: From healthy (0.1) through partly dead (1, 3) to every unit dead (10).
+    learning_rates: tuple[float, ...] = (0.1, 1.0, 3.0, 10.0)
+    #: Steps written to the CSV: the first few (where units die) and then sparser.
+    reported_steps: tuple[int, ...] = (1, 2, 3, 5, 10, 20, 50, 100)
+    hidden: int = 32
+    held_out: int = 297
+    #: Training digits used; None: all that are not held out (tests use fewer).
+    train_samples: int | None = None
+    #: Steps of the frozen-layer experiments: enough to see a second iteration fail.
+    frozen_steps: int = 3
+    #: Learning rate of the frozen-layer experiments.
+    learning_rate: float = 0.1
+
+
+class DiagnosticMLP(nn.Module):
+    """64 -> hidden -> ReLU -> hidden -> ReLU -> 10 on flattened 8x8 digits.
+
+    ``skip_middle`` leaves the middle layer out of ``forward``: its parameters
+    then require grad but take no part in the loss (DDP's "unused parameters").
+    """
+
+    #: The ReLU each layer feeds: the units whose death cuts that layer's gradient.
+    RELU_AFTER = {"input": "relu1", "middle": "relu2"}
+
+    def __init__(self, hidden: int, skip_middle: bool = False) -> None:
+        super().__init__()
+        self.input = nn.Linear(64, hidden)
+        self.relu1 = nn.ReLU()
+        self.middle = nn.Linear(hidden, hidden)
+        self.relu2 = nn.ReLU()
+        self.output = nn.Linear(hidden, 10)
+        self.skip_middle = skip_middle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu1(self.input(x))
+        if not self.skip_middle:
+            h = self.relu2(self.middle(h))
+        return self.output(h)
+
+
+def build_mlp(seed: int, setup: DiagnosticsSetup, dtype: torch.dtype,
+              skip_middle: bool = False) -> DiagnosticMLP:
+    model = DiagnosticMLP(setup.hidden, skip_middle).to(torch.float64)
+    seeded_init(model, generator_for(seed, "diagnostics", "mlp"))
+    return model.to(dtype)
+
+
+def first_sentence(error: BaseException) -> str:
+    """``Type: first sentence``: enough to recognise the error, short enough for a CSV cell."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text.split('. ')[0].rstrip('.')}"
+
+
+def combined_stats(module: nn.Module) -> GradientStats:
+    """:class:`GradientStats` of all parameters' gradients as one vector (None: all None)."""
+    grads = [p.grad.detach().reshape(-1) for p in module.parameters() if p.grad is not None]
+    requires = all(p.requires_grad for p in module.parameters())
+    if not grads:
+        return GradientStats("", requires, True, math.nan, math.nan)
+    flat = torch.cat(grads).to(torch.float64)
+    return GradientStats("", requires, False, float(flat.norm()),
+                         float((flat == 0).sum()) / flat.numel())
+
+
+def _blank_row(case: Case, setting: str) -> dict[str, Any]:
+    """Every column, empty: each experiment fills the ones it measures."""
+    return {
+        "experiment": case["experiment"], "strategy": case["strategy"],
+        "world_size": case["world_size"], "setting": setting, "step": None, "parameter": "",
+        "requires_grad": None, "grad_is_none": None, "grad_norm": math.nan,
+        "zero_grad_fraction": math.nan, "update_ratio": math.nan,
+        "grad_rank_spread": math.nan, "dead_relu_fraction": math.nan, "loss": math.nan,
+        "output_requires_grad": None, "output_grad_fn": "", "bn_batch_mean": math.nan,
+        "bn_batch_std": math.nan, "running_stats_change": math.nan,
+        "steps_completed": None, "error": "", "status": "ok",
+    }
+
+
+def _stats_columns(stats: GradientStats) -> dict[str, Any]:
+    return {"parameter": stats.parameter, "requires_grad": stats.requires_grad,
+            "grad_is_none": stats.grad_is_none, "grad_norm": stats.grad_norm,
+            "zero_grad_fraction": stats.zero_grad_fraction}
+
+
+def _layer_of(parameter: str) -> str:
+    return parameter.split(".", 1)[0]
+
+
+class DiagnosticsStudy(Study):
+    name = "diagnostics"
+    summary = ("seed 002's gradient debugging as measurements: a learning-rate sweep that "
+               "kills ReLUs, frozen layers (also under DDP), train() vs eval(), no_grad()")
+    example = "torchrun --standalone --nproc_per_node=2 scripts/study.py --studies diagnostics"
+    own_columns = (
+        "experiment", "strategy", "world_size", "setting", "step", "parameter",
+        "requires_grad", "grad_is_none", "grad_norm", "zero_grad_fraction", "update_ratio",
+        "grad_rank_spread", "dead_relu_fraction", "loss", "output_requires_grad",
+        "output_grad_fn", "bn_batch_mean", "bn_batch_std", "running_stats_change",
+        "steps_completed", "error",
+    )
+
+    def __init__(self, setup: DiagnosticsSetup | None = None) -> None:
+        self.setup = setup or DiagnosticsSetup()
+
+    # ----------------------------------------------------------------- cases
+    def cases(self, run: RunContext) -> list[Case]:
+        cases, strategies = [], run.strategies(STRATEGIES)
+        if "local" in strategies:
+            local = {"strategy": "local", "world_size": 1}
+            cases += [Case.of(self.name, experiment="lr-sweep", **local, learning_rate=lr)
+                      for lr in self.setup.learning_rates]
+            cases += [Case.of(self.name, experiment=experiment, **local)
+                      for experiment in EXPERIMENTS[1:]]
+        if "ddp" in strategies:
+            cases += [Case.of(self.name, participants=k, collective=True,
+                              experiment="frozen-layer", strategy="ddp", world_size=k,
+                              middle=state, find_unused_parameters=find_unused)
+                      for k in ddp_world_sizes(run) for state in MIDDLE_STATES
+                      for find_unused in (False, True)]
+        return cases
+
+    def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
+        experiment = case["experiment"]
+        if case["strategy"] == "ddp":
+            return self._ddp_frozen_layer(case, run)
+        if experiment == "lr-sweep":
+            return self._lr_sweep(case, run)
+        if experiment == "frozen-layer":
+            return self._frozen_layer(case, run)
+        if experiment == "train-vs-eval":
+            return self._train_vs_eval(case, run)
+        return self._no_grad(case, run)
+
+    def _digits(self, run: RunContext, flat: bool = True) -> Digits:
+        return Digits.load(run.seed, run.dtype, run.device, self.setup.held_out,
+                           self.setup.train_samples, flat=flat)
+
+    # -------------------------------------------------------------- lr sweep
+    def _lr_sweep(self, case: Case, run: RunContext) -> list[dict[str, Any]]:
+        setup, lr = self.setup, case["learning_rate"]
+        model = build_mlp(run.seed, setup, run.dtype).to(run.device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        recorder = GradientRecorder(model)
+        batches = self._digits(run).batches(setup.batch_size)
+        step = 0
+        for _ in range(setup.epochs):
+            for x, y in batches:
+                step += 1
+                optimizer.zero_grad()
+                with dead_relu_fraction(model) as dead:
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                with recorder.step(step, loss=float(loss.detach()), dead=dict(dead)):
+                    optimizer.step()
+        reported = [r for r in recorder.rows if r["step"] in setup.reported_steps]
+        return [self._sweep_row(case, f"lr={lr:g}", r) for r in reported]
+
+    @staticmethod
+    def _sweep_row(case: Case, setting: str, recorded: dict[str, Any]) -> dict[str, Any]:
+        relu = DiagnosticMLP.RELU_AFTER.get(_layer_of(recorded["parameter"]))
+        return {**_blank_row(case, setting), "step": recorded["step"],
+                "parameter": recorded["parameter"], "requires_grad": recorded["requires_grad"],
+                "grad_is_none": recorded["grad_is_none"], "grad_norm": recorded["grad_norm"],
+                "zero_grad_fraction": recorded["zero_grad_fraction"],
+                "update_ratio": recorded["update_ratio"], "loss": recorded["loss"],
+                "dead_relu_fraction": recorded["dead"][relu] if relu else math.nan}
+
+    # ---------------------------------------------------------- frozen layer
+    def _frozen_layer(self, case: Case, run: RunContext) -> list[dict[str, Any]]:
+        setup = self.setup
+        model = build_mlp(run.seed, setup, run.dtype).to(run.device)
+        model.middle.requires_grad_(False)
+        # Every parameter goes to the optimizer, as in code that freezes after building it.
+        optimizer = torch.optim.SGD(model.parameters(), lr=setup.learning_rate)
+        recorder = GradientRecorder(model)
+        batches = self._digits(run).batches(setup.batch_size)
+        for step, (x, y) in enumerate(batches[:setup.frozen_steps], start=1):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            with recorder.step(step, loss=float(loss.detach())):
+                optimizer.step()
+        return [{**_blank_row(case, "middle frozen (requires_grad=False)"),
+                 **{k: r[k] for k in ("step", "parameter", "requires_grad", "grad_is_none",
+                                      "grad_norm", "zero_grad_fraction", "update_ratio",
+                                      "loss")},
+                 "steps_completed": setup.frozen_steps}
+                for r in recorder.rows]
+
+    def _ddp_frozen_layer(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
+        """Each rank trains on its own shard of every batch, so an average is visible:
+        after an all-reduce every rank holds the same ``.grad`` (``grad_rank_spread`` 0)."""
+        setup, k = self.setup, case["world_size"]
+        group = run.group(k)
+        rank = dist.get_rank(group)
+        frozen = case["middle"] == "frozen"
+        model = build_mlp(run.seed, setup, run.dtype, skip_middle=not frozen).to(run.device)
+        if frozen:
+            model.middle.requires_grad_(False)
+        wrapped = ddp_wrap(model, group, run.device, case["find_unused_parameters"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=setup.learning_rate)
+        batches = self._digits(run).batches(setup.batch_size)
+        completed, error, loss = 0, "", math.nan
+        grads, stats = None, gradient_stats(model)
+        for x, y in batches[:setup.frozen_steps]:
+            try:
+                optimizer.zero_grad()
+                output = wrapped(x.tensor_split(k)[rank])
+                step_loss = F.cross_entropy(output, y.tensor_split(k)[rank])
+                step_loss.backward()
+            except RuntimeError as failure:  # raised alike on every rank: no collective hangs
+                error = first_sentence(failure)
+                break
+            # The gradient the step applies, before the step: what DDP left in .grad.
+            grads = ddp.gather_to_leader(flat_grad(model), group, run.device)
+            stats = gradient_stats(model)
+            optimizer.step()
+            completed, loss = completed + 1, float(step_loss.detach())
+        if not run.reports(case):
+            return None
+        setting = (f"middle {case['middle']}, "
+                   f"find_unused_parameters={case['find_unused_parameters']}")
+        spreads = _per_parameter_spread(model, grads)
+        return [{**_blank_row(case, setting), **_stats_columns(stat), "step": completed,
+                 "loss": loss,
+                 "grad_rank_spread": (math.nan if stat.grad_is_none
+                                      else spreads.get(stat.parameter, math.nan)),
+                 "steps_completed": completed, "error": error}
+                for stat in stats]
+
+    # -------------------------------------------------------- train vs eval
+    def _train_vs_eval(self, case: Case, run: RunContext) -> list[dict[str, Any]]:
+        training = TrainingSetup()
+        digits = self._digits(run, flat=False)
+        x, y = digits.batches(self.setup.batch_size)[0]
+        rows = []
+        for mode in ("train", "eval"):
+            model = build_model(run.seed, training, run.dtype).to(run.device)
+            model.train(mode == "train")
+            norm = model.conv2[1]
+            before = torch.cat([norm.running_mean, norm.running_var]).clone()
+            output, normalized = forward_capturing(model, norm, x)
+            loss = F.cross_entropy(output, y)
+            after = torch.cat([norm.running_mean, norm.running_var])
+            loss.backward()
+            channels = normalized.transpose(0, 1).reshape(norm.num_features, -1)
+            rows.append({
+                **_blank_row(case, f"{mode}()"), **_stats_columns(combined_stats(model)),
+                "parameter": "(all)", "step": 1, "loss": float(loss.detach()),
+                "bn_batch_mean": float(channels.mean(1).abs().mean()),
+                "bn_batch_std": float(channels.std(1, unbiased=False).mean()),
+                "running_stats_change": float((after - before).norm() / before.norm()),
+            })
+        return rows
+
+    # --------------------------------------------------------------- no_grad
+    def _no_grad(self, case: Case, run: RunContext) -> list[dict[str, Any]]:
+        x, y = self._digits(run).batches(self.setup.batch_size)[0]
+        rows = []
+        for setting, grad_enabled in (("grad enabled", True), ("torch.no_grad()", False)):
+            model = build_mlp(run.seed, self.setup, run.dtype).to(run.device)
+            with torch.set_grad_enabled(grad_enabled):
+                loss = F.cross_entropy(model(x), y)
+            graph = graph_of(loss)
+            error = ""
+            try:
+                loss.backward()
+            except RuntimeError as failure:
+                error = first_sentence(failure)
+            rows.append({
+                **_blank_row(case, setting), **_stats_columns(combined_stats(model)),
+                "parameter": "(all)", "step": 1, "loss": float(loss.detach()),
+                "output_requires_grad": graph.requires_grad, "output_grad_fn": graph.grad_fn,
+                "error": error,
+            })
+        return rows
+
+    def summary_table(self, frame) -> str:
+        sweep = frame[(frame["experiment"] == "lr-sweep") & (frame["parameter"] == "input.weight")]
+        table = sweep.pivot_table(index="step", columns="setting", values="zero_grad_fraction",
+                                  aggfunc="first")[list(dict.fromkeys(sweep["setting"]))]
+        ddp_rows = frame[frame["strategy"] == "ddp"].groupby("setting", sort=False).first()
+        lines = ["fraction of exactly-zero entries in input.weight.grad, by learning rate:",
+                 table.to_string()]
+        if len(ddp_rows):
+            shown = ddp_rows[["steps_completed", "error"]].fillna("")
+            lines += ["DDP with a frozen or unused middle layer:",
+                      shown.astype({"steps_completed": int}).to_string()]
+        return "\n".join(lines)
+
+
+def forward_capturing(model: nn.Module, layer: nn.Module, x: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model(x)``, and the (detached) output ``layer`` produced during that forward."""
+    captured: list[torch.Tensor] = []
+    handle = layer.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
+    try:
+        return model(x), captured[0] if captured else torch.empty(0)
+    finally:
+        handle.remove()
+
+
+def ddp_wrap(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
+             find_unused_parameters: bool) -> nn.Module:
+    """DDP as :func:`harness.strategies.ddp.wrap`, with ``find_unused_parameters`` chosen."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, process_group=group, device_ids=device_ids,
+                                   find_unused_parameters=find_unused_parameters)
+
+
+def _per_parameter_spread(model: nn.Module, every_rank: list[torch.Tensor] | None
+                          ) -> dict[str, float]:
+    """For each parameter that requires grad: how far the ranks' ``.grad`` are apart."""
+    if every_rank is None:
+        return {}
+    spreads, offset = {}, 0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        pieces = [grad[offset:offset + param.numel()] for grad in every_rank]
+        spreads[name] = relative_spread(pieces[0], pieces[1:])
+        offset += param.numel()
+    return spreads
