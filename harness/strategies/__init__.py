@@ -35,6 +35,23 @@ def measure_step(strategy: str, spec: StepSpec, world_size: int, run: RunContext
     raise ValueError(f"strategy {strategy!r} does not measure single steps")
 
 
+def row_device(strategy: str) -> str | None:
+    """The device a row records when it is not the run's: real DataParallel is always CUDA."""
+    return "cuda" if strategy == "dp" else None
+
+
+def unavailable_reason(strategy: str, world_size: int, run: RunContext) -> str | None:
+    """Why ``strategy`` cannot run at ``world_size`` here (the row's status), or None.
+
+    The same answer on every rank, so that all skip a collective case together.
+    """
+    if strategy == "dp":
+        return dp.unavailable_reason(world_size)
+    if strategy == "fsdp":
+        return fsdp.unavailable_reason(run.placement)
+    return None
+
+
 def step_cost(strategy: str, world_size: int) -> float:
     """Rough milliseconds of one forward/backward step, for balancing work across ranks.
 

@@ -101,6 +101,8 @@ class Trainer(ABC):
 
     #: The module whose parameters and ``.grad`` the optimizer sees.
     module: nn.Module
+    #: Where this process feeds the module its batches.
+    device: torch.device = torch.device("cpu")
     #: The strategy divides gradients by this (DDP: its world size); a loss normalised
     #: by the global element count is multiplied by it to give the global mean.
     average_divisor: int = 1
@@ -114,7 +116,7 @@ class Trainer(ABC):
     def batch_for_this_process(self, shards: Sequence[Any]) -> Any:
         from harness.tasks import Batch
 
-        return Batch.cat(shards)
+        return Batch.cat(shards).to(self.device)
 
     @abstractmethod
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -87,13 +87,11 @@ class DPTrainer(Trainer):
 
     def __init__(self, module: nn.Module, replicas: int) -> None:
         super().__init__()
-        self.module = module.to("cuda:0")
+        self.device = torch.device("cuda:0")
+        self.module = module.to(self.device)
         self.replicas = replicas
         self.recorder = _ReplicaGradientRecorder(self.module)
         self.wrapper = nn.DataParallel(self.module, device_ids=list(range(replicas)))
-
-    def batch_for_this_process(self, shards):
-        return Batch.cat(shards).to(torch.device("cuda:0"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wrapper(x)

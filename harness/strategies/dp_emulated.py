@@ -137,9 +137,6 @@ class EmulatedDPTrainer(Trainer):
         self.device = device
         self.wrapper = EmulatedDataParallel(self.module, replicas, self.reduce_add)
 
-    def batch_for_this_process(self, shards):
-        return Batch.cat(shards).to(self.device)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wrapper(x)
 

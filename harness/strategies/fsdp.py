@@ -26,6 +26,16 @@ from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, rel
 from harness.strategies.ddp import gather_to_leader
 
 
+def unavailable_reason(placement) -> str | None:
+    """Why FSDP cannot be measured with this backend and device, or None."""
+    if placement.backend == "gloo" and placement.device.type == "cuda":
+        # Measured: gathering the sharded gradient (DTensor.full_tensor) over gloo with
+        # CUDA tensors kills the process with a segmentation fault (torch 2.11, H100).
+        return ("skipped: FSDP over gloo with CUDA tensors crashes gathering the sharded "
+                "gradient; use --backend nccl or --device cpu")
+    return None
+
+
 def shard(module: nn.Module, group: dist.ProcessGroup, device: torch.device,
           divide_factor: float | None = None) -> nn.Module:
     """``fully_shard`` the whole module on a 1-D mesh over ``group``."""

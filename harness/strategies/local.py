@@ -63,9 +63,10 @@ def running_stats_after(model: nn.Module, shards: Sequence[Batch]) -> dict[str, 
 class LocalTrainer(Trainer):
     """One process, no reduction: micro-steps straight into the module."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
         super().__init__()
-        self.module = module
+        self.module = module.to(device)
+        self.device = device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with device_slot(0):

@@ -44,7 +44,7 @@ from torch import nn
 from harness.context import RunContext
 from harness.fit import equivalence_verdict, fit_scale, relative_error
 from harness.seeding import generator_for
-from harness.strategies import dp, step_cost
+from harness.strategies import row_device, step_cost, unavailable_reason
 from harness.strategies.common import Trainer, relative_spread
 from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
@@ -173,6 +173,11 @@ def window_data(recipe: Recipe, task: Task, seed: int, dtype: torch.dtype
             for _ in range(WINDOWS)]
 
 
+def _state_on_cpu(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights and buffers at the start of a window (a copy: the window changes them)."""
+    return {name: t.detach().cpu().clone() for name, t in module.state_dict().items()}
+
+
 def micro_step_loss(recipe: Recipe, task: Task, output: torch.Tensor, batch: Batch,
                     window_elements: int, average_divisor: int) -> torch.Tensor:
     if recipe.loss_normalization == "micro-batch-mean":
@@ -222,7 +227,7 @@ class AccumulationStudy(Study):
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         recipe = Recipe(**case.params)
         reports = run.reports(case)
-        if reason := self._unavailable(recipe):
+        if reason := self._unavailable(recipe, run):
             return [self._row(recipe, {"status": reason})] if reports else None
         task = task_by_name(recipe.task_name)
         data = window_data(recipe, task, run.seed, run.dtype)
@@ -238,9 +243,9 @@ class AccumulationStudy(Study):
 
     # ------------------------------------------------------------ set-up
     @staticmethod
-    def _unavailable(recipe: Recipe) -> str | None:
-        if recipe.strategy == "dp":
-            return dp.unavailable_reason(recipe.world_size)
+    def _unavailable(recipe: Recipe, run: RunContext) -> str | None:
+        if reason := unavailable_reason(recipe.strategy, recipe.world_size, run):
+            return reason
         if recipe.norm == "syncbatchnorm" and not torch.cuda.is_available():
             return "skipped: SyncBatchNorm needs CUDA devices"
         return None
@@ -263,8 +268,12 @@ class AccumulationStudy(Study):
         if recipe.strategy == "ddp":
             key = (recipe.world_size, recipe.task_name)
             if key not in self._ddp_trainers:
-                self._ddp_trainers[key] = DDPTrainer(copy.deepcopy(initial),
-                                                     run.group(recipe.world_size), run.device)
+                module = copy.deepcopy(initial)
+                if recipe.norm == "syncbatchnorm":
+                    # Synchronise statistics over the case's subgroup, not the whole launch.
+                    module.norm.process_group = run.group(recipe.world_size)
+                self._ddp_trainers[key] = DDPTrainer(module, run.group(recipe.world_size),
+                                                     run.device)
             trainer = self._ddp_trainers[key]
             trainer.reset(initial.state_dict())
             return trainer
@@ -272,16 +281,13 @@ class AccumulationStudy(Study):
             return EmulatedDPTrainer(initial, recipe.world_size, run.device)
         if recipe.strategy == "dp":
             return DPTrainer(initial, recipe.world_size)
-        return LocalTrainer(initial.to(run.device))
+        return LocalTrainer(initial, run.device)
 
     @staticmethod
     def _initial_model(recipe: Recipe, task: Task, run: RunContext) -> nn.Module:
         """The same initial weights for every case of a task, whatever the strategy."""
-        model = task.build_model(generator_for(run.seed, "accumulation-model", recipe.task_name),
-                                 run.dtype)
-        if recipe.norm == "syncbatchnorm":
-            model.norm.process_group = run.group(recipe.world_size)
-        return model
+        return task.build_model(generator_for(run.seed, "accumulation-model", recipe.task_name),
+                                run.dtype)
 
     # ------------------------------------------------------------ training
     def _train_window(self, recipe: Recipe, task: Task, trainer: Trainer,
@@ -290,7 +296,7 @@ class AccumulationStudy(Study):
         """k micro-steps and one optimizer step; the reporting rank keeps the gradient
         and its big-batch reference."""
         elements = sum(shard.elements for shards in micro_steps for shard in shards)
-        start = copy.deepcopy(trainer.module).cpu() if reports else None
+        start = _state_on_cpu(trainer.module) if reports else None
         optimizer = torch.optim.SGD(trainer.module.parameters(), lr=LEARNING_RATE)
         trainer.allreduce.reset()
         trainer.reduce_add.reset()
@@ -312,14 +318,12 @@ class AccumulationStudy(Study):
         return WindowResult(grads, big_batch, elements)
 
     @staticmethod
-    def _big_batch_gradient(recipe: Recipe, start: nn.Module,
+    def _big_batch_gradient(recipe: Recipe, start: dict[str, torch.Tensor],
                             micro_steps: list[list[Batch]]) -> torch.Tensor:
         """One process, the window's weights, every sample of the window in one batch."""
         reference_task = task_by_name(recipe.reference_task_name)
-        model = start
-        if recipe.reference_task_name != recipe.task_name:
-            model = reference_task.build_model(torch.Generator(), start.hidden.weight.dtype)
-            model.load_state_dict(start.state_dict())
+        model = reference_task.build_model(torch.Generator(), start["hidden.weight"].dtype)
+        model.load_state_dict(start)
         every_shard = [shard for shards in micro_steps for shard in shards]
         return local_gradient(reference_task, model, [Batch.cat(every_shard)], "mean")
 
@@ -355,8 +359,7 @@ class AccumulationStudy(Study):
         row = {**asdict(recipe), "emulated": recipe.strategy == "dp-emulated",
                "optimizer_steps": WINDOWS, **dict.fromkeys(numbers, math.nan), "verdict": ""}
         row.update(measured)
-        if recipe.strategy == "dp":
-            row["device"] = "cuda"
+        row["device"] = row_device(recipe.strategy)
         return row
 
     def summary_table(self, frame) -> str:

@@ -24,7 +24,7 @@ import torch
 from harness.context import RunContext
 from harness.fit import fit_scale, reduction_verdict
 from harness.seeding import generator_for
-from harness.strategies import dp, measure_step, step_cost
+from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
 from harness.studies.base import Case, Study
@@ -81,13 +81,13 @@ class ReductionStudy(Study):
         strategy, k = case["strategy"], case["world_size"]
         spec = self._spec(case, run)
         shard_sizes = _join(len(s) for s in spec.shards)
-        if strategy == "dp" and (reason := dp.unavailable_reason(k)):
+        if reason := unavailable_reason(strategy, k, run):
             return [_skipped_row(case, shard_sizes, reason)]
         measurement = measure_step(strategy, spec, k, run)
         if measurement is None:
             return None
         return [{**_identity(case, shard_sizes), **_analyse(spec, measurement, run.rtol),
-                 "status": "ok", "device": "cuda" if strategy == "dp" else None}]
+                 "status": "ok", "device": row_device(strategy)}]
 
     @staticmethod
     def _spec(case: Case, run: RunContext) -> StepSpec:
@@ -125,7 +125,7 @@ def _skipped_row(case: Case, shard_sizes: str, reason: str) -> dict[str, Any]:
                "running_stats_vs_full", "running_stats_vs_first_shard")
     return {**_identity(case, shard_sizes), **dict.fromkeys(numbers, math.nan),
             "chunk_sizes": "", "verdict": "", "reduce_op": "", "status": reason,
-            "device": "cuda"}
+            "device": row_device(case["strategy"])}
 
 
 def _references(spec: StepSpec, chunks: list) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 
 from harness.context import RunContext
 from harness.models import SeedToyModel
-from harness.strategies import dp, measure_step, step_cost
+from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.studies.base import Case, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
@@ -124,7 +124,7 @@ class Seed001Study(Study):
         strategy, k = case["strategy"], case["world_size"]
         setup = SeedSetup(case["experiment"])
         passes = PASSES[setup.experiment]
-        if strategy == "dp" and (reason := dp.unavailable_reason(k)):
+        if reason := unavailable_reason(strategy, k, run):
             return [self._skipped(case, t + 1, reason) for t in range(passes)]
         x = setup.inputs(run.dtype)
         batch = Batch(x, torch.zeros(SEED_BATCH, dtype=run.dtype))
@@ -150,7 +150,7 @@ class Seed001Study(Study):
             "abs_error": abs(measured - predicted),
             "matches": close(measured, predicted, run.rtol),
             "device_contributions": ";".join(f"{float(c.mean()):g}" for c in m.contributions),
-            "status": "ok", "device": "cuda" if case["strategy"] == "dp" else None,
+            "status": "ok", "device": row_device(case["strategy"]),
         }
 
     @staticmethod
@@ -164,7 +164,7 @@ class Seed001Study(Study):
         return {**self._identity(case, iteration), "devices_used": nan, "measured_grad": nan,
                 "measured_grad_spread": nan, "predicted_grad": nan, "formula": "",
                 "abs_error": nan, "matches": False, "device_contributions": "",
-                "status": reason, "device": "cuda"}
+                "status": reason, "device": row_device(case["strategy"])}
 
     def summary_table(self, frame) -> str:
         shown = frame[(frame["status"] == "ok") & (frame["loss_reduction"] == "mean")]
