@@ -150,3 +150,9 @@ def test_digits_split_is_seeded_and_disjoint():
     assert first.train_x.shape[1:] == (1, 8, 8) and float(first.train_x.max()) == 1.0
     other = Digits.load(1, torch.float64, torch.device("cpu"), held_out=297)
     assert not torch.equal(first.train_y, other.train_y)
+
+
+def test_the_same_case_twice_gives_identical_rows(local):
+    """Determinism of the training study (tests/test_determinism.py covers the others)."""
+    again = run_study_case(TrainingStudy(SMALL), "local", make_run("training"))
+    pd.testing.assert_frame_equal(local, again, check_exact=True)
