@@ -15,3 +15,9 @@ torch.set_num_threads(1)
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start torchrun or Slurm first: under ``-n auto --dist loadfile`` the
+    longest files then start at once instead of one of them ending the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("launches") is None)

@@ -8,8 +8,12 @@ on a reduced data set in tests/test_training.py.
 
 import filecmp
 
+import pytest
+
 from harness.studies import STUDIES
 from tests.distributed import run_cli
+
+pytestmark = pytest.mark.launches
 
 WORLD = 2
 STUDIES_HERE = [name for name in STUDIES if name != "training"]

@@ -5,9 +5,12 @@ total ranks measures; only the columns describing the launch may differ.
 """
 
 import pandas as pd
+import pytest
 
 from tests.distributed import run_cli
 from tests.launch import torchrun_nodes
+
+pytestmark = pytest.mark.launches
 
 ARGS = ["--studies", "reduction", "--strategies", "ddp", "--quiet", "--no-report"]
 #: One rank per agent: DDP at world size 2 then spans both nodes, at the least start-up cost.

@@ -22,6 +22,8 @@ from harness.studies import STUDIES
 from tests.distributed import run_cli
 from tests.launch import ROOT, free_port
 
+pytestmark = pytest.mark.launches
+
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "study.sbatch"
 CLUSTER_SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
 SLURM_TOOLS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "srun", "slurmctld",

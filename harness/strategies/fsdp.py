@@ -18,8 +18,6 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 
 from harness.models import device_slot
 from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, relative_spread
@@ -39,6 +37,10 @@ def unavailable_reason(placement) -> str | None:
 def shard(module: nn.Module, group: dist.ProcessGroup, device: torch.device,
           divide_factor: float | None = None) -> nn.Module:
     """``fully_shard`` the whole module on a 1-D mesh over ``group``."""
+    # Imported here: torch.distributed.fsdp costs ~1 s to import, in every rank.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(group, device.type)
     sharded = fully_shard(module.to(device), mesh=mesh)
     if divide_factor is not None:
