@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 NAMED_RATIOS = {"1": lambda k: 1.0, "1/k": lambda k: 1.0 / k, "k": lambda k: float(k)}
 
 
+def is_true(values: pd.Series) -> pd.Series:
+    """A boolean column as read from a CSV: True/False, or text when some cells are empty."""
+    return values.astype(str).str.lower() == "true"
+
+
 def measured(frame: pd.DataFrame) -> pd.DataFrame:
     """Rows whose case was measured (status ``ok``), not skipped."""
     return frame[frame["status"] == "ok"]

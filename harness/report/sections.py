@@ -8,7 +8,7 @@ CSV, but not summarized.
 
 from __future__ import annotations
 
-from harness.report import accumulation, reduction, seed001
+from harness.report import accumulation, diagnostics, reduction, seed001, seed004, training
 from harness.report.section import Section
 
 SECTIONS: dict[str, Section] = {
@@ -17,5 +17,8 @@ SECTIONS: dict[str, Section] = {
         reduction,
         seed001,
         accumulation,
+        training,
+        seed004,
+        diagnostics,
     )
 }

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from harness.report.figures import COLOURS, MARKERS, Margins, new_figure
 from harness.report.findings import skipped_findings
-from harness.report.rows import measured, ordered, split_by
+from harness.report.rows import is_true, measured, ordered, split_by
 from harness.report.section import Finding, Section, SectionInputs, SectionOutput
 from harness.report.text import (
     cite_cases,
@@ -69,7 +69,7 @@ def _findings(frame: pd.DataFrame, ok: pd.DataFrame, inputs: SectionInputs) -> l
 
 def _prediction_finding(strategy: str, rows: pd.DataFrame, inputs: SectionInputs) -> Finding:
     name = strategy_name(strategy)
-    matched = rows["matches"].astype(str).str.lower() == "true"
+    matched = is_true(rows["matches"])
     worst = rows["abs_error"].max()
     if matched.all():
         values = (f"All {len(rows)} values of w.grad measured under {name} equal"

@@ -1,0 +1,323 @@
+"""The report sections of the training, seed004 and diagnostics studies, from rows built here.
+
+Every test renders a section from a few rows whose numbers it chose, checks that the
+findings quote those numbers, and changes one value to see the sentence follow it:
+nothing in a finding is written for an expected outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.report import REPORT_NAME, ReportError, diagnostics, seed004, training, write_report
+from harness.report.figures import FigureWriter, style
+from harness.report.section import SectionInputs, SectionOutput
+from harness.report.text import number, small
+
+NAN = math.nan
+RTOL = 1e-9
+
+
+class UnsavedFigures(FigureWriter):
+    """Builds figures without drawing them: for tests about findings, drawing is wasted time."""
+
+    def save(self, figure, name: str, alt: str, caption: str) -> str:
+        return f"![{alt}](figures/{name}.png)"
+
+
+def render(section, rows: list[dict], out: Path) -> SectionOutput:
+    with style():
+        return section.render(pd.DataFrame(rows), SectionInputs(f"{section.study}.csv", RTOL,
+                                                                 UnsavedFigures(out)))
+
+
+def the_finding(output: SectionOutput, start: str) -> str:
+    found = [f.text for f in output.findings if f.text.startswith(start)]
+    assert found, f"no finding starts with {start!r}: {[f.text for f in output.findings]}"
+    return found[0]
+
+
+def figure_links(blocks: list[str]) -> list[str]:
+    return re.findall(r"!\[[^\]]*\]\(([^)]+)\)", "\n".join(blocks))
+
+
+# ------------------------------------------------------------------ training
+RULES = ("autograd.grad", "backward-no-zero", "backward-zero-grad", "optim.SGD")
+TWINS = {("local", "backward-no-zero"): "autograd.grad+running-sum",
+         ("local", "backward-zero-grad"): "autograd.grad", ("local", "optim.SGD"): "autograd.grad",
+         ("ddp", "autograd.grad"): "autograd.grad-rank0-shards",
+         ("ddp", "backward-no-zero"): "autograd.grad+running-sum",
+         ("ddp", "backward-zero-grad"): "autograd.grad", ("ddp", "optim.SGD"): "autograd.grad"}
+
+
+def training_row(strategy: str, variant: str, epoch: int) -> dict:
+    """A rule that trains well and stays on its twin; the never-zeroed rule and DDP's
+    autograd.grad get the numbers that set them apart."""
+    twin = TWINS.get((strategy, variant), "")
+    trained = epoch > 0
+    row = {"study": "training", "case_id": f"training/strategy={strategy}", "status": "ok",
+           "dtype": "float64", "strategy": strategy, "world_size": 2 if strategy == "ddp" else 1,
+           "variant": variant, "epoch": epoch,
+           "train_loss": 1 / (epoch + 1) if trained else NAN,
+           "heldout_accuracy": 0.5 + 0.1 * epoch, "param_distance": 0.0, "twin": twin,
+           "twin_distance": 0.0 if twin else NAN, "identical_to_twin": True if twin else None,
+           "applied_grad_norm": 1.0 if trained else NAN,
+           "fresh_grad_norm": 1.0 if trained else NAN, "rank_spread": 0.0}
+    if variant == "backward-no-zero" and trained:
+        row.update(param_distance=2.5 * epoch ** 1.07, train_loss=0.40625 * epoch,
+                   heldout_accuracy=0.875 / (2 * epoch), applied_grad_norm=8.0 * epoch)
+    if (strategy, variant) == ("ddp", "autograd.grad"):
+        row.update(param_distance=0.125 * epoch, rank_spread=0.15 * epoch)
+    return row
+
+
+def training_rows(**changes) -> list[dict]:
+    """Both strategies, every rule, epochs 0-2; ``changes`` maps "strategy/variant/epoch" to
+    the values to set on that row."""
+    rows = [training_row(s, v, e) for s in ("local", "ddp") for v in RULES for e in range(3)]
+    for key, values in changes.items():
+        strategy, variant, epoch = key.split("/")
+        for row in rows:
+            if (row["strategy"], row["variant"], row["epoch"]) == (strategy, variant, int(epoch)):
+                row.update(values)
+    return rows
+
+
+def test_training_findings_quote_the_rows_and_follow_them(tmp_path):
+    rows = training_rows()
+    never = [r for r in rows if (r["strategy"], r["variant"]) == ("local", "backward-no-zero")]
+    last, first = never[2], never[1]
+    sentence = the_finding(render(training.SECTION, rows, tmp_path),
+                           "Training with one process (local), backward-no-zero")
+    assert (f"ended epoch 2 at param_distance {small(last['param_distance'])} from the reference "
+            f"weights ({small(first['param_distance'])} after epoch 1)") in sentence
+    assert (f"train loss {number(last['train_loss'])} against {number(1 / 3)} and held-out "
+            f"accuracy {number(last['heldout_accuracy'])} against {number(0.7)} for "
+            f"autograd.grad") in sentence
+    assert f"lowest in epoch 1 ({number(first['train_loss'])})" in sentence
+
+    # A lower loss in the last epoch: the sentence quotes it, and the "lowest" clause goes.
+    changed = render(training.SECTION, training_rows(
+        **{"local/backward-no-zero/2": {"train_loss": 0.25}}), tmp_path)
+    sentence = the_finding(changed, "Training with one process (local), backward-no-zero")
+    assert f"train loss {number(0.25)} against" in sentence
+    assert "lowest" not in sentence
+    # Under DDP the rule to compare with is the one on the reference trajectory, not
+    # autograd.grad (its param_distance is not 0 there).
+    ddp = the_finding(changed, "Training with DDP at k = 2, backward-no-zero")
+    assert "for backward-zero-grad, the rule on the reference trajectory" in ddp
+
+
+def test_training_twins_ranks_and_applied_gradients_follow_the_rows(tmp_path):
+    output = render(training.SECTION, training_rows(
+        **{"local/optim.SGD/2": {"identical_to_twin": False, "twin_distance": 0.003}}), tmp_path)
+    twins = the_finding(output, "With one process (local), backward-no-zero stayed")
+    assert "backward-zero-grad on that of `autograd.grad` through epoch 2" in twins
+    assert f"optim.SGD left that of its twin `autograd.grad` in epoch 2 (twin_distance " \
+        f"{small(0.003)}" in twins
+    ranks = the_finding(output, "Training with DDP at k = 2, the ranks of")
+    assert (f"those of autograd.grad drifted apart (rank_spread {number(0.15)} after epoch 1 to "
+            f"{number(0.3)} after epoch 2)") in ranks
+    assert "its gradients were never all-reduced" in ranks
+    applied = the_finding(output, "At the last step of every epoch")
+    assert (f"backward-no-zero applied a gradient {number(8.0)} to {number(16.0)} times as large"
+            in applied)
+    assert "autograd.grad, backward-zero-grad and optim.SGD applied exactly that gradient" \
+        in applied
+
+    # Rank 0 off its lone twin: the rows no longer show that nothing was all-reduced.
+    output = render(training.SECTION, training_rows(
+        **{"ddp/autograd.grad/2": {"identical_to_twin": False, "twin_distance": 0.01}}), tmp_path)
+    ranks = the_finding(output, "Training with DDP at k = 2, the ranks of")
+    assert "drifted apart" in ranks and "never all-reduced" not in ranks
+
+
+def test_training_table_and_figure_show_the_last_epoch_and_every_row(tmp_path):
+    output = render(training.SECTION, training_rows(), tmp_path)
+    assert sum(f.headline for f in output.findings) <= 2, "the At-a-glance list stays short"
+    table = next(b for b in output.blocks if b.startswith("**After the last epoch**"))
+    assert "| ddp (k = 2) | autograd.grad | 0.3333 | 0.7 | 0.25 | 0 |" in table
+    assert figure_links(output.blocks) == ["figures/training_curves.png"]
+
+
+# ------------------------------------------------------------------- seed004
+def seed004_rows() -> list[dict]:
+    """The seed's accumulation and the big batch, as the study measures them."""
+    def row(method, event, batch, quantity, value, printed):
+        return {"study": "seed004", "case_id": f"seed004/method={method}", "status": "ok",
+                "method": method, "event": event, "batch": batch,
+                "loss_divisor": 2.0 if batch else NAN, "quantity": quantity, "measured": value,
+                "predicted": value, "formula": f"= {value:g}", "abs_error": 0.0,
+                "matches": True, "seed_printed": printed,
+                "matches_seed": None if printed != printed else True}
+
+    return [row("accumulation", "backward-1", "[4.0]", "grad", -16.0, -16.0),
+            row("accumulation", "backward-1", "[4.0]", "weight", 1.0, 1.0),
+            row("accumulation", "backward-2", "[2.0]", "grad", -20.0, -20.0),
+            row("accumulation", "backward-2", "[2.0]", "weight", 1.0, 1.0),
+            row("accumulation", "step", None, "grad", -20.0, -20.0),
+            row("accumulation", "step", None, "weight", 1.2, 1.2),
+            row("big-batch", "backward-1", "[4.0, 2.0]", "grad", -20.0, NAN),
+            row("big-batch", "backward-1", "[4.0, 2.0]", "weight", 1.0, NAN),
+            row("big-batch", "step", None, "grad", -20.0, NAN),
+            row("big-batch", "step", None, "weight", 1.2, NAN)]
+
+
+def test_seed004_findings_compare_measured_predicted_printed_and_the_big_batch(tmp_path):
+    output = render(seed004.SECTION, seed004_rows(), tmp_path)
+    big = the_finding(output, "In seed 004's one-weight model")
+    assert ("accumulation ([4.0] then [2.0], each loss divided by 2) and big-batch ([4.0, 2.0], "
+            "the loss divided by 2) left the same w.grad = -20 and the same w = 1.2 after "
+            "`step`") in big
+    assert [f.headline for f in output.findings].count(True) == 1
+    assert the_finding(output, "All 10 values measured")
+    printed = the_finding(output, "The accumulation run reproduced all 6 numbers")
+    assert "w.grad -16 after backward-1, -20 after backward-2 and -20 after step" in printed
+    table = output.blocks[0]
+    assert "| big-batch | step |  | w | 1.2 | 1.2 |  |" in table
+
+    rows = seed004_rows()
+    rows[-1].update(measured=1.25, abs_error=0.05, matches=False)  # big batch's weight after step
+    rows[2].update(seed_printed=-19.0, matches_seed=False)  # the seed "printed" another grad
+    output = render(seed004.SECTION, rows, tmp_path)
+    assert "the same w.grad = -20 and a different w: 1.2 against 1.25" in \
+        the_finding(output, "In seed 004's one-weight model")
+    assert "1.25 instead of 1.2" in the_finding(output, "1 value of the 10 measured differs")
+    assert "measured -20, printed -19" in the_finding(output, "1 number of the 6")
+    assert "| big-batch | step |  | w | 1.25 ✗ | 1.2 |  |" in output.blocks[0]
+
+
+# --------------------------------------------------------------- diagnostics
+SWEEP_STEPS = (1, 2, 5, 10)
+SWEEP_PARAMETERS = ("input.weight", "input.bias", "output.weight", "output.bias")
+
+
+def diagnostics_row(experiment: str, setting: str, parameter: str = "(all)", step: int = 1,
+                    strategy: str = "local", **values) -> dict:
+    row = dict.fromkeys(diagnostics.COLUMNS, NAN)
+    row.update(study="diagnostics", case_id=f"diagnostics/experiment={experiment}/{setting}",
+               status="ok", experiment=experiment, strategy=strategy,
+               world_size=2 if strategy == "ddp" else 1, setting=setting, step=step,
+               parameter=parameter, requires_grad=True, grad_is_none=False, error=None)
+    row.update(values)
+    return row
+
+
+def sweep_rows(dies_at: int) -> list[dict]:
+    """lr=0.1 stays alive; at lr=10 the input ReLU dies at ``dies_at`` and every gradient but
+    output.bias is exactly 0 from the step after."""
+    rows = []
+    for step in SWEEP_STEPS:
+        for parameter in SWEEP_PARAMETERS:
+            relu = 0.25 if parameter.startswith("input") else NAN
+            rows.append(diagnostics_row("lr-sweep", "lr=0.1", parameter, step, grad_norm=0.1,
+                                        zero_grad_fraction=0.3, update_ratio=0.01,
+                                        dead_relu_fraction=relu))
+            dead = step > dies_at and parameter != "output.bias"
+            relu = 1.0 if step >= dies_at and parameter.startswith("input") else relu
+            rows.append(diagnostics_row("lr-sweep", "lr=10", parameter, step,
+                                        grad_norm=0.0 if dead else 0.5,
+                                        zero_grad_fraction=1.0 if dead else 0.4,
+                                        update_ratio=0.0 if dead else 0.7,
+                                        dead_relu_fraction=relu))
+    return rows
+
+
+def other_experiment_rows() -> list[dict]:
+    frozen = [diagnostics_row("frozen-layer", "middle frozen (requires_grad=False)", p, step,
+                              requires_grad=not p.startswith("middle"),
+                              grad_is_none=p.startswith("middle"),
+                              update_ratio=0.0 if p.startswith("middle") else 0.02 * step,
+                              steps_completed=3)
+              for step in (1, 2, 3) for p in ("input.weight", "middle.weight", "output.bias")]
+    ddp = [diagnostics_row("frozen-layer", setting, p, steps, "ddp", steps_completed=steps,
+                           grad_rank_spread=spread, error=error)
+           for setting, steps, spread, error in (
+               ("middle frozen, find_unused_parameters=False", 3, 0.0, None),
+               ("middle unused, find_unused_parameters=False", 1, 1.75,
+                "RuntimeError: Expected to have finished reduction"))
+           for p in ("input.weight", "output.bias")]
+    modes = [diagnostics_row("train-vs-eval", "train()", grad_norm=3.25, bn_batch_mean=1e-16,
+                             bn_batch_std=0.9995, running_stats_change=0.099),
+             diagnostics_row("train-vs-eval", "eval()", grad_norm=0.25, bn_batch_mean=0.11,
+                             bn_batch_std=0.125, running_stats_change=0.0)]
+    graphs = [diagnostics_row("no-grad", "grad enabled", grad_norm=0.29,
+                              output_requires_grad=True, output_grad_fn="NllLossBackward0"),
+              diagnostics_row("no-grad", "torch.no_grad()", grad_is_none=True,
+                              output_requires_grad=False, output_grad_fn=None,
+                              error="RuntimeError: element 0 of tensors does not require grad")]
+    return frozen + ddp + modes + graphs
+
+
+def test_diagnostics_findings_say_when_gradients_die_and_what_each_experiment_did(tmp_path):
+    output = render(diagnostics.SECTION, sweep_rows(dies_at=2) + other_experiment_rows(),
+                    tmp_path)
+    sweep = the_finding(output, "In the learning-rate sweep")
+    assert "the gradients of every parameter but output.bias became exactly 0" in sweep
+    assert "at lr=10 from step 5, the ReLU after `input` dead since step 2" in sweep
+    assert "lr=0.1" not in sweep
+    assert f"largest zero_grad_fraction {number(0.3)}" in the_finding(output, "At lr=0.1")
+    frozen = the_finding(output, "With one process (local) and `middle frozen")
+    assert ("middle.weight kept .grad None at all 3 steps and did not move (update_ratio 0), "
+            f"while the other parameters trained (update_ratio {small(0.02)} to "
+            f"{small(0.06)})") in frozen
+    ddp = the_finding(output, "With DDP at k = 2")
+    assert ("`middle frozen, find_unused_parameters=False` completed 3 steps, every gradient "
+            "averaged over the ranks") in ddp
+    assert ("`middle unused, find_unused_parameters=False` stopped after 1 step with "
+            "RuntimeError: Expected to have finished reduction, the ranks' gradients of the last "
+            f"step not averaged (largest grad_rank_spread {small(1.75)})") in ddp
+    modes = the_finding(output, "One batch through the first BatchNorm")
+    assert "in `eval()` its output had bn_batch_mean 0.11 and bn_batch_std 0.125" in modes
+    assert "its running statistics stayed unchanged (running_stats_change 0)" in modes
+    graphs = the_finding(output, "One forward of the MLP")
+    assert "with `torch.no_grad()` the loss had no graph (output_requires_grad False)" in graphs
+    assert "backward() raised RuntimeError: element 0 of tensors" in graphs
+    assert sum(f.headline for f in output.findings) <= 2
+
+    # The layer dies later: every step in the sentence moves with the rows.
+    later = the_finding(render(diagnostics.SECTION, sweep_rows(dies_at=5), tmp_path),
+                        "In the learning-rate sweep")
+    assert "at lr=10 from step 10, the ReLU after `input` dead since step 5" in later
+
+
+# ------------------------------------------------------------ whole report
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_report_has_the_three_sections_with_relative_figures(tmp_path, broken):
+    frames = {"training": pd.DataFrame(training_rows()), "seed004": pd.DataFrame(seed004_rows()),
+              "diagnostics": pd.DataFrame(sweep_rows(2) + other_experiment_rows())}
+    if broken:  # a CSV without a column the section reads: refused before anything is written
+        frames["seed004"] = frames["seed004"].drop(columns="seed_printed")
+    for study, frame in frames.items():
+        frame.to_csv(tmp_path / f"{study}.csv", index=False)
+    (tmp_path / "run.json").write_text(json.dumps({"dtype": "float64", "studies": {
+        study: {"csv": f"{study}.csv"} for study in frames}}))
+    if broken:
+        with pytest.raises(ReportError, match="seed_printed"):
+            write_report(tmp_path)
+        assert not (tmp_path / REPORT_NAME).exists()
+        return
+    report = write_report(tmp_path).read_text()
+    for section in (training.SECTION, seed004.SECTION, diagnostics.SECTION):
+        assert f"## {section.title}" in report
+    assert "could not summarize" not in report
+    for link in figure_links([report]):
+        assert link.startswith("figures/") and (tmp_path / link).is_file(), link
+    assert {Path(link).name for link in figure_links([report])} == {
+        "training_curves.png", "diagnostics_grad_norms.png"}
+
+
+@pytest.mark.parametrize("section", [training.SECTION, seed004.SECTION, diagnostics.SECTION],
+                         ids=lambda section: section.study)
+def test_each_section_reads_only_columns_its_study_writes(section):
+    # The rows above are built by hand: this ties them, and the section, to the real schema.
+    from harness.studies import STUDIES
+
+    written = set(STUDIES[section.study]().columns)
+    assert set(section.columns) <= written, set(section.columns) - written
