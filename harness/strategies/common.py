@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,3 +142,30 @@ class Trainer(ABC):
         clear_grad(self.module)
         self.allreduce.reset()
         self.reduce_add.reset()
+
+
+def dataparallel_passes(spec: StepSpec, wrapper: nn.Module, model: nn.Module, batch: Any,
+                        contributions: Callable[[], list[torch.Tensor]]
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """``spec``'s backward passes through a DataParallel-like ``wrapper``, the loss taken
+    on the gathered output (or the gathered per-device losses reduced), as users do.
+
+    Returns ``param.grad`` after every pass, what ``contributions()`` recorded of the
+    first pass (each device's gradient, or the one gradient when a single device ran),
+    and the buffers after the first pass.
+    """
+    grads: list[torch.Tensor] = []
+    first_contributions: list[torch.Tensor] = []
+    buffers: dict[str, torch.Tensor] = {}
+    for step in range(spec.backward_passes):
+        if spec.loss_in_forward:
+            per_device = wrapper(batch.x, batch.y)
+            loss = per_device.mean() if spec.reduction == "mean" else per_device.sum()
+        else:
+            loss = spec.task.loss(wrapper(batch.x), batch, spec.reduction)
+        loss.backward()
+        grads.append(flat_grad(model))
+        if step == 0:
+            buffers = buffers_of(model)
+            first_contributions = contributions() or [grads[0]]
+    return grads, first_contributions, buffers

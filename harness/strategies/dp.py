@@ -14,7 +14,12 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from harness.strategies.common import StepMeasurement, StepSpec, Trainer, buffers_of, flat_grad
+from harness.strategies.common import (
+    StepMeasurement,
+    StepSpec,
+    Trainer,
+    dataparallel_passes,
+)
 from harness.tasks import Batch
 
 
@@ -64,22 +69,16 @@ def measure_step(spec: StepSpec, replicas: int) -> StepMeasurement:
     recorder = _ReplicaGradientRecorder(model)
     wrapper = nn.DataParallel(model, device_ids=list(range(replicas)))
     batch = Batch.cat(spec.shards).to(torch.device("cuda:0"))
-    chunk_sizes = tuple(len(c) for c in batch.chunk(replicas))
-    grads, contributions, buffers = [], [], {}
-    for step in range(spec.backward_passes):
-        if spec.loss_in_forward:
-            per_device = wrapper(batch.x, batch.y)
-            loss = per_device.mean() if spec.reduction == "mean" else per_device.sum()
-        else:
-            loss = spec.task.loss(wrapper(batch.x), batch, spec.reduction)
-        loss.backward()
-        grads.append(flat_grad(model))
-        if step == 0:
-            buffers = buffers_of(model)
-            contributions = recorder.contributions() or [grads[0]]
-            recorder.handle.remove()
+
+    def first_pass_contributions() -> list[torch.Tensor]:
+        recorder.handle.remove()  # later passes are only about accumulation
+        return recorder.contributions()
+
+    grads, contributions, buffers = dataparallel_passes(spec, wrapper, model, batch,
+                                                        first_pass_contributions)
     return StepMeasurement(grads=grads, contributions=contributions,
-                           chunk_sizes=chunk_sizes, buffers=buffers)
+                           chunk_sizes=tuple(len(c) for c in batch.chunk(replicas)),
+                           buffers=buffers)
 
 
 class DPTrainer(Trainer):

@@ -33,8 +33,7 @@ from harness.strategies.common import (
     StepMeasurement,
     StepSpec,
     Trainer,
-    buffers_of,
-    flat_grad,
+    dataparallel_passes,
 )
 from harness.tasks import Batch
 
@@ -112,18 +111,8 @@ def measure_step(spec: StepSpec, replicas: int, device: torch.device) -> StepMea
     model = copy.deepcopy(spec.model).to(device)
     wrapper = EmulatedDataParallel(model, replicas)
     batch = Batch.cat(spec.shards).to(device)
-    grads, contributions, buffers = [], [], {}
-    for step in range(spec.backward_passes):
-        if spec.loss_in_forward:
-            per_device = wrapper(batch.x, batch.y)
-            loss = per_device.mean() if spec.reduction == "mean" else per_device.sum()
-        else:
-            loss = spec.task.loss(wrapper(batch.x), batch, spec.reduction)
-        loss.backward()
-        grads.append(flat_grad(model))
-        if step == 0:
-            buffers = buffers_of(model)
-            contributions = wrapper.last_contributions or [grads[0]]
+    grads, contributions, buffers = dataparallel_passes(
+        spec, wrapper, model, batch, lambda: wrapper.last_contributions)
     return StepMeasurement(grads=grads, contributions=contributions,
                            chunk_sizes=wrapper.last_chunk_sizes, buffers=buffers)
 
