@@ -225,7 +225,10 @@ class Runner:
     def _finish(self, ctx: RunContext, plan: list, study_times: dict[str, float],
                 started: float) -> None:
         manifest = {
-            "command": " ".join(["scripts/study.py", *sys.argv[1:]]),
+            # torchrun's own flags never reach the script: this is the launch's equivalent.
+            "command": " ".join([f"torchrun --nnodes={self.launch.nodes}",
+                                 f"--nproc_per_node={self.launch.local_world_size}",
+                                 "scripts/study.py", *sys.argv[1:]]),
             "config": {k: (str(v) if isinstance(v, Path) else v)
                        for k, v in asdict(self.config).items() if k != "known_studies"},
             "world_sizes": list(self.world_sizes),

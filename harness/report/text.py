@@ -81,6 +81,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
 STRATEGY_NAMES = {
     "local": "one process (local)",
     "ddp": "DDP",
+    "fsdp": "FSDP",
     "dp-emulated": "DataParallel (CPU emulation)",
     "dp": "DataParallel",
 }

@@ -5,10 +5,10 @@ reduce-scatters the ranks' local gradients. To compare with the other
 strategies, the sharded gradient is gathered back into one vector
 (``DTensor.full_tensor``) on every rank.
 
-What each rank fed into the reduce-scatter is measured the same way DDP's is
-not: a second copy of the model is sharded with a gradient divide factor of 1,
-so its reduce-scatter sums the local gradients undivided -- their sum is then
-exactly the sum of the collective's inputs.
+What each rank feeds into the reduce-scatter is its gradient of its own shard.
+FSDP keeps that unsharded gradient to itself (``set_requires_gradient_sync(False)``
+accumulates it internally), so each rank computes it once more without FSDP, on
+a copy of the same weights, and rank 0 gathers them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from harness.models import device_slot
 from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, relative_spread
 from harness.strategies.ddp import gather_to_leader
+from harness.strategies.local import local_gradient
 
 
 def unavailable_reason(placement) -> str | None:
@@ -34,18 +35,14 @@ def unavailable_reason(placement) -> str | None:
     return None
 
 
-def shard(module: nn.Module, group: dist.ProcessGroup, device: torch.device,
-          divide_factor: float | None = None) -> nn.Module:
+def shard(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
     """``fully_shard`` the whole module on a 1-D mesh over ``group``."""
     # Imported here: torch.distributed.fsdp costs ~1 s to import, in every rank.
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type)
-    sharded = fully_shard(module.to(device), mesh=mesh)
-    if divide_factor is not None:
-        sharded.set_gradient_divide_factor(divide_factor)
-    return sharded
+    return fully_shard(module.to(device), mesh=mesh)
 
 
 def full_grad(module: nn.Module) -> torch.Tensor:
@@ -77,13 +74,14 @@ def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
     model = shard(copy.deepcopy(spec.model), group, device)
     grads = _backward_passes(model, spec, rank, shard_data, spec.backward_passes)
     buffers = buffers_of(model)
-    summing = shard(copy.deepcopy(spec.model), group, device, divide_factor=1.0)
-    inputs_sum = _backward_passes(summing, spec, rank, shard_data, 1)[0]
+    local = local_gradient(spec.task, spec.model, [spec.shards[rank]], spec.reduction,
+                           slots=[rank])
     every_rank_grads = gather_to_leader(torch.stack(grads), group, device)
-    if every_rank_grads is None:
+    contributions = gather_to_leader(local, group, device)
+    if every_rank_grads is None or contributions is None:
         return None
     spread = max(relative_spread(g, [other[i] for other in every_rank_grads])
                  for i, g in enumerate(grads))
-    return StepMeasurement(grads=grads, contributions=[inputs_sum],
+    return StepMeasurement(grads=grads, contributions=contributions,
                            chunk_sizes=tuple(len(s) for s in spec.shards),
                            rank_spread=spread, buffers=buffers)
