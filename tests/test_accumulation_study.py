@@ -11,6 +11,7 @@ import torch
 from harness.studies.accumulation import WINDOWS, matrix
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
+from tests.frames import rows as select
 
 RTOL = relative_tolerance(torch.float64)
 WORLD = 3
@@ -28,12 +29,6 @@ def frame(tmp_path_factory):
     return pd.read_csv(out / "accumulation.csv")
 
 
-def select(frame, **where):
-    rows = frame
-    for column, value in where.items():
-        rows = rows[rows[column] == value]
-    assert len(rows) > 0, where
-    return rows
 
 
 PLAIN = dict(norm="none", shards="even", loss_normalization="micro-batch-mean", status="ok")

@@ -12,6 +12,7 @@ from harness.diagnostics import GradientRecorder, dead_relu_fraction, gradient_s
 from harness.studies.diagnostics import DiagnosticsSetup, DiagnosticsStudy
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_ranks
+from tests.frames import rows
 from tests.test_training import make_run
 
 RTOL = relative_tolerance(torch.float64)
@@ -81,12 +82,6 @@ def blank(value) -> bool:
     return value == "" or bool(pd.isna(value))
 
 
-def rows(frame, **where):
-    selected = frame
-    for column, value in where.items():
-        selected = selected[selected[column] == value]
-    assert len(selected) > 0, f"no rows for {where}"
-    return selected
 
 
 def test_schema(local):

@@ -10,6 +10,7 @@ import torch
 
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
+from tests.frames import rows
 
 RTOL = relative_tolerance(torch.float64)
 WORLD = 4
@@ -29,12 +30,6 @@ def reduction(results):
     return results["reduction"]
 
 
-def rows(frame, **where):
-    selected = frame
-    for column, value in where.items():
-        selected = selected[selected[column] == value]
-    assert len(selected) > 0, f"no rows for {where}"
-    return selected
 
 
 def approx(value):

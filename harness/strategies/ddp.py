@@ -86,8 +86,14 @@ def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
     clear_grad(model)
     with ddp.no_sync(), device_slot(rank):
         spec.task.loss(ddp(shard.x), shard, spec.reduction).backward()
-    local = flat_grad(model)
+    return measurement_on_leader(spec, grads, flat_grad(model), buffers, group, device)
 
+
+def measurement_on_leader(spec: StepSpec, grads: list[torch.Tensor], local: torch.Tensor,
+                          buffers: dict[str, torch.Tensor], group: dist.ProcessGroup,
+                          device: torch.device) -> StepMeasurement | None:
+    """Gather every rank's ``param.grad`` (per pass) and local gradient on rank 0 and
+    measure how far the ranks disagree; None on the other ranks. A collective."""
     every_rank_grads = gather_to_leader(torch.stack(grads), group, device)
     contributions = gather_to_leader(local, group, device)
     if every_rank_grads is None or contributions is None:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.models import device_slot
-from harness.strategies.common import StepMeasurement, StepSpec, buffers_of, relative_spread
-from harness.strategies.ddp import gather_to_leader
+from harness.strategies.common import StepMeasurement, StepSpec, buffers_of
+from harness.strategies.ddp import measurement_on_leader
 from harness.strategies.local import local_gradient
 
 
@@ -76,12 +76,4 @@ def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
     buffers = buffers_of(model)
     local = local_gradient(spec.task, spec.model, [spec.shards[rank]], spec.reduction,
                            slots=[rank])
-    every_rank_grads = gather_to_leader(torch.stack(grads), group, device)
-    contributions = gather_to_leader(local, group, device)
-    if every_rank_grads is None or contributions is None:
-        return None
-    spread = max(relative_spread(g, [other[i] for other in every_rank_grads])
-                 for i, g in enumerate(grads))
-    return StepMeasurement(grads=grads, contributions=contributions,
-                           chunk_sizes=tuple(len(s) for s in spec.shards),
-                           rank_spread=spread, buffers=buffers)
+    return measurement_on_leader(spec, grads, local, buffers, group, device)
