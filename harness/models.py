@@ -108,21 +108,27 @@ class TokenMLP(nn.Module):
 
 @torch.no_grad()
 def initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
-    """Overwrite every parameter from ``generator``: weights ~ N(0, 1/fan_in), biases ~ N(0, 0.01).
+    """Overwrite every parameter from ``generator``, layer by layer.
 
-    Written out rather than left to torch's default init so that the same seed
-    gives the same weights on every rank, run and torch version.
+    Linear: weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2). Norm layers: affine
+    weights 1 + N(0, 0.1^2) and biases N(0, 0.1^2) -- near identity but not at
+    it, so that their gradients are not trivially symmetric. Written out rather
+    than left to torch's default init so that the same seed gives the same
+    weights on every rank, run and torch version.
     """
-    for name, param in module.named_parameters():
-        if isinstance(module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module,
-                      (nn.BatchNorm1d, nn.GroupNorm, nn.SyncBatchNorm)):
-            # Affine parameters of a norm layer: start near identity, but not at it,
-            # so that their gradients are not trivially symmetric.
-            base = 1.0 if name.endswith("weight") else 0.0
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64)
-            param.copy_(base + 0.1 * noise)
-            continue
-        fan_in = param.shape[-1] if param.dim() > 1 else 1
-        std = (1.0 / fan_in) ** 0.5 if param.dim() > 1 else 0.1
-        param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * std)
+    norms = (nn.BatchNorm1d, nn.GroupNorm, nn.SyncBatchNorm)
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            _fill(layer.weight, generator, std=layer.in_features ** -0.5)
+            _fill(layer.bias, generator, std=0.1)
+        elif isinstance(layer, norms):
+            _fill(layer.weight, generator, std=0.1, mean=1.0)
+            _fill(layer.bias, generator, std=0.1)
+        elif any(True for _ in layer.parameters(recurse=False)):
+            raise TypeError(f"initialize() has no rule for {type(layer).__name__}")
     return module
+
+
+def _fill(param: torch.Tensor, generator: torch.Generator, std: float, mean: float = 0.0
+          ) -> None:
+    param.copy_(mean + std * torch.randn(param.shape, generator=generator, dtype=torch.float64))

@@ -28,11 +28,13 @@ from harness.strategies.common import (
 )
 
 
-def wrap(module: nn.Module, group: dist.ProcessGroup, device: torch.device
-         ) -> DistributedDataParallel:
-    """DDP with its defaults (bucketing, buffer broadcast), on ``group``."""
+def wrap(module: nn.Module, group: dist.ProcessGroup, device: torch.device,
+         **options) -> DistributedDataParallel:
+    """DDP with its defaults (bucketing, buffer broadcast) unless ``options`` say
+    otherwise (e.g. ``find_unused_parameters``), on ``group``."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, process_group=group, device_ids=device_ids)
+    return DistributedDataParallel(module, process_group=group, device_ids=device_ids,
+                                   **options)
 
 
 def count_allreduces(ddp: DistributedDataParallel, group: dist.ProcessGroup,

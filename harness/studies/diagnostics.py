@@ -264,7 +264,8 @@ class DiagnosticsStudy(Study):
         model = build_mlp(run.seed, setup, run.dtype, skip_middle=not frozen).to(run.device)
         if frozen:
             model.middle.requires_grad_(False)
-        wrapped = ddp_wrap(model, group, run.device, case["find_unused_parameters"])
+        wrapped = ddp.wrap(model, group, run.device,
+                           find_unused_parameters=case["find_unused_parameters"])
         optimizer = torch.optim.SGD(model.parameters(), lr=setup.learning_rate)
         batches = self._digits(run).batches(setup.batch_size)
         completed, error, loss = 0, "", math.nan
@@ -365,16 +366,6 @@ def forward_capturing(model: nn.Module, layer: nn.Module, x: torch.Tensor
         return model(x), captured[0] if captured else torch.empty(0)
     finally:
         handle.remove()
-
-
-def ddp_wrap(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
-             find_unused_parameters: bool) -> nn.Module:
-    """DDP as :func:`harness.strategies.ddp.wrap`, with ``find_unused_parameters`` chosen."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, process_group=group, device_ids=device_ids,
-                                   find_unused_parameters=find_unused_parameters)
 
 
 def _per_parameter_spread(model: nn.Module, every_rank: list[torch.Tensor] | None
