@@ -6,10 +6,13 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from harness.tasks import Batch, Task
 
 
 def flat_grad(module: nn.Module) -> torch.Tensor:
@@ -62,11 +65,11 @@ class StepMeasurement:
 class StepSpec:
     """One measured step: a model, the global batch split into per-device shards, a loss."""
 
-    task: object  # harness.tasks.Task (kept untyped here to avoid an import cycle)
+    task: Task
     #: Freshly initialised model; every strategy and reference works on a deep copy.
     model: nn.Module
     #: One shard per device slot; the global batch is their concatenation.
-    shards: list
+    shards: list[Batch]
     #: 'mean' or 'sum' of the loss terms -- or, with ``loss_in_forward``, of the
     #: vector of per-device losses DataParallel gathers.
     reduction: str
