@@ -12,26 +12,24 @@ import math
 from collections.abc import Iterable, Sequence
 
 
-def number(value: float) -> str:
-    """A measured ratio or gradient, as a reader wants to see it: 0.5, 0.3333, 2.5, 1.2e+06."""
+def _formatted(value: float, plain_below: float, plain: str, otherwise: str) -> str:
+    """``value`` with format ``plain`` when 1e-3 <= |value| < ``plain_below``, else
+    ``otherwise``; "n/a" for a missing value and "0" for an exact zero."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if value == 0:
         return "0"
-    if 1e-3 <= abs(value) < 1e5:
-        return f"{value:.4g}"
-    return f"{value:.2g}"
+    return format(value, plain if 1e-3 <= abs(value) < plain_below else otherwise)
+
+
+def number(value: float) -> str:
+    """A measured ratio or gradient, as a reader wants to see it: 0.5, 0.3333, 2.5, 1.2e+06."""
+    return _formatted(value, 1e5, ".4g", ".2g")
 
 
 def small(value: float) -> str:
     """A deviation or residual: its order of magnitude matters, not its digits (2.2e-16)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    if value == 0:
-        return "0"
-    if 1e-3 <= abs(value) < 1e3:
-        return f"{value:.2g}"
-    return f"{value:.1e}"
+    return _formatted(value, 1e3, ".2g", ".1e")
 
 
 def integers(values: Iterable[float]) -> str:
