@@ -28,7 +28,6 @@ STRATEGIES: dict[str, str] = {
     "dp": "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
 }
 
-ZERO_GRAD_POLICIES = ("never", "every-micro-step", "every-step")
 MATRICES = ("default", "full")
 
 

@@ -101,11 +101,6 @@ class EmulatedDataParallel(nn.Module):
                                    for grads in per_replica]
 
 
-def chunks_of(shards: list[Batch], replicas: int) -> list[Batch]:
-    """The chunks DataParallel's scatter makes of the global batch."""
-    return Batch.cat(shards).chunk(replicas)
-
-
 def measure_step(spec: StepSpec, replicas: int, device: torch.device) -> StepMeasurement:
     """Run ``spec`` through the emulated DataParallel and record what lands in ``param.grad``."""
     model = copy.deepcopy(spec.model).to(device)

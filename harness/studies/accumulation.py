@@ -43,6 +43,7 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.fit import equivalence_verdict, fit_scale, relative_error
+from harness.models import NORMS
 from harness.seeding import generator_for
 from harness.strategies import row_device, step_cost, unavailable_reason
 from harness.strategies.common import Trainer, relative_spread
@@ -67,7 +68,7 @@ STRATEGIES = ("local", "ddp", "dp-emulated", "dp")
 ZERO_GRAD = ("never", "every-micro-step", "every-step")
 LOSS_SCALING = ("none", "1/k")
 DDP_SYNC = ("every-micro-step", "no_sync")
-NORMS = ("none", "batchnorm", "groupnorm", "syncbatchnorm")
+#: Shard layouts: "tokens" belongs to the sequence task, the others to the MLP.
 SHARDS = ("even", "uneven", "tokens")
 LOSS_NORMALIZATIONS = ("micro-batch-mean", "window-total")
 
@@ -120,7 +121,8 @@ def _world_sizes(strategy: str, run: RunContext) -> tuple[int, ...]:
 def _conditions(strategy: str) -> list[tuple[str, str, str]]:
     """(norm, shards, loss_normalization) combinations a strategy is measured under."""
     sample_level = [(norm, shards, normalization) for norm in _norms(strategy)
-                    for shards in ("even", "uneven") for normalization in LOSS_NORMALIZATIONS]
+                    for shards in SHARDS if shards != "tokens"
+                    for normalization in LOSS_NORMALIZATIONS]
     tokens = [("none", "tokens", normalization) for normalization in LOSS_NORMALIZATIONS]
     return sample_level + tokens
 
