@@ -146,7 +146,7 @@ class Runner:
                 begun = time.perf_counter()
                 rows = self._run_study(study, cases, ctx, done, journal, progress)
                 if self.leader:
-                    write_csv_atomic(self.config.out / study.csv_name, rows, study.columns)
+                    write_csv_atomic(self.config.out / study.csv_name, rows, study.column_names())
                 study_times[study.name] = time.perf_counter() - begun
         journal.finish()
         dist.barrier(group=self.idle_group)

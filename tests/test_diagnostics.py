@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from harness.diagnostics import GradientRecorder, dead_relu_fraction, gradient_stats, graph_of
-from harness.studies.diagnostics import DiagnosticsSetup, DiagnosticsStudy
+from harness.studies.diagnostics.study import DiagnosticsSetup, DiagnosticsStudy
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_ranks
 from tests.frames import rows
@@ -85,7 +85,7 @@ def blank(value) -> bool:
 
 
 def test_schema(local):
-    assert list(local.columns) == [*DiagnosticsStudy.own_columns, "status"]
+    assert list(local.columns) == [*DiagnosticsStudy.own_columns(), "status"]
     assert set(local.experiment) == {"lr-sweep", "frozen-layer", "train-vs-eval", "no-grad"}
 
 

@@ -14,7 +14,7 @@ def test_torchrun_runs_the_reduction_study_and_writes_a_tidy_csv_and_report(tmp_
     done = torchrun("--studies", "reduction", "--strategies", "ddp", "--out", str(out), nproc=2)
     assert done.returncode == 0, done.stderr
     frame = pd.read_csv(out / "reduction.csv")
-    assert list(frame.columns) == list(STUDIES["reduction"]().columns)
+    assert list(frame.columns) == list(STUDIES["reduction"].column_names())
     assert sorted(frame.world_size.unique()) == [1, 2]
     ddp = frame[(frame.strategy == "ddp") & (frame.world_size > 1)
                 & (frame.model != "mlp-batchnorm")]

@@ -241,9 +241,9 @@ def accumulation_row(recipe, setting, k, verdict, scale, error):
 
 
 def test_accumulation_findings_name_the_recipes_the_rows_say_are_exact(tmp_path):
-    from harness.report.accumulation import SECTION
     from harness.report.figures import FigureWriter, style
     from harness.report.section import SectionInputs
+    from harness.studies.accumulation.report import SECTION
 
     plain, batchnorm = ("none", "even", "micro-batch-mean"), ("batchnorm", "even",
                                                               "micro-batch-mean")

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from harness.studies import STUDIES
-from harness.studies.seed004 import Seed004Study
+from harness.studies.seed004.study import Seed004Study
 from tests.distributed import run_cli
 from tests.test_training import make_run
 
@@ -65,5 +65,5 @@ def test_the_command_line_writes_seed004_csv(tmp_path):
                     store_dir=tmp_path)
     assert codes == [0]
     written = pd.read_csv(out / "seed004.csv")
-    assert list(written.columns) == list(STUDIES["seed004"]().columns)
+    assert list(written.columns) == list(STUDIES["seed004"].column_names())
     assert len(written) == 10 and (written.status == "ok").all()

@@ -97,7 +97,7 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
 
     results = tmp_path / "results" / job_id
     frame = pd.read_csv(results / "reduction.csv", dtype={"slurm_job_id": str})
-    assert list(frame.columns) == list(STUDIES["reduction"]().columns)
+    assert list(frame.columns) == list(STUDIES["reduction"].column_names())
     assert (frame.slurm_job_id == job_id).all()
     assert (frame[["hosts", "nodes", "ranks_per_node", "launch_world_size"]]
             == [1, 1, RANKS, RANKS]).all().all()

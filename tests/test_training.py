@@ -17,7 +17,7 @@ from harness.config import RunConfig
 from harness.context import RunContext
 from harness.launch import Launch, Placement
 from harness.studies import STUDIES
-from harness.studies.training import (
+from harness.studies.training.study import (
     RANK0_ALONE,
     REFERENCE,
     RUNNING_SUM,
@@ -74,7 +74,7 @@ def ddp(tmp_path_factory):
 
 
 def test_rows_cover_every_rule_and_epoch_with_the_schema(local):
-    assert list(local.columns) == [*TrainingStudy.own_columns, "status"]
+    assert list(local.columns) == [*TrainingStudy.own_columns(), "status"]
     assert sorted(local.variant.unique()) == sorted(UPDATE_RULES)
     assert sorted(local.epoch.unique()) == list(range(EPOCHS + 1))
     assert (local.steps == local.epoch * 4).all()

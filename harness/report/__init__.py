@@ -5,8 +5,8 @@
 
 The folder is checked first (``run.json`` and every CSV it lists, with the
 columns the report reads); a malformed folder raises :class:`ReportError`
-before anything is written. Sections are registered per study in
-:mod:`harness.report.sections`. matplotlib is imported only here, when a report
+before anything is written. Each study's section lives next to it, in
+``harness/studies/<study>/report.py``. matplotlib is imported only here, when a report
 is written, so that a study run that skips the report never loads it.
 """
 
@@ -30,35 +30,35 @@ def write_report(out: Path) -> Path:
     manifest = read_manifest(out)  # first, and cheap: a wrong folder fails before heavy imports
     from harness.report.document import render_document
     from harness.report.figures import FigureWriter, style
-    from harness.report.sections import SECTIONS
     from harness.results import write_text_atomic
+    from harness.studies import STUDIES, report_section
 
-    results = load_results(out, manifest, SECTIONS)
+    sections = {name: section for name in STUDIES if (section := report_section(name))}
+    results = load_results(out, manifest, sections)
     rtol = tolerance(results.dtype)
     figures = FigureWriter(out)
     outputs = {}
     with style():
         for study, frame in results.frames.items():
-            outputs[study] = _render_section(study, frame, results.csv_name(study), rtol,
-                                             figures)
+            outputs[study] = _render_section(sections[study], frame, results.csv_name(study),
+                                             rtol, figures)
     figures.remove_stale()
     target = out / REPORT_NAME
-    write_text_atomic(target, render_document(results, SECTIONS, outputs))
+    write_text_atomic(target, render_document(results, sections, outputs))
     return target
 
 
-def _render_section(study, frame, csv_name, rtol, figures):
+def _render_section(section, frame, csv_name, rtol, figures):
     """A study's section; if it fails, the reason, so that the other studies still get theirs.
 
     A report is written at the end of a run whose CSVs are already safe on disk:
     one section's failure (a bug, or rows it did not expect) must not cost the others.
     """
     from harness.report.section import SectionInputs
-    from harness.report.sections import SECTIONS
 
     try:
-        return SECTIONS[study].render(frame, SectionInputs(csv_name, rtol, figures))
+        return section.render(frame, SectionInputs(csv_name, rtol, figures))
     except Exception as error:  # noqa: BLE001 -- reported in REPORT.md and on stderr
         reason = f"{type(error).__name__}: {error}"
-        print(f"report: section {study} failed: {reason}", file=sys.stderr)
+        print(f"report: section {section.study} failed: {reason}", file=sys.stderr)
         return reason

@@ -1,9 +1,26 @@
-"""What a study is: a list of cases, and how to measure one of them."""
+"""What a study is: its schema, its options, its cases, and how to measure one.
+
+A study is a plug-in over the driver (harness/runner.py). Everything about it is
+declared once, next to its measuring code, in its own package under
+``harness/studies/<name>/``:
+
+- ``columns``: the CSV's own columns, each a :class:`Column` with its unit and
+  meaning (README tables and ``study.py --schema`` are printed from these);
+- ``Options``: a frozen dataclass of the study's own settings, each field an
+  :func:`option` (flag, help, parser); it validates itself in ``__post_init__``
+  and the command line registers its fields as flags;
+- ``cases`` / ``run_case``: the matrix and the measurement; the measuring code
+  writes every verdict column (words from :mod:`harness.verdicts`);
+- ``report.py`` beside it: the report section, which only reads the rows.
+
+Adding a study = one package + one line in :data:`harness.studies.STUDY_PACKAGES`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -15,6 +32,68 @@ if TYPE_CHECKING:
     from harness.context import RunContext
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of a study's CSV: its name, its unit (or allowed values), its meaning."""
+
+    name: str
+    unit: str
+    doc: str
+
+
+#: Columns every CSV starts with and ends with, around the study's own.
+LEADING_COLUMNS = (
+    Column("study", "", "the study's name"),
+    Column("case_id", "", "stable id of the case: `study/axis=value/...`; `--resume` and the "
+           "report refer to it"),
+)
+TRAILING_COLUMNS = (
+    Column("backend", "`gloo`, `nccl`", "collective backend of the run"),
+    Column("device", "`cpu`, `cuda`", "where the case computed"),
+    Column("dtype", "`float64`, `float32`", "floating-point type of models, data and gradients"),
+    Column("hosts", "hosts", "distinct hostnames among the launch's ranks"),
+    Column("nodes", "nodes", "torchrun agents (nodes) in the launch"),
+    Column("ranks_per_node", "ranks", "ranks each agent started"),
+    Column("launch_world_size", "ranks", "ranks in the whole launch (N)"),
+    Column("slurm_job_id", "", "`SLURM_JOB_ID` when run inside Slurm, else empty"),
+    Column("torch_version", "", "`torch.__version__`"),
+    Column("status", "", "`ok`, or why the case was not measured (e.g. `skipped: needs 2 CUDA "
+           "devices, has 0`)"),
+)
+assert tuple(c.name for c in TRAILING_COLUMNS[:-1]) == CONTEXT_COLUMNS
+
+
+# ------------------------------------------------------------------ options
+def option(flag: str, metavar: str, help: str, parse: Callable[[str, str], Any] | None = None,
+           ) -> dict[str, Any]:
+    """Metadata that makes a dataclass field a command-line flag.
+
+    ``parse(text, flag)`` turns the flag's text into the field's value (and
+    raises UsageError naming the flag on bad text); None: the field's type.
+    The default shown by ``--help`` is the field's own default, never a copy.
+    """
+    return {"flag": flag, "metavar": metavar, "help": help, "parse": parse}
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """Base of a study's own settings. Subclasses add :func:`option` fields and check
+    them in ``__post_init__`` (raising UsageError that names the flag and the value)."""
+
+    @classmethod
+    def flags(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class NoOptions(StudyOptions):
+    """A study without settings of its own."""
+
+
+# -------------------------------------------------------------------- cases
 @dataclass(frozen=True)
 class Case:
     """One cell of a study's matrix."""
@@ -52,6 +131,7 @@ class Case:
         return self.params[name]
 
 
+# -------------------------------------------------------------------- study
 class Study(ABC):
     """A named experiment whose cases become the rows of one CSV."""
 
@@ -61,15 +141,36 @@ class Study(ABC):
     #: A worked command for ``--help``.
     example: ClassVar[str]
     #: The study's own columns, after ``study`` and ``case_id``, before the context columns.
-    own_columns: ClassVar[tuple[str, ...]]
+    columns: ClassVar[tuple[Column, ...]]
+    #: The study's own settings (flags); :class:`NoOptions` when it has none.
+    Options: ClassVar[type[StudyOptions]] = NoOptions
+    #: Part of a run that names no ``--studies``.
+    in_default_run: ClassVar[bool] = True
+
+    def __init__(self, options: StudyOptions | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @classmethod
+    def own_columns(cls) -> tuple[str, ...]:
+        return tuple(c.name for c in cls.columns)
+
+    @classmethod
+    def column_names(cls) -> tuple[str, ...]:
+        """Every column of the CSV, in order."""
+        return tuple(c.name for c in (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS))
+
+    @classmethod
+    def schema(cls) -> tuple[Column, ...]:
+        return (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS)
 
     @property
     def csv_name(self) -> str:
         return f"{self.name}.csv"
 
-    @property
-    def columns(self) -> tuple[str, ...]:
-        return ("study", "case_id", *self.own_columns, *CONTEXT_COLUMNS, "status")
+    def unavailable(self) -> str | None:
+        """Why this study cannot run on this installation (e.g. an optional extra is
+        missing), or None. A study that is unavailable is left out of the default run."""
+        return None
 
     @abstractmethod
     def cases(self, run: RunContext) -> list[Case]:

@@ -30,7 +30,7 @@ from harness.context import RunContext
 from harness.models import SeedToyModel
 from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
-from harness.studies.base import Case, Study
+from harness.studies.base import Case, Column, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
 from harness.tolerances import close
 
@@ -103,10 +103,39 @@ class Seed001Study(Study):
                "next to the first-principles value and its arithmetic")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies seed001 "
                "--strategies dp-emulated,ddp")
-    own_columns = (
-        "strategy", "emulated", "experiment", "world_size", "devices_used", "loss_reduction",
-        "iteration", "measured_grad", "measured_grad_spread", "predicted_grad", "formula",
-        "abs_error", "matches", "device_contributions",
+    columns = (
+        Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
+               "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
+               " emulation of DataParallel, the real DataParallel (CUDA)"),
+        Column("emulated", "bool",
+               "true for the emulation"),
+        Column("experiment", "`1-per-device-factor`, `2-distinct-samples`, `3-no-zero-grad`",
+               "the seed's experiment"),
+        Column("world_size", "devices",
+               "k: ranks (DDP, FSDP) or devices asked for (DataParallel)"),
+        Column("devices_used", "devices",
+               "devices that computed (DataParallel uses fewer than asked when the batch is "
+               "small)"),
+        Column("loss_reduction", "`mean`, `sum`",
+               "reduction of the loss terms; for `loss-in-forward`, of the per-device loss "
+               "vector DataParallel gathers"),
+        Column("iteration", "backward passes",
+               "passes so far without `zero_grad` (1 except in experiment 3)"),
+        Column("measured_grad", "gradient",
+               "the (common) entry of `w.grad`, measured"),
+        Column("measured_grad_spread", "gradient",
+               "max - min over the entries (0: all equal)"),
+        Column("predicted_grad", "gradient",
+               "the entry first principles predict"),
+        Column("formula", "text",
+               "the arithmetic of the prediction: `a*f` per sample (input value times device "
+               "factor), `/B` for a mean loss, `/k` for DDP's and FSDP's average"),
+        Column("abs_error", "gradient",
+               "`|measured - predicted|`"),
+        Column("matches", "bool",
+               "equal within the float tolerance"),
+        Column("device_contributions", "gradient, `;`-separated",
+               "what each device fed into the reduction during the first pass"),
     )
 
     def cases(self, run: RunContext) -> list[Case]:

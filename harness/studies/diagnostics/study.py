@@ -43,8 +43,8 @@ from harness.diagnostics import (
 from harness.seeding import generator_for
 from harness.strategies import ddp
 from harness.strategies.common import flat_grad, relative_spread
-from harness.studies.base import Case, Study
-from harness.studies.training import (
+from harness.studies.base import Case, Column, Study
+from harness.studies.training.study import (
     Digits,
     TrainingSetup,
     build_model,
@@ -158,12 +158,57 @@ class DiagnosticsStudy(Study):
     summary = ("seed 002's gradient debugging as measurements: a learning-rate sweep that "
                "kills ReLUs, frozen layers (also under DDP), train() vs eval(), no_grad()")
     example = "torchrun --standalone --nproc_per_node=2 scripts/study.py --studies diagnostics"
-    own_columns = (
-        "experiment", "strategy", "world_size", "setting", "step", "parameter",
-        "requires_grad", "grad_is_none", "grad_norm", "zero_grad_fraction", "update_ratio",
-        "grad_rank_spread", "dead_relu_fraction", "loss", "output_requires_grad",
-        "output_grad_fn", "bn_batch_mean", "bn_batch_std", "running_stats_change",
-        "steps_completed", "error",
+    columns = (
+        Column("experiment", "`lr-sweep`, `frozen-layer`, `train-vs-eval`, `no-grad`",
+               "which question (above)"),
+        Column("strategy", "",
+               "`local` at 1, or `ddp` at k"),
+        Column("world_size", "",
+               "`local` at 1, or `ddp` at k"),
+        Column("setting", "text",
+               "the variant: `lr=10`, `middle frozen (requires_grad=False)`, `middle unused, "
+               "find_unused_parameters=False`, `train()`, `torch.no_grad()`, ..."),
+        Column("step", "optimizer steps",
+               "the step the row describes (DDP: the last completed step)"),
+        Column("parameter", "name",
+               "the parameter (`input.weight`, ...); `(all)`: all gradients as one vector"),
+        Column("requires_grad", "bool",
+               "the parameter's flag (`(all)`: every parameter's)"),
+        Column("grad_is_none", "bool",
+               "`.grad` is None: no backward reached it (`(all)`: none reached any)"),
+        Column("grad_norm", "gradient",
+               "`‖.grad‖` before the update; empty when None"),
+        Column("zero_grad_fraction", "fraction",
+               "entries of `.grad` exactly 0"),
+        Column("update_ratio", "ratio",
+               "`‖w_after - w_before‖ / ‖w_before‖` of that step's update (`local` only): 0 "
+               "means the weight did not move"),
+        Column("grad_rank_spread", "ratio",
+               "DDP: largest `‖grad_rank - grad_rank0‖ / ‖grad_rank0‖`: 0 after an all-reduce, >"
+               " 0 when the ranks' gradients were never averaged"),
+        Column("dead_relu_fraction", "fraction",
+               "units of the ReLU this parameter's layer feeds (`input` → first, `middle` → "
+               "second) that output 0 for every sample of the step's batch; empty for the output"
+               " layer"),
+        Column("loss", "cross-entropy",
+               "the step's loss (DDP: rank 0's shard)"),
+        Column("output_requires_grad", "bool",
+               "`no-grad`: whether the loss tensor requires grad"),
+        Column("output_grad_fn", "text",
+               "`no-grad`: class of the loss's `grad_fn` (e.g. `NllLossBackward0`); empty: no "
+               "graph"),
+        Column("bn_batch_mean", "activation",
+               "`train-vs-eval`: mean over channels of \\|channel mean\\| of the first BatchNorm's"
+               " output on the batch (0: normalized with batch statistics)"),
+        Column("bn_batch_std", "activation",
+               "the mean channel standard deviation of that output (1 in train mode at the "
+               "initial identity affine)"),
+        Column("running_stats_change", "ratio",
+               "relative change of that BatchNorm's running mean and variance during the forward"),
+        Column("steps_completed", "steps",
+               "steps that ran before an error (DDP) or in all"),
+        Column("error", "text",
+               "the exception a step raised (`Type: first sentence`); empty when none"),
     )
 
     def __init__(self, setup: DiagnosticsSetup | None = None) -> None:

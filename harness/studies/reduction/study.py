@@ -27,7 +27,7 @@ from harness.seeding import generator_for
 from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
-from harness.studies.base import Case, Study
+from harness.studies.base import Case, Column, Study
 from harness.tasks import (
     LOSS_REDUCTIONS,
     Batch,
@@ -54,12 +54,55 @@ class ReductionStudy(Study):
     summary = ("one step per strategy x world size x model x loss: is param.grad the sum "
                "or the mean over devices, and does it equal the big-batch gradient?")
     example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"
-    own_columns = (
-        "strategy", "emulated", "world_size", "model", "loss_reduction", "shard_sizes",
-        "devices_used", "chunk_sizes", "rank_weight", "rank_weight_residual",
-        "full_batch_scale", "full_batch_residual", "fit_residual", "verdict",
-        "reduce_weight", "reduce_op", "rank_spread", "running_stats_vs_full",
-        "running_stats_vs_first_shard",
+    columns = (
+        Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
+               "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
+               " emulation of DataParallel, the real DataParallel (CUDA)"),
+        Column("emulated", "bool",
+               "true for the emulation"),
+        Column("world_size", "devices",
+               "k: ranks (DDP, FSDP) or devices asked for (DataParallel)"),
+        Column("model", "`toy`, `mlp`, `mlp-batchnorm`, `loss-in-forward`",
+               "seed 001's model (output x (device + 1)); a 4-8-2 MLP whose inputs come from a "
+               "different distribution on each device; the same with BatchNorm; the MLP "
+               "returning its own mean loss from `forward` (DataParallel only)"),
+        Column("loss_reduction", "`mean`, `sum`",
+               "reduction of the loss terms; for `loss-in-forward`, of the per-device loss "
+               "vector DataParallel gathers"),
+        Column("shard_sizes", "samples, `;`-separated",
+               "samples given to each device"),
+        Column("devices_used", "devices",
+               "devices that computed (DataParallel uses fewer than asked when the batch is "
+               "small)"),
+        Column("chunk_sizes", "samples, `;`-separated",
+               "samples each used device computed on"),
+        Column("rank_weight", "ratio",
+               "w in `g ~ w * sum_r g_r`"),
+        Column("rank_weight_residual", "ratio",
+               "`‖g - w·sum_r g_r‖ / ‖g‖`"),
+        Column("full_batch_scale", "ratio",
+               "s in `g ~ s * g_full`"),
+        Column("full_batch_residual", "ratio",
+               "`‖g - s·g_full‖ / ‖g‖`"),
+        Column("fit_residual", "ratio",
+               "the larger of the two residuals"),
+        Column("verdict", "`mean`, `sum`, `sum=mean`, `other`",
+               "what w says, within the tolerance: `mean` for w = 1/k, `sum` for w = 1, "
+               "`sum=mean` at k = 1 where the two coincide, `other` when no such w fits"),
+        Column("reduce_weight", "ratio",
+               "g fitted against the sum of what each device *fed into the reduction* (DDP: each"
+               " rank's local gradient, taken under `no_sync`; FSDP: each rank's gradient of its"
+               " own shard, computed once more without FSDP, which keeps it internal; "
+               "DataParallel: each replica's gradient of the gathered loss)"),
+        Column("reduce_op", "as `verdict`",
+               "the collective's own operation, read from `reduce_weight`"),
+        Column("rank_spread", "ratio",
+               "largest `‖g_rank - g_rank0‖ / ‖g_rank0‖` over the ranks: 0 when all agree"),
+        Column("running_stats_vs_full", "ratio",
+               "BatchNorm running mean/var after the step vs after one forward of the whole "
+               "batch (relative distance; empty without BatchNorm)"),
+        Column("running_stats_vs_first_shard", "ratio",
+               "the same vs one forward of the first device's shard alone"),
     )
 
     def cases(self, run: RunContext) -> list[Case]:

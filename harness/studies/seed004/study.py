@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
-from harness.studies.base import Case, Study
+from harness.studies.base import Case, Column, Study
 from harness.tolerances import close
 
 METHODS = ("accumulation", "big-batch")
@@ -100,9 +100,32 @@ class Seed004Study(Study):
     summary = ("seed 004's one-weight model: grads -16/-20 and weight 1 -> 1.2, accumulated "
                "over [4.0], [2.0] vs one batch of both, measured next to exact predictions")
     example = "torchrun --standalone --nproc_per_node=1 scripts/study.py --studies seed004"
-    own_columns = (
-        "method", "event", "batch", "loss_divisor", "quantity", "measured", "predicted",
-        "formula", "abs_error", "matches", "seed_printed", "matches_seed",
+    columns = (
+        Column("method", "`accumulation`, `big-batch`",
+               "two backward passes of one sample each, or one of both samples"),
+        Column("event", "`backward-1`, `backward-2`, `step`",
+               "after which call the value was read"),
+        Column("batch", "samples",
+               "the inputs of that backward; empty for `step`"),
+        Column("loss_divisor", "",
+               "n, what that backward's loss was divided by"),
+        Column("quantity", "`grad`, `weight`",
+               "`w.grad` or `w`"),
+        Column("measured", "",
+               "the value read from the model"),
+        Column("predicted", "",
+               "the exact value from first principles"),
+        Column("formula", "text",
+               "its arithmetic, ending in the exact result (`1 - 1/100*(-20) = 6/5`)"),
+        Column("abs_error", "",
+               "`"),
+        Column("matches", "bool",
+               "equal within the float tolerance"),
+        Column("seed_printed", "",
+               "the number the seed printed (-16, -20, 1.2 and the unchanged weight 1); empty "
+               "for `big-batch`, which it did not print"),
+        Column("matches_seed", "bool",
+               "`measured` equals `seed_printed` within the tolerance"),
     )
 
     def cases(self, run: RunContext) -> list[Case]:

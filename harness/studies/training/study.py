@@ -47,7 +47,7 @@ from harness.context import RunContext
 from harness.seeding import generator_for
 from harness.strategies import ddp, step_cost
 from harness.strategies.common import relative_spread
-from harness.studies.base import Case, Study
+from harness.studies.base import Case, Column, Study
 from harness.tolerances import trajectory_tolerance
 
 STRATEGIES = ("local", "ddp")
@@ -415,11 +415,50 @@ class TrainingStudy(Study):
                "without zero_grad vs optim.SGD, per epoch, one process and DDP")
     example = ("torchrun --standalone --nproc_per_node=2 scripts/study.py --studies training "
                "--epochs 5")
-    own_columns = (
-        "strategy", "world_size", "variant", "epoch", "steps", "batch_size", "learning_rate",
-        "train_samples", "heldout_samples", "train_loss", "heldout_accuracy", "param_distance",
-        "twin", "twin_distance", "identical_to_twin", "applied_grad_norm", "fresh_grad_norm",
-        "rank_spread",
+    columns = (
+        Column("strategy", "`local`, `ddp`",
+               "one process, or DistributedDataParallel over ranks 0..k-1"),
+        Column("world_size", "ranks",
+               "1 for `local`, k for `ddp`"),
+        Column("variant", "`autograd.grad`, `backward-no-zero`, `backward-zero-grad`, `optim.SGD`",
+               "the update rule (above)"),
+        Column("epoch", "epochs",
+               "epochs trained; 0 = the initial weights"),
+        Column("steps", "optimizer steps",
+               "steps taken so far"),
+        Column("batch_size", "samples",
+               "global batch (under DDP split into k equal shards)"),
+        Column("learning_rate", "",
+               "SGD learning rate"),
+        Column("train_samples", "samples",
+               "digits trained on / held out"),
+        Column("heldout_samples", "samples",
+               "digits trained on / held out"),
+        Column("train_loss", "cross-entropy",
+               "mean over the epoch's batches of the loss each step computed before its update "
+               "(DDP: averaged over ranks); empty at epoch 0"),
+        Column("heldout_accuracy", "fraction",
+               "held-out digits classified right, in eval mode (DDP: rank 0's model)"),
+        Column("param_distance", "ratio",
+               "`‖θ - θ_ref‖ / ‖θ_ref‖`, θ_ref the `autograd.grad` reference after the same "
+               "epoch (DDP: the one-process reference described above)"),
+        Column("twin",
+               "`autograd.grad`, `autograd.grad+running-sum`, `autograd.grad-rank0-shards`, empty",
+               "the one-process run this rule is mathematically identical to; empty for the "
+               "reference itself"),
+        Column("twin_distance", "ratio",
+               "`‖θ - θ_twin‖ / ‖θ_twin‖` after the same epoch"),
+        Column("identical_to_twin", "bool",
+               "`twin_distance` within the trajectory tolerance (1e-9 float64, 1e-4 float32)"),
+        Column("applied_grad_norm", "gradient",
+               "norm of the gradient the epoch's last step subtracted (times lr): for "
+               "`backward-no-zero`, the accumulated `.grad`"),
+        Column("fresh_grad_norm", "gradient",
+               "norm of the gradient of that step's loss alone; equal to the applied one for "
+               "every rule that zeroes"),
+        Column("rank_spread", "ratio",
+               "largest `‖θ_rank - θ_rank0‖ / ‖θ_rank0‖` over the ranks: 0 when DDP keeps them "
+               "in step"),
     )
 
     def __init__(self, setup: TrainingSetup | None = None) -> None:

@@ -1,0 +1,42 @@
+"""The words a verdict column may hold, one enum per kind of verdict.
+
+A verdict is written by the measuring code, in the row, and only read by the
+report: these enums are the vocabulary both sides share, so that a typo on
+either side is an AttributeError instead of a finding that silently never fires.
+They are ``StrEnum``: a member *is* its CSV text (``Reduction.MEAN == "mean"``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reduction(StrEnum):
+    """How a measured gradient relates to the sum of what k devices contributed."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    #: k = 1: summing and averaging are the same operation.
+    SUM_EQUALS_MEAN = "sum=mean"
+    #: No weight 1 or 1/k (or no weight at all) explains the gradient.
+    OTHER = "other"
+
+
+class Equivalence(StrEnum):
+    """How a measured gradient (or update) relates to its big-batch reference."""
+
+    MATCHES = "matches"
+    #: A pure multiple of the reference, the multiple not 1.
+    SCALED = "scaled"
+    #: No multiple of the reference explains it.
+    DIFFERS = "differs"
+
+
+class Combination(StrEnum):
+    """What a scalar is of the per-device contributions it came from."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    NEITHER = "neither"
+    #: No contribution was recorded.
+    UNRECORDED = "unrecorded"
