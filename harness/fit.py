@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.tolerances import ZERO_NORM, close
+from harness.verdicts import Combination, Equivalence, Reduction
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,38 @@ def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
     return float((g - ref).norm()) / ref_norm
 
 
-def reduction_verdict(weight: ScaleFit, world_size: int, rtol: float) -> str:
+def reduction_verdict(weight: ScaleFit, world_size: int, rtol: float) -> Reduction:
     """Name the reduction a weight fit shows: ``mean``, ``sum``, or ``other``.
 
     With one device, summing and averaging are the same operation; the verdict
     says so (``sum=mean``) instead of picking one arbitrarily.
     """
     if math.isnan(weight.scale) or not weight.residual <= rtol:
-        return "other"
+        return Reduction.OTHER
     is_mean = close(weight.scale, 1.0 / world_size, rtol)
     is_sum = close(weight.scale, 1.0, rtol)
     if is_mean and is_sum:
-        return "sum=mean"
+        return Reduction.SUM_EQUALS_MEAN
     if is_mean:
-        return "mean"
+        return Reduction.MEAN
     if is_sum:
-        return "sum"
-    return "other"
+        return Reduction.SUM
+    return Reduction.OTHER
 
 
-def equivalence_verdict(fit: ScaleFit, rtol: float) -> str:
+def equivalence_verdict(fit: ScaleFit, rtol: float) -> Equivalence:
     """Compare a gradient with its big-batch reference: ``matches``, ``scaled`` or ``differs``."""
     if math.isnan(fit.scale) or not fit.residual <= rtol:
-        return "differs"
-    return "matches" if close(fit.scale, 1.0, rtol) else "scaled"
+        return Equivalence.DIFFERS
+    return Equivalence.MATCHES if close(fit.scale, 1.0, rtol) else Equivalence.SCALED
+
+
+def combination_verdict(value: float, parts: list[float], rtol: float) -> Combination:
+    """What ``value`` is of the contributions ``parts``: their sum, their mean, or neither."""
+    if not parts:
+        return Combination.UNRECORDED
+    if close(value, sum(parts), rtol):
+        return Combination.SUM
+    if close(value, sum(parts) / len(parts), rtol):
+        return Combination.MEAN
+    return Combination.NEITHER

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from harness.context import RunContext
-from harness.fit import fit_scale, reduction_verdict
+from harness.fit import equivalence_verdict, fit_scale, reduction_verdict
 from harness.seeding import generator_for
 from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
@@ -89,6 +89,9 @@ class ReductionStudy(Study):
         Column("verdict", "`mean`, `sum`, `sum=mean`, `other`",
                "what w says, within the tolerance: `mean` for w = 1/k, `sum` for w = 1, "
                "`sum=mean` at k = 1 where the two coincide, `other` when no such w fits"),
+        Column("full_batch_verdict", "`matches`, `scaled`, `differs`",
+               "what s says, within the tolerance: `matches` for s = 1 (the big batch exactly), "
+               "`scaled` for another pure multiple, `differs` when no multiple fits"),
         Column("reduce_weight", "ratio",
                "g fitted against the sum of what each device *fed into the reduction* (DDP: each"
                " rank's local gradient, taken under `no_sync`; FSDP: each rank's gradient of its"
@@ -167,7 +170,8 @@ def _skipped_row(case: Case, shard_sizes: str, reason: str) -> dict[str, Any]:
                "full_batch_residual", "fit_residual", "reduce_weight", "rank_spread",
                "running_stats_vs_full", "running_stats_vs_first_shard")
     return {**_identity(case, shard_sizes), **dict.fromkeys(numbers, math.nan),
-            "chunk_sizes": "", "verdict": "", "reduce_op": "", "status": reason,
+            "chunk_sizes": "", "verdict": "", "full_batch_verdict": "", "reduce_op": "",
+            "status": reason,
             "device": row_device(case["strategy"])}
 
 
@@ -217,6 +221,7 @@ def _analyse(spec: StepSpec, m: StepMeasurement, rtol: float) -> dict[str, Any]:
         "full_batch_scale": scale.scale, "full_batch_residual": scale.residual,
         "fit_residual": max(weight.residual, scale.residual),
         "verdict": reduction_verdict(weight, m.devices_used, rtol),
+        "full_batch_verdict": equivalence_verdict(scale, rtol),
         "reduce_weight": reduce.scale,
         "reduce_op": reduction_verdict(reduce, m.devices_used, rtol),
         "rank_spread": m.rank_spread,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from harness.context import RunContext
+from harness.fit import combination_verdict
 from harness.models import SeedToyModel
 from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
@@ -40,6 +41,16 @@ RANK_AVERAGING = ("ddp", "fsdp")
 EXPERIMENTS = ("1-per-device-factor", "2-distinct-samples", "3-no-zero-grad")
 PASSES = {"1-per-device-factor": 1, "2-distinct-samples": 1, "3-no-zero-grad": 3}
 SEED_BATCH = 2
+#: What the seed printed for w.grad (every entry), by (experiment, GPUs g, pass): it ran
+#: DataParallel with its mean loss, experiment 1 on g = 2 and experiments 2 and 3 on one.
+SEED_PRINTED: dict[tuple[str, int, int], float] = {
+    ("1-per-device-factor", 2, 1): 3.0,
+    ("2-distinct-samples", 1, 1): 3.0,
+    ("3-no-zero-grad", 1, 1): 1.0, ("3-no-zero-grad", 1, 2): 2.0, ("3-no-zero-grad", 1, 3): 3.0,
+}
+#: The strategies that run what the seed ran (DataParallel), and its loss.
+SEED_STRATEGIES = ("dp", "dp-emulated")
+SEED_LOSS = "mean"
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,13 @@ def predict(setup: SeedSetup, strategy: str, world_size: int, reduction: str,
     return passes * value, formula
 
 
+def seed_printed(case: Case, iteration: int) -> float | None:
+    """What the seed printed for this case and pass, if the case is the seed's own run."""
+    if case["strategy"] not in SEED_STRATEGIES or case["loss_reduction"] != SEED_LOSS:
+        return None
+    return SEED_PRINTED.get((case["experiment"], case["world_size"], iteration))
+
+
 class Seed001Study(Study):
     name = "seed001"
     summary = ("seed 001's DataParallel experiments with its exact tensors: measured w.grad "
@@ -134,6 +152,15 @@ class Seed001Study(Study):
                "`|measured - predicted|`"),
         Column("matches", "bool",
                "equal within the float tolerance"),
+        Column("contributions_combination", "`sum`, `mean`, `neither`, `unrecorded`",
+               "what `measured_grad` is of `device_contributions` (first pass), within the "
+               "tolerance, judged on the unrounded float64 values"),
+        Column("seed_printed", "gradient",
+               "the number the seed printed for this case (DataParallel, mean loss: experiment "
+               "1 at k = 2, experiments 2 and 3 at k = 1); empty where it printed nothing"),
+        Column("matches_seed", "bool",
+               "`measured_grad` equals `seed_printed` within the tolerance; empty where the "
+               "seed printed nothing"),
         Column("device_contributions", "gradient, `;`-separated",
                "what each device fed into the reduction during the first pass"),
     )
@@ -172,12 +199,18 @@ class Seed001Study(Study):
         predicted, formula = predict(setup, case["strategy"], case["world_size"],
                                      case["loss_reduction"], t + 1)
         measured = float(grad.mean())
+        printed = seed_printed(case, t + 1)
         return {
             **self._identity(case, t + 1), "devices_used": m.devices_used,
             "measured_grad": measured, "measured_grad_spread": float(grad.max() - grad.min()),
             "predicted_grad": predicted, "formula": formula,
             "abs_error": abs(measured - predicted),
             "matches": close(measured, predicted, run.rtol),
+            "contributions_combination": combination_verdict(
+                float(m.grads[0].to(torch.float64).mean()),
+                [float(c.to(torch.float64).mean()) for c in m.contributions], run.rtol),
+            "seed_printed": printed,
+            "matches_seed": None if printed is None else close(measured, printed, run.rtol),
             "device_contributions": ";".join(f"{float(c.mean()):g}" for c in m.contributions),
             "status": "ok", "device": row_device(case["strategy"]),
         }
@@ -192,7 +225,9 @@ class Seed001Study(Study):
         nan = float("nan")
         return {**self._identity(case, iteration), "devices_used": nan, "measured_grad": nan,
                 "measured_grad_spread": nan, "predicted_grad": nan, "formula": "",
-                "abs_error": nan, "matches": False, "device_contributions": "",
+                "abs_error": nan, "matches": False, "contributions_combination": "",
+                "seed_printed": seed_printed(case, iteration), "matches_seed": None,
+                "device_contributions": "",
                 "status": reason, "device": row_device(case["strategy"])}
 
     def summary_table(self, frame) -> str:

@@ -48,7 +48,7 @@ from harness.seeding import generator_for
 from harness.strategies import ddp, step_cost
 from harness.strategies.common import relative_spread
 from harness.studies.base import Case, Column, Study
-from harness.tolerances import trajectory_tolerance
+from harness.tolerances import close, relative_tolerance, trajectory_tolerance
 
 STRATEGIES = ("local", "ddp")
 UPDATE_RULES = ("autograd.grad", "backward-no-zero", "backward-zero-grad", "optim.SGD")
@@ -456,6 +456,9 @@ class TrainingStudy(Study):
         Column("fresh_grad_norm", "gradient",
                "norm of the gradient of that step's loss alone; equal to the applied one for "
                "every rule that zeroes"),
+        Column("applied_is_fresh", "bool",
+               "`applied_grad_norm` equals `fresh_grad_norm` within the tolerance: the step "
+               "applied the gradient of its own loss, nothing accumulated; empty at epoch 0"),
         Column("rank_spread", "ratio",
                "largest `‖θ_rank - θ_rank0‖ / ‖θ_rank0‖` over the ranks: 0 when DDP keeps them "
                "in step"),
@@ -502,12 +505,12 @@ class TrainingStudy(Study):
             twins = {REFERENCE: [record.params for record in runs["autograd.grad"]],
                      RUNNING_SUM: _params_per_epoch(trainer.train(initial, RUNNING_SUM))}
         rtol = trajectory_tolerance(run.dtype)
-        return [self._row(case, rule, record, twins, rtol, digits)
+        return [self._row(case, rule, record, twins, rtol, relative_tolerance(run.dtype), digits)
                 for rule in UPDATE_RULES for record in runs[rule]]
 
     def _row(self, case: Case, rule: str, record: EpochRecord,
-             twins: dict[str, list[torch.Tensor]], rtol: float, digits: Digits
-             ) -> dict[str, Any]:
+             twins: dict[str, list[torch.Tensor]], rtol: float, gradient_rtol: float,
+             digits: Digits) -> dict[str, Any]:
         twin = twin_of(case["strategy"], rule)
         twin_distance = (relative_distance(record.params, twins[twin][record.epoch])
                          if twin else math.nan)
@@ -521,7 +524,11 @@ class TrainingStudy(Study):
             "twin": twin or "", "twin_distance": twin_distance,
             "identical_to_twin": twin_distance <= rtol if twin else None,
             "applied_grad_norm": record.applied_grad_norm,
-            "fresh_grad_norm": record.fresh_grad_norm, "rank_spread": record.rank_spread,
+            "fresh_grad_norm": record.fresh_grad_norm,
+            "applied_is_fresh": (None if math.isnan(record.fresh_grad_norm) else
+                                 close(record.applied_grad_norm, record.fresh_grad_norm,
+                                       gradient_rtol)),
+            "rank_spread": record.rank_spread,
             "status": "ok",
         }
 
