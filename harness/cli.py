@@ -11,11 +11,13 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from harness.config import DTYPES, MATRICES, STRATEGIES, RunConfig, parse_int_list, parse_name_list
+from harness.config import DTYPES, MATRICES, STRATEGIES, RunConfig
 from harness.errors import UsageError
 from harness.launch import BACKENDS, DEVICES, Launch, choose_placement, leader_from_environment
+from harness.options import StudyOptions, parse_float, parse_int, parse_int_list, parse_name_list
 
 PROG = "study.py"
 
@@ -56,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--list", action="store_true",
                         help="list the studies, one line each, and exit")
-    parser.add_argument("--studies", metavar="NAME[,NAME]", default=",".join(studies),
-                        help="studies to run, in this order (default: all: %(default)s)")
+    parser.add_argument("--studies", metavar="NAME[,NAME]", default=None,
+                        help="studies to run, in this order (default: "
+                             f"{','.join(default_studies())})")
     parser.add_argument("--world-sizes", metavar="K[,K]", default="",
                         help="world sizes to measure, each on ranks 0..K-1 of this launch "
                              "(default: 1..N for N launched ranks), e.g. 1,2,3")
@@ -78,15 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder for the CSVs, run.json and REPORT.md (default: results)")
     parser.add_argument("--seed", default="0", metavar="INT",
                         help="seed of every batch and initial weight (default: 0)")
-    parser.add_argument("--shard-size", default="4", metavar="INT",
-                        help="samples per device in the reduction study (default: 4)")
-    parser.add_argument("--accum-steps", default="1,2,4,8", metavar="K[,K]",
-                        help="accumulation steps of the accumulation study (default: 1,2,4,8)")
     parser.add_argument("--matrix", default="default", metavar="|".join(MATRICES),
-                        help="accumulation matrix: default varies one group of axes at a time; "
-                             "full measures every combination (default: default)")
-    parser.add_argument("--epochs", default="5", metavar="INT",
-                        help="epochs of the training study (default: 5)")
+                        help="size of every study's matrix: default = the committed run's; "
+                             "full = every combination (default: default)")
     parser.add_argument("--timeout", default="300", metavar="SECONDS",
                         help="how long a collective inside a case may wait before the run "
                              "fails instead of hanging (default: 300)")
@@ -96,43 +93,94 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress bar, no summary tables")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="skip REPORT.md and its plots")
+    for study in studies.values():
+        _add_study_flags(parser, study.name, study.Options)
     return parser
 
 
-def _number(text: str, flag: str, kind: type) -> int | float:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise UsageError(f"{flag} {text!r} is not {what}") from None
+def _shown_default(value: object) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _add_study_flags(parser: argparse.ArgumentParser, study: str,
+                     options: type[StudyOptions]) -> None:
+    """One group per study with settings of its own; the defaults are the dataclass's."""
+    flags = options.flags()
+    if not flags:
+        return
+    group = parser.add_argument_group(f"{study} study")
+    for field in flags:
+        meta = field.metadata
+        group.add_argument(meta["flag"], dest=f"{study}.{field.name}", default=None,
+                           metavar=meta["metavar"],
+                           help=f"{meta['help']} (default: {_shown_default(field.default)})")
+
+
+def study_options_from_args(args: argparse.Namespace, studies: Sequence[str]
+                            ) -> dict[str, StudyOptions]:
+    """Each selected study's Options, from the flags given (defaults elsewhere).
+
+    A flag of a study that is not selected is refused rather than silently ignored.
+    """
+    every = _studies()
+    for name, study in every.items():
+        for field in study.Options.flags():
+            if name not in studies and getattr(args, f"{name}.{field.name}") is not None:
+                raise UsageError(f"{field.metadata['flag']} belongs to the {name} study, which "
+                                 f"--studies does not select; add {name} to --studies or drop "
+                                 "the flag")
+    options = {}
+    for name in studies:
+        study = every[name]
+        values = {}
+        for field in study.Options.flags():
+            text = getattr(args, f"{name}.{field.name}")
+            if text is not None:
+                parse = field.metadata["parse"]
+                values[field.name] = parse(text, field.metadata["flag"]) if parse else text
+        options[name] = study.Options(**values)
+    return options
+
+
+def default_studies() -> tuple[str, ...]:
+    """The studies of a run that names none: those meant for it that this installation can
+    run (a study whose optional extra is missing is left out; ``--list`` says why)."""
+    return tuple(name for name, study in _studies().items()
+                 if study.in_default_run and study().unavailable() is None)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(
-        studies=parse_name_list(args.studies),
+    studies = (default_studies() if args.studies is None
+               else parse_name_list(args.studies, "--studies"))
+    config = RunConfig(
+        studies=studies,
         known_studies=tuple(_studies()),
         world_sizes=parse_int_list(args.world_sizes, "--world-sizes") if args.world_sizes else (),
-        strategies=parse_name_list(args.strategies),
+        strategies=parse_name_list(args.strategies, "--strategies"),
         backend=args.backend,
         device=args.device,
         dtype=args.dtype,
         out=Path(args.out),
-        seed=int(_number(args.seed, "--seed", int)),
-        shard_size=int(_number(args.shard_size, "--shard-size", int)),
-        accum_steps=parse_int_list(args.accum_steps, "--accum-steps"),
+        seed=parse_int(args.seed, "--seed"),
         matrix=args.matrix,
-        epochs=int(_number(args.epochs, "--epochs", int)),
-        timeout=float(_number(args.timeout, "--timeout", float)),
+        timeout=parse_float(args.timeout, "--timeout"),
         resume=args.resume,
         quiet=args.quiet,
         report=args.report,
     )
+    return replace(config, study_options=study_options_from_args(args, config.studies))
 
 
 def list_studies() -> str:
     studies = _studies()
     width = max(len(name) for name in studies)
-    return "\n".join(f"{name:<{width}}  {cls.summary}" for name, cls in studies.items())
+    lines = []
+    for name, cls in studies.items():
+        reason = cls().unavailable()
+        lines.append(f"{name:<{width}}  {cls.summary}" + (f" [{reason}]" if reason else ""))
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,5 +201,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from harness.runner import Runner
 
-    studies = [_studies()[name]() for name in config.studies]
+    studies = [_studies()[name](config.options_of(name)) for name in config.studies]
     return Runner(config, launch, placement, world_sizes, studies).run()

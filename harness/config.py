@@ -8,14 +8,20 @@ are) live in :meth:`RunConfig.check_launch`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from harness.errors import UsageError
 from harness.launch import BACKENDS, DEVICES, Launch
+from harness.options import (
+    StudyOptions,
+    check_known,
+    check_positive_unique,
+)
 
 DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
 
@@ -29,41 +35,9 @@ STRATEGIES: dict[str, str] = {
 }
 
 MATRICES = ("default", "full")
-
-
-def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4); a one-line error naming the flag and the bad item otherwise."""
-    items = [item.strip() for item in text.split(",")]
-    values = []
-    for item in items:
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise UsageError(f"{flag} {text!r}: {item!r} is not an integer; "
-                             "allowed: comma-separated integers, e.g. 1,2,4") from None
-    return tuple(values)
-
-
-def parse_name_list(text: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-def _check_known(flag: str, names: Iterable[str], allowed: Sequence[str]) -> None:
-    for name in names:
-        if name not in allowed:
-            raise UsageError(f"{flag}: {name!r} is unknown; allowed: {', '.join(allowed)}")
-
-
-def _check_positive_unique(flag: str, values: Sequence[int], upper: int | None = None) -> None:
-    if not values:
-        raise UsageError(f"{flag} is empty; give at least one value")
-    for value in values:
-        if value < 1:
-            allowed = f"1..{upper}" if upper else "integers >= 1"
-            raise UsageError(f"{flag}: {value} is not allowed; allowed: {allowed}")
-    if len(set(values)) != len(values):
-        raise UsageError(f"{flag}: {','.join(map(str, values))} repeats a value; "
-                         "give each value once")
+#: Field metadata of settings that cannot change a measured number (where results go,
+#: how the run talks): left out of the resume fingerprint and of a run's "settings".
+NOT_RESULTS = {"results": False}
 
 
 @dataclass(frozen=True)
@@ -73,7 +47,7 @@ class RunConfig:
     #: Studies to run, in order (names from ``--list``).
     studies: tuple[str, ...]
     #: Studies the harness knows; filled in by the CLI from the registry.
-    known_studies: tuple[str, ...]
+    known_studies: tuple[str, ...] = field(metadata=NOT_RESULTS)
     #: World sizes k to measure, each on the process subgroup of ranks 0..k-1;
     #: empty means 1..N for a launch of N ranks.
     world_sizes: tuple[int, ...] = ()
@@ -86,48 +60,38 @@ class RunConfig:
     #: Floating-point type of models, data and gradients; float64 makes verdicts exact.
     dtype: str = "float64"
     #: Folder the CSVs, the report and its plots are written to.
-    out: Path = Path("results")
+    out: Path = field(default=Path("results"), metadata=NOT_RESULTS)
     #: Seed of every batch and initial weight; the same seed gives the same numbers.
     seed: int = 0
-    #: Samples per rank (per device) in the reduction study's global batch.
-    shard_size: int = 4
-    #: Accumulation steps k the accumulation study measures.
-    accum_steps: tuple[int, ...] = (1, 2, 4, 8)
-    #: Accumulation matrix: 'default' varies one group of axes at a time,
-    #: 'full' measures the whole cartesian product.
+    #: Size of every study's matrix: 'default' is the committed run's (each study
+    #: varies one group of axes at a time, a few sizes), 'full' measures every combination.
     matrix: str = "default"
-    #: Epochs of the training study.
-    epochs: int = 5
     #: Seconds a collective may wait before the run fails instead of hanging.
-    timeout: float = 300.0
+    timeout: float = field(default=300.0, metadata=NOT_RESULTS)
     #: Reuse the finished cases of an interrupted run in ``out`` instead of recomputing them.
-    resume: bool = False
+    resume: bool = field(default=False, metadata=NOT_RESULTS)
     #: No progress bar and no summary table.
-    quiet: bool = False
+    quiet: bool = field(default=False, metadata=NOT_RESULTS)
     #: Write REPORT.md and its plots at the end of the run.
-    report: bool = True
+    report: bool = field(default=True, metadata=NOT_RESULTS)
+    #: Each selected study's own settings, by study name (see harness/studies/*/study.py).
+    study_options: Mapping[str, StudyOptions] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.studies:
             raise UsageError("--studies is empty; allowed: " + ", ".join(self.known_studies))
-        _check_known("--studies", self.studies, self.known_studies)
+        check_known("--studies", self.studies, self.known_studies)
         if len(set(self.studies)) != len(self.studies):
             raise UsageError(f"--studies {','.join(self.studies)} repeats a study")
         if not self.strategies:
             raise UsageError("--strategies is empty; allowed: " + ", ".join(STRATEGIES))
-        _check_known("--strategies", self.strategies, tuple(STRATEGIES))
+        check_known("--strategies", self.strategies, tuple(STRATEGIES))
         if self.world_sizes:
-            _check_positive_unique("--world-sizes", self.world_sizes)
-        _check_known("--backend", [self.backend], BACKENDS)
-        _check_known("--device", [self.device], DEVICES)
-        _check_known("--dtype", [self.dtype], tuple(DTYPES))
-        _check_known("--matrix", [self.matrix], MATRICES)
-        if self.shard_size < 1:
-            raise UsageError(f"--shard-size {self.shard_size} is not allowed; "
-                             "allowed: integers >= 1")
-        _check_positive_unique("--accum-steps", self.accum_steps)
-        if self.epochs < 1:
-            raise UsageError(f"--epochs {self.epochs} is not allowed; allowed: integers >= 1")
+            check_positive_unique("--world-sizes", self.world_sizes)
+        check_known("--backend", [self.backend], BACKENDS)
+        check_known("--device", [self.device], DEVICES)
+        check_known("--dtype", [self.dtype], tuple(DTYPES))
+        check_known("--matrix", [self.matrix], MATRICES)
         if not self.timeout > 0:
             raise UsageError(f"--timeout {self.timeout} is not allowed; "
                              "allowed: seconds > 0")
@@ -136,6 +100,19 @@ class RunConfig:
         if self.out.exists() and not self.out.is_dir():
             raise UsageError(f"--out {str(self.out)!r} is a file; allowed: a folder "
                              "(it is created when missing)")
+
+    def options_of(self, study: str) -> StudyOptions | None:
+        return self.study_options.get(study)
+
+    def results_settings(self) -> dict[str, Any]:
+        """Every setting that can change a measured number, JSON-ready: the resume
+        fingerprint hashes exactly these, so a new setting is covered the day it is added."""
+        settings: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                                    if f.metadata.get("results", True)
+                                    and f.name != "study_options"}
+        settings["study_options"] = {name: options.as_dict()
+                                     for name, options in self.study_options.items()}
+        return settings
 
     @property
     def torch_dtype(self) -> torch.dtype:

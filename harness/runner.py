@@ -15,15 +15,12 @@ alone for a while).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import fields
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +30,7 @@ from harness.config import RunConfig
 from harness.context import RunContext
 from harness.errors import UsageError
 from harness.launch import Launch, Placement
+from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
 from harness.schedule import make_schedule
@@ -44,18 +42,6 @@ IDLE_WAIT = timedelta(days=7)
 #: Test hook: "rank=R,case=SUBSTRING,mode=raise|kill|hang" makes rank R fail in
 #: the first case whose id contains SUBSTRING. Used by the fault-tolerance tests.
 FAULT_VARIABLE = "HARNESS_FAULT"
-
-
-def fingerprint(config: RunConfig, placement: Placement, world_sizes: tuple[int, ...]) -> str:
-    """A hash of everything that changes the numbers: resuming across it would mix runs."""
-    settings = {
-        "seed": config.seed, "dtype": config.dtype, "backend": placement.backend,
-        "device": placement.device.type, "world_sizes": world_sizes,
-        "strategies": config.strategies, "shard_size": config.shard_size,
-        "accum_steps": config.accum_steps, "matrix": config.matrix, "epochs": config.epochs,
-        "torch": torch.__version__,
-    }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _inject_fault(case: Case, rank: int) -> None:
@@ -121,24 +107,40 @@ class Runner:
 
     # ------------------------------------------------------------------- run
     def run(self) -> int:
+        """The plan: process groups, resume, every study's cases, CSVs, manifest, report."""
         # No Python handler for SIGTERM on purpose: Python runs handlers only between
         # bytecodes, so a rank blocked inside a collective would ignore torchrun's
         # SIGTERM until its SIGKILL, long after another rank failed.
         started = time.time()
         ctx = self._init_distributed()
-        journal = Journal(self.config.out, fingerprint(self.config, self.placement,
-                                                       self.world_sizes), self.launch.rank)
+        self.settings = results_settings(self.config, self.placement, self.world_sizes)
+        journal = Journal(self.config.out, fingerprint(self.settings), self.launch.rank)
         try:
             done = self._resumed_rows(journal)
         except UsageError as error:
-            if self.leader:
-                print(f"study.py: error: {error}", file=sys.stderr)
-            dist.destroy_process_group()
-            return 2
+            return self._refuse(error)
         plan = [(study, study.cases(ctx)) for study in self.studies]
         if self.leader:
             self._announce(ctx, plan, done)
         journal.start(self.kept)
+        study_times = self._run_plan(plan, ctx, done, journal)
+        journal.finish()
+        dist.barrier(group=self.idle_group)
+        if self.leader:
+            journal.remove_folder()
+            self._finish(ctx, plan, study_times, started)
+        dist.destroy_process_group()
+        return self._write_report() if self.leader and self.config.report else 0
+
+    def _refuse(self, error: UsageError) -> int:
+        if self.leader:
+            print(f"study.py: error: {error}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+
+    def _run_plan(self, plan: list, ctx: RunContext, done: dict[str, list[dict]],
+                  journal: Journal) -> dict[str, float]:
+        """Every study in turn; rank 0 writes each study's CSV as soon as it completes."""
         study_times: dict[str, float] = {}
         total = sum(len(cases) for _, cases in plan)
         with Progress(total, len(done), self.leader and not self.config.quiet) as progress:
@@ -148,13 +150,7 @@ class Runner:
                 if self.leader:
                     write_csv_atomic(self.config.out / study.csv_name, rows, study.column_names())
                 study_times[study.name] = time.perf_counter() - begun
-        journal.finish()
-        dist.barrier(group=self.idle_group)
-        if self.leader:
-            journal.remove_folder()
-            self._finish(ctx, plan, study_times, started)
-        dist.destroy_process_group()
-        return self._write_report() if self.leader and self.config.report else 0
+        return study_times
 
     def _write_report(self) -> int:
         """REPORT.md from the CSVs just written; they are safe on disk whatever happens here."""
@@ -224,22 +220,24 @@ class Runner:
 
     def _finish(self, ctx: RunContext, plan: list, study_times: dict[str, float],
                 started: float) -> None:
-        manifest = {
+        manifest = RunManifest(
             # torchrun's own flags never reach the script: this is the launch's equivalent.
-            "command": " ".join([f"torchrun --nnodes={self.launch.nodes}",
-                                 f"--nproc_per_node={self.launch.local_world_size}",
-                                 "scripts/study.py", *sys.argv[1:]]),
-            "config": {k: (str(v) if isinstance(v, Path) else v)
-                       for k, v in asdict(self.config).items() if k != "known_studies"},
-            "world_sizes": list(self.world_sizes),
-            **ctx.context_columns(),
-            "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
-            "wall_time_s": round(time.time() - started, 3),
-            "studies": {study.name: {"csv": study.csv_name, "cases": len(cases),
-                                     "wall_time_s": round(study_times[study.name], 3)}
-                        for study, cases in plan},
-        }
-        write_text_atomic(self.config.out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            command=" ".join([f"torchrun --nnodes={self.launch.nodes}",
+                              f"--nproc_per_node={self.launch.local_world_size}",
+                              "scripts/study.py", *sys.argv[1:]]),
+            settings=self.settings,
+            config={f.name: json_ready(getattr(self.config, f.name))
+                    for f in fields(self.config) if f.name not in ("known_studies",
+                                                                    "study_options")},
+            world_sizes=list(self.world_sizes),
+            context=ctx.context_columns(),
+            started=datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+            wall_time_s=round(time.time() - started, 3),
+            studies={study.name: StudyEntry(study.csv_name, len(cases),
+                                            round(study_times[study.name], 3))
+                     for study, cases in plan},
+        )
+        write_text_atomic(self.config.out / MANIFEST, manifest.to_json())
         if not self.config.quiet:
             self._print_summaries(plan)
 

@@ -30,6 +30,13 @@ BAD_INPUT = [
     (["--timeout", "soon"], "--timeout 'soon' is not a number"),
     (["--seed", "-3"], "--seed -3 is not allowed"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--studies", "reduction,,seed001"], "has an empty item"),
+    (["--strategies", "ddp,"], "has an empty item"),
+    (["--studies", "reduction", "--epochs", "3"],
+     "--epochs belongs to the training study, which --studies does not select"),
+    (["--accum-steps", "100"], "--accum-steps: 100 is not allowed; allowed: 1..64"),
+    (["--epochs", "1000"], "--epochs 1000 is not allowed; allowed: 1..100"),
+    (["--shard-size", "99999"], "--shard-size 99999 is not allowed; allowed: 1..4096"),
 ]
 
 CUDA_ONLY_BAD_INPUT = [
@@ -69,6 +76,19 @@ def test_without_torchrun_says_how_to_launch(monkeypatch, capsys, tmp_path):
     assert "torchrun --standalone --nproc_per_node=4 scripts/study.py" in captured.err
     assert len(captured.err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_every_study_flag_is_documented_with_its_dataclass_default(capsys):
+    from harness.studies import STUDIES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for study in STUDIES.values():
+        for field in study.Options.flags():
+            default = field.default
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+            assert f"{field.metadata['help']} (default: {shown})" in text
 
 
 def test_only_rank_0_speaks(monkeypatch, capsys, tmp_path):

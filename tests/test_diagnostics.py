@@ -13,7 +13,7 @@ from harness.studies.diagnostics.study import DiagnosticsSetup, DiagnosticsStudy
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_ranks
 from tests.frames import rows
-from tests.test_training import make_run
+from tests.runs import make_run
 
 RTOL = relative_tolerance(torch.float64)
 SMALL = DiagnosticsSetup(epochs=1, train_samples=300, learning_rates=(0.1, 10.0),
@@ -73,7 +73,7 @@ def test_graph_of_says_whether_a_graph_was_built():
 # --------------------------------------------------------------- the study
 @pytest.fixture(scope="module")
 def local():
-    study, run = DiagnosticsStudy(SMALL), make_run("diagnostics")
+    study, run = DiagnosticsStudy(setup=SMALL), make_run("diagnostics")
     return pd.DataFrame([row for case in study.cases(run) for row in study.run_case(case, run)])
 
 
@@ -153,7 +153,7 @@ def test_no_grad_builds_no_graph_and_leaves_requires_grad_alone(local):
 
 # ------------------------------------------------------------------- DDP
 def _ddp_rank(rank, world_size):
-    study = DiagnosticsStudy(SMALL)
+    study = DiagnosticsStudy(setup=SMALL)
     run = make_run("diagnostics", world_size=world_size, rank=rank)
     frames = [study.run_case(case, run) for case in study.cases(run)
               if case["strategy"] == "ddp"]

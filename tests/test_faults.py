@@ -63,10 +63,11 @@ def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd):
     out = tmp_path / "out"
     launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
     capfd.readouterr()
-    codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume", "--seed", "7"], tmp_path)
-    err = capfd.readouterr().err
-    assert codes == [2, 2]
-    assert err.count("study.py: error: --resume: the unfinished run in") == 1
+    for other in (["--seed", "7"], ["--shard-size", "3"]):  # a run-wide and a study setting
+        codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume", *other], tmp_path)
+        err = capfd.readouterr().err
+        assert codes == [2, 2]
+        assert err.count("study.py: error: --resume: the unfinished run in") == 1
 
 
 def test_a_hanging_rank_times_out_instead_of_stalling(tmp_path, capfd):

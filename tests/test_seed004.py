@@ -6,7 +6,7 @@ import pytest
 from harness.studies import STUDIES
 from harness.studies.seed004.study import Seed004Study
 from tests.distributed import run_cli
-from tests.test_training import make_run
+from tests.runs import make_run
 
 #: What the seed printed (the only numbers a test may take from outside the code).
 SEED_GRADS = (-16.0, -20.0)

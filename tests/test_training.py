@@ -11,23 +11,21 @@ import math
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 
-from harness.config import RunConfig
 from harness.context import RunContext
-from harness.launch import Launch, Placement
-from harness.studies import STUDIES
 from harness.studies.training.study import (
     RANK0_ALONE,
     REFERENCE,
     RUNNING_SUM,
     UPDATE_RULES,
     Digits,
+    TrainingOptions,
     TrainingSetup,
     TrainingStudy,
 )
 from harness.tolerances import trajectory_tolerance
 from tests.distributed import run_ranks
+from tests.runs import make_run
 
 TOL = trajectory_tolerance(torch.float64)
 EPOCHS = 2
@@ -35,15 +33,8 @@ EPOCHS = 2
 SMALL = TrainingSetup(batch_size=50, train_samples=200, held_out=100)
 
 
-def make_run(study: str, epochs: int = EPOCHS, world_size: int = 1, rank: int = 0,
-             dtype: str = "float64") -> RunContext:
-    """A RunContext as the runner builds it, for calling a study's ``run_case`` directly."""
-    config = RunConfig(studies=(study,), known_studies=tuple(STUDIES), epochs=epochs,
-                       dtype=dtype)
-    launch = Launch(rank, world_size, rank, world_size, "test-host", "")
-    groups = {world_size: dist.group.WORLD} if world_size > 1 else {}
-    return RunContext(config, launch, Placement("gloo", torch.device("cpu")),
-                      tuple(range(1, world_size + 1)), groups)
+def small_study() -> TrainingStudy:
+    return TrainingStudy(TrainingOptions(epochs=EPOCHS), setup=SMALL)
 
 
 def run_study_case(study, strategy: str, run: RunContext) -> pd.DataFrame | None:
@@ -58,11 +49,11 @@ def by_variant(frame: pd.DataFrame, variant: str) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def local():
-    return run_study_case(TrainingStudy(SMALL), "local", make_run("training"))
+    return run_study_case(small_study(), "local", make_run("training"))
 
 
 def _ddp_rank(rank, world_size):
-    return run_study_case(TrainingStudy(SMALL), "ddp", make_run("training", world_size=world_size,
+    return run_study_case(small_study(), "ddp", make_run("training", world_size=world_size,
                                                                 rank=rank))
 
 
@@ -154,5 +145,5 @@ def test_digits_split_is_seeded_and_disjoint():
 
 def test_the_same_case_twice_gives_identical_rows(local):
     """Determinism of the training study (tests/test_determinism.py covers the others)."""
-    again = run_study_case(TrainingStudy(SMALL), "local", make_run("training"))
+    again = run_study_case(small_study(), "local", make_run("training"))
     pd.testing.assert_frame_equal(local, again, check_exact=True)

@@ -18,13 +18,13 @@ Adding a study = one package + one line in :data:`harness.studies.STUDY_PACKAGES
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness.context import CONTEXT_COLUMNS
+from harness.options import NoOptions, StudyOptions
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -61,36 +61,6 @@ TRAILING_COLUMNS = (
            "devices, has 0`)"),
 )
 assert tuple(c.name for c in TRAILING_COLUMNS[:-1]) == CONTEXT_COLUMNS
-
-
-# ------------------------------------------------------------------ options
-def option(flag: str, metavar: str, help: str, parse: Callable[[str, str], Any] | None = None,
-           ) -> dict[str, Any]:
-    """Metadata that makes a dataclass field a command-line flag.
-
-    ``parse(text, flag)`` turns the flag's text into the field's value (and
-    raises UsageError naming the flag on bad text); None: the field's type.
-    The default shown by ``--help`` is the field's own default, never a copy.
-    """
-    return {"flag": flag, "metavar": metavar, "help": help, "parse": parse}
-
-
-@dataclass(frozen=True)
-class StudyOptions:
-    """Base of a study's own settings. Subclasses add :func:`option` fields and check
-    them in ``__post_init__`` (raising UsageError that names the flag and the value)."""
-
-    @classmethod
-    def flags(cls) -> list[dataclasses.Field]:
-        return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class NoOptions(StudyOptions):
-    """A study without settings of its own."""
 
 
 # -------------------------------------------------------------------- cases

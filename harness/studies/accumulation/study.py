@@ -35,15 +35,17 @@ import contextlib
 import copy
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from harness.context import RunContext
+from harness.errors import UsageError
 from harness.fit import equivalence_verdict, fit_scale, relative_error
 from harness.models import NORMS
+from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
 from harness.seeding import generator_for
 from harness.strategies import row_device, step_cost, unavailable_reason
 from harness.strategies.common import Trainer, relative_spread
@@ -71,6 +73,24 @@ DDP_SYNC = ("every-micro-step", "no_sync")
 #: Shard layouts: "tokens" belongs to the sequence task, the others to the MLP.
 SHARDS = ("even", "uneven", "tokens")
 LOSS_NORMALIZATIONS = ("micro-batch-mean", "window-total")
+
+
+#: More micro-steps than this only cost time: every verdict shows by k = 8.
+MAX_ACCUM_STEPS = 64
+
+
+@dataclass(frozen=True)
+class AccumulationOptions(StudyOptions):
+    #: Accumulation steps k measured (micro-steps per optimizer step).
+    accum_steps: tuple[int, ...] = field(default=(1, 2, 4, 8), metadata=option(
+        "--accum-steps", "K[,K]", "accumulation steps k of the accumulation study",
+        parse=parse_int_list))
+
+    def __post_init__(self) -> None:
+        check_positive_unique("--accum-steps", self.accum_steps, MAX_ACCUM_STEPS)
+        if max(self.accum_steps) > MAX_ACCUM_STEPS:
+            raise UsageError(f"--accum-steps: {max(self.accum_steps)} is not allowed; "
+                             f"allowed: 1..{MAX_ACCUM_STEPS}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +224,7 @@ class AccumulationStudy(Study):
                "token batches) against the big-batch gradient, with all-reduce counts")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies accumulation "
                "--accum-steps 1,4 --matrix full")
+    Options = AccumulationOptions
     columns = (
         Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
                "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
@@ -265,7 +286,8 @@ class AccumulationStudy(Study):
                "largest `‖g_rank - g_rank0‖ / ‖g_rank0‖` over the ranks: 0 when all agree"),
     )
 
-    def __init__(self) -> None:
+    def __init__(self, options: AccumulationOptions | None = None) -> None:
+        super().__init__(options)
         #: DDP trainers by (world size, task): wrapped once, reset between cases.
         self._ddp_trainers: dict[tuple[int, str], DDPTrainer] = {}
 
@@ -276,7 +298,7 @@ class AccumulationStudy(Study):
                         cost=WINDOWS * steps * step_cost(strategy, k), **asdict(recipe))
                 for strategy in run.strategies(STRATEGIES)
                 for k in _world_sizes(strategy, run)
-                for steps in run.config.accum_steps
+                for steps in self.options.accum_steps
                 for recipe in matrix(strategy, k, steps, full)]
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:

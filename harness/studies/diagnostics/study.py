@@ -211,7 +211,8 @@ class DiagnosticsStudy(Study):
                "the exception a step raised (`Type: first sentence`); empty when none"),
     )
 
-    def __init__(self, setup: DiagnosticsSetup | None = None) -> None:
+    def __init__(self, options=None, setup: DiagnosticsSetup | None = None) -> None:
+        super().__init__(options)
         self.setup = setup or DiagnosticsSetup()
 
     # ----------------------------------------------------------------- cases

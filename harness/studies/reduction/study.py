@@ -17,12 +17,15 @@ replica's gradient of the *gathered* loss), which isolates the collective itself
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from harness.context import RunContext
+from harness.errors import UsageError
 from harness.fit import equivalence_verdict, fit_scale, reduction_verdict
+from harness.options import StudyOptions, check_positive, option, parse_int
 from harness.seeding import generator_for
 from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
 from harness.strategies.common import StepMeasurement, StepSpec
@@ -41,8 +44,24 @@ STRATEGIES = ("ddp", "fsdp", "dp-emulated", "dp")
 #: Strategies whose cases run collectives on the subgroup of ranks 0..k-1.
 COLLECTIVE = ("ddp", "fsdp")
 MODELS = ("toy", "mlp", "mlp-batchnorm", "loss-in-forward")
+#: Beyond this a shard only costs time: the verdicts need a few samples per device.
+MAX_SHARD_SIZE = 4096
 #: The forward-returns-the-loss pitfall only exists where outputs are gathered.
 DATAPARALLEL_ONLY_MODELS = ("loss-in-forward",)
+
+
+@dataclass(frozen=True)
+class ReductionOptions(StudyOptions):
+    #: Samples per device in the global batch (k shards of this size).
+    shard_size: int = field(default=4, metadata=option(
+        "--shard-size", "INT", "samples per device in the reduction study's global batch",
+        parse=parse_int))
+
+    def __post_init__(self) -> None:
+        check_positive("--shard-size", self.shard_size)
+        if self.shard_size > MAX_SHARD_SIZE:
+            raise UsageError(f"--shard-size {self.shard_size} is not allowed; allowed: "
+                             f"1..{MAX_SHARD_SIZE} (a verdict needs a handful of samples)")
 
 
 def _join(values) -> str:
@@ -54,6 +73,7 @@ class ReductionStudy(Study):
     summary = ("one step per strategy x world size x model x loss: is param.grad the sum "
                "or the mean over devices, and does it equal the big-batch gradient?")
     example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"
+    Options = ReductionOptions
     columns = (
         Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
                "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
@@ -135,15 +155,14 @@ class ReductionStudy(Study):
         return [{**_identity(case, shard_sizes), **_analyse(spec, measurement, run.rtol),
                  "status": "ok", "device": row_device(strategy)}]
 
-    @staticmethod
-    def _spec(case: Case, run: RunContext) -> StepSpec:
+    def _spec(self, case: Case, run: RunContext) -> StepSpec:
         """The same weights and batch for every strategy and loss of a (model, k) pair."""
         model_name, k = case["model"], case["world_size"]
         task_name = "mlp" if model_name == "loss-in-forward" else model_name
         task = task_by_name(task_name)
         generator = generator_for(run.seed, "reduction", task_name, k)
         model = task.build_model(generator, run.dtype)
-        shards = make_shards(task, [run.config.shard_size] * k, generator, run.dtype)
+        shards = make_shards(task, [self.options.shard_size] * k, generator, run.dtype)
         loss_in_forward = model_name == "loss-in-forward"
         if loss_in_forward:
             model = LossInForward(model, task)

@@ -34,7 +34,7 @@ import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.context import RunContext
+from harness.errors import UsageError
+from harness.options import StudyOptions, option, parse_int
 from harness.seeding import generator_for
 from harness.strategies import ddp, step_cost
 from harness.strategies.common import relative_spread
@@ -409,12 +411,28 @@ def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------ study
+#: Beyond this the study runs for hours on a CPU and shows nothing new after epoch 5.
+MAX_EPOCHS = 100
+
+
+@dataclass(frozen=True)
+class TrainingOptions(StudyOptions):
+    #: Epochs each update rule trains.
+    epochs: int = field(default=5, metadata=option(
+        "--epochs", "INT", "epochs of the training study", parse=parse_int))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.epochs <= MAX_EPOCHS:
+            raise UsageError(f"--epochs {self.epochs} is not allowed; allowed: 1..{MAX_EPOCHS}")
+
+
 class TrainingStudy(Study):
     name = "training"
     summary = ("seed 000 on scikit-learn's digits: autograd.grad vs backward() with and "
                "without zero_grad vs optim.SGD, per epoch, one process and DDP")
     example = ("torchrun --standalone --nproc_per_node=2 scripts/study.py --studies training "
                "--epochs 5")
+    Options = TrainingOptions
     columns = (
         Column("strategy", "`local`, `ddp`",
                "one process, or DistributedDataParallel over ranks 0..k-1"),
@@ -464,11 +482,13 @@ class TrainingStudy(Study):
                "in step"),
     )
 
-    def __init__(self, setup: TrainingSetup | None = None) -> None:
+    def __init__(self, options: TrainingOptions | None = None,
+                 setup: TrainingSetup | None = None) -> None:
+        super().__init__(options)
         self.setup = setup or TrainingSetup()
 
     def cases(self, run: RunContext) -> list[Case]:
-        steps = run.config.epochs * self._steps_per_epoch()
+        steps = self.options.epochs * self._steps_per_epoch()
         cases, strategies = [], run.strategies(STRATEGIES)
         if "local" in strategies:
             # Four rules and the running-sum twin.
@@ -490,7 +510,7 @@ class TrainingStudy(Study):
         setup = self.setup
         digits = Digits.load(run.seed, run.dtype, run.device, setup.held_out,
                              setup.train_samples)
-        trainer = Trainer(digits, setup, run.config.epochs, run.device)
+        trainer = Trainer(digits, setup, self.options.epochs, run.device)
         initial = build_model(run.seed, setup, run.dtype)
         if strategy == "ddp":
             group = run.group(k)

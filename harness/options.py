@@ -1,0 +1,109 @@
+"""Settings as flags: the parsers and checks every flag uses, and a study's own options.
+
+A study declares its settings as a frozen dataclass (a :class:`StudyOptions`)
+whose fields carry :func:`option` metadata; the command line registers each
+such field as a flag, parses its text with the field's parser, and builds the
+dataclass, whose ``__post_init__`` refuses a bad value with one line naming the
+flag, the value and what is allowed. Defaults live in the dataclass alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from harness.errors import UsageError
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); a one-line error naming the flag and the bad item otherwise."""
+    items = [item.strip() for item in text.split(",")]
+    values = []
+    for item in items:
+        try:
+            values.append(int(item))
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: {item!r} is not an integer; "
+                             "allowed: comma-separated integers, e.g. 1,2,4") from None
+    return tuple(values)
+
+
+def parse_name_list(text: str, flag: str) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'); '' -> (); an empty item ('a,,b', 'a,') is refused."""
+    if not text.strip():
+        return ()
+    items = tuple(item.strip() for item in text.split(","))
+    if "" in items:
+        raise UsageError(f"{flag} {text!r} has an empty item; allowed: comma-separated "
+                         "names without spaces between commas, e.g. a,b")
+    return items
+
+
+def parse_int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not an integer") from None
+
+
+def parse_float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a number") from None
+
+
+def check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise UsageError(f"{flag} {value} is not allowed; allowed: integers >= 1")
+
+
+def check_known(flag: str, names: Iterable[str], allowed: Sequence[str]) -> None:
+    for name in names:
+        if name not in allowed:
+            raise UsageError(f"{flag}: {name!r} is unknown; allowed: {', '.join(allowed)}")
+
+
+def check_positive_unique(flag: str, values: Sequence[int], upper: int | None = None) -> None:
+    """Non-empty, every value >= 1 (and <= ``upper``), none repeated."""
+    if not values:
+        raise UsageError(f"{flag} is empty; give at least one value")
+    for value in values:
+        if value < 1:
+            allowed = f"1..{upper}" if upper else "integers >= 1"
+            raise UsageError(f"{flag}: {value} is not allowed; allowed: {allowed}")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{flag}: {','.join(map(str, values))} repeats a value; "
+                         "give each value once")
+
+
+# ------------------------------------------------------------- study options
+def option(flag: str, metavar: str, help: str, parse: Callable[[str, str], Any] | None = None,
+           ) -> dict[str, Any]:
+    """Metadata that makes a dataclass field a command-line flag.
+
+    ``parse(text, flag)`` turns the flag's text into the field's value (and
+    raises UsageError naming the flag on bad text); None: the text as it is.
+    The default shown by ``--help`` is the field's own default, never a copy.
+    """
+    return {"flag": flag, "metavar": metavar, "help": help, "parse": parse}
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """Base of a study's own settings. Subclasses add :func:`option` fields and check
+    them in ``__post_init__`` (raising UsageError that names the flag and the value)."""
+
+    @classmethod
+    def flags(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class NoOptions(StudyOptions):
+    """A study without settings of its own."""
