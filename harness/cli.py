@@ -8,15 +8,25 @@ rank 0 alone prints one line, and the exit code is 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from harness.config import DTYPES, MATRICES, STRATEGIES, RunConfig
-from harness.errors import UsageError
-from harness.launch import BACKENDS, DEVICES, Launch, choose_placement, leader_from_environment
+from harness.errors import USAGE_EXIT, UsageError, launched_by_harness, record_error
+from harness.launch import (
+    BACKENDS,
+    DEVICES,
+    Launch,
+    choose_placement,
+    leader_from_environment,
+    under_torchrun,
+)
+from harness.launcher import launch_ranks
 from harness.options import StudyOptions, parse_float, parse_int, parse_int_list, parse_name_list
 
 PROG = "study.py"
@@ -49,13 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.dedent("""\
             Measure how gradients are reduced across devices and accumulated across
             iterations, and write one tidy CSV per study (plus REPORT.md) to --out.
-            Launch it with torchrun: one launch of N ranks measures every world size
-            1..N on process subgroups."""),
+            Launch it with --nproc N (it starts N ranks itself) or with torchrun: one
+            launch of N ranks measures every world size 1..N on process subgroups."""),
         epilog="examples:\n" + examples + textwrap.dedent("""\
               # everything, on 4 CPU processes (the default run committed under results/)
-              torchrun --standalone --nproc_per_node=4 scripts/study.py
+              python scripts/study.py --nproc 4
+              torchrun --standalone --nproc_per_node=4 scripts/study.py      # the same
             """),
     )
+    parser.add_argument("--nproc", metavar="N", default=None,
+                        help="start N ranks on this machine (torch's elastic launch, as "
+                             "torchrun --standalone does) after checking every flag; a failed "
+                             "rank becomes one line. Leave it out under torchrun or Slurm")
     parser.add_argument("--list", action="store_true",
                         help="list the studies, one line each, and exit")
     parser.add_argument("--studies", metavar="NAME[,NAME]", default=None,
@@ -183,7 +198,36 @@ def list_studies() -> str:
     return "\n".join(lines)
 
 
+#: More local ranks than this would only oversubscribe a machine's cores.
+MAX_NPROC = 256
+#: How long a rank other than 0 waits before exiting on bad input: torchrun stops every
+#: rank once one exits, and rank 0 (the one that prints) must have printed by then.
+QUIET_RANK_EXIT_DELAY_S = 2.0
+
+
+def _launch_size(text: str) -> int:
+    nproc = parse_int(text, "--nproc")
+    if not 1 <= nproc <= MAX_NPROC:
+        raise UsageError(f"--nproc {nproc} is not allowed; allowed: 1..{MAX_NPROC}")
+    if under_torchrun():
+        raise UsageError("--nproc starts ranks of its own; under torchrun (or Slurm's "
+                         "torchrun) leave it out")
+    return nproc
+
+
+def _refuse(error: UsageError, leader: bool) -> int:
+    """One line, once: from rank 0, or through the launcher that started the ranks."""
+    if launched_by_harness():
+        record_error(int(os.environ.get("RANK", "0")), str(error))
+    elif leader:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+    return USAGE_EXIT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     leader = leader_from_environment()
     try:
         args = build_parser().parse_args(argv)
@@ -192,14 +236,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(list_studies())
             return 0
         config = config_from_args(args)
+        if args.nproc is not None:
+            nproc = _launch_size(args.nproc)
+            # Every check a rank would make, before any rank exists.
+            planned = Launch.planned(nproc)
+            config.resolved_world_sizes(planned)
+            choose_placement(config.backend, config.device, planned)
+            return launch_ranks(nproc, argv, PROG)
         launch = Launch.from_environment()
         world_sizes = config.resolved_world_sizes(launch)
         placement = choose_placement(config.backend, config.device, launch)
     except UsageError as error:
-        if leader:
-            print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return _refuse(error, leader)
     from harness.runner import Runner
 
     studies = [_studies()[name](config.options_of(name)) for name in config.studies]
-    return Runner(config, launch, placement, world_sizes, studies).run()
+    try:
+        return Runner(config, launch, placement, world_sizes, studies).run()
+    except Exception:
+        if launched_by_harness():  # the error line is recorded; the launcher prints it once
+            return 1
+        raise

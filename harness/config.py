@@ -22,17 +22,12 @@ from harness.options import (
     check_known,
     check_positive_unique,
 )
+from harness.strategies import STRATEGIES as STRATEGY_SPECS
 
 DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
 
-#: Strategies the harness can run, each in its own module under harness/strategies.
-STRATEGIES: dict[str, str] = {
-    "local": "one process, no reduction: the single-device reference",
-    "ddp": "torch.nn.parallel.DistributedDataParallel over a process subgroup",
-    "fsdp": "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
-    "dp-emulated": "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
-    "dp": "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
-}
+#: Strategies the harness can run (harness/strategies), each with its one-line description.
+STRATEGIES: dict[str, str] = {name: spec.description for name, spec in STRATEGY_SPECS.items()}
 
 MATRICES = ("default", "full")
 #: Field metadata of settings that cannot change a measured number (where results go,
@@ -128,5 +123,5 @@ class RunConfig:
                 raise UsageError(
                     f"--world-sizes: {k} is larger than the launch's {ranks}; "
                     f"allowed: 1..{launch.world_size} "
-                    f"(or launch more ranks with torchrun --nproc_per_node)")
+                    f"(or launch more ranks: --nproc, or torchrun --nproc_per_node)")
         return tuple(sorted(self.world_sizes))

@@ -43,13 +43,19 @@ class Launch:
         return self.rank == 0
 
     @classmethod
+    def planned(cls, nproc: int) -> Launch:
+        """Rank 0's view of a one-node launch of ``nproc`` ranks, before it starts."""
+        return cls(rank=0, world_size=nproc, local_rank=0, local_world_size=nproc,
+                   hostname=socket.gethostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID", ""))
+
+    @classmethod
     def from_environment(cls, env: dict[str, str] | None = None) -> Launch:
         env = dict(os.environ if env is None else env)
         missing = [name for name in _TORCHRUN_VARIABLES if name not in env]
         if missing:
             raise UsageError(
-                "scripts/study.py must be launched by torchrun (missing "
-                f"{', '.join(missing)}); run e.g. "
+                "scripts/study.py needs --nproc N or torchrun to start its ranks (missing "
+                f"{', '.join(missing)}); run e.g. 'python scripts/study.py --nproc 4' or "
                 "'torchrun --standalone --nproc_per_node=4 scripts/study.py'"
             )
         return cls(
@@ -61,6 +67,11 @@ class Launch:
             slurm_job_id=env.get("SLURM_JOB_ID", ""),
             nodes=int(env.get("GROUP_WORLD_SIZE", 1)),
         )
+
+
+def under_torchrun(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return all(name in env for name in _TORCHRUN_VARIABLES)
 
 
 def leader_from_environment(env: dict[str, str] | None = None) -> bool:

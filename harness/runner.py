@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.context import RunContext
-from harness.errors import UsageError
+from harness.errors import UsageError, launched_by_harness, record_error
 from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
@@ -133,7 +133,9 @@ class Runner:
         return self._write_report() if self.leader and self.config.report else 0
 
     def _refuse(self, error: UsageError) -> int:
-        if self.leader:
+        if launched_by_harness():
+            record_error(self.launch.rank, str(error))
+        elif self.leader:
             print(f"study.py: error: {error}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
@@ -194,8 +196,11 @@ class Runner:
             _inject_fault(case, ctx.rank)
             own_rows = study.run_case(case, ctx)
         except Exception as error:
-            print(f"study.py: rank {ctx.rank} failed in case {case.id}: "
-                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            cause = f"in case {case.id}: {type(error).__name__}: {error}"
+            if launched_by_harness():
+                record_error(ctx.rank, cause)
+            else:
+                print(f"study.py: rank {ctx.rank} failed {cause}", file=sys.stderr, flush=True)
             raise
         if own_rows is None:
             return None

@@ -72,7 +72,8 @@ def test_bad_input_is_one_line_exit_2_and_no_files(flags, message, monkeypatch, 
 def test_without_torchrun_says_how_to_launch(monkeypatch, capsys, tmp_path):
     code, captured, out = run_main([], {}, monkeypatch, capsys, tmp_path)
     assert code == 2
-    assert "must be launched by torchrun" in captured.err
+    assert "needs --nproc N or torchrun to start its ranks" in captured.err
+    assert "python scripts/study.py --nproc 4" in captured.err
     assert "torchrun --standalone --nproc_per_node=4 scripts/study.py" in captured.err
     assert len(captured.err.strip().splitlines()) == 1
     assert not out.exists()

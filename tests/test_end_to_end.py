@@ -39,6 +39,6 @@ def test_bad_input_under_torchrun_stops_every_rank_with_one_line(tmp_path):
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("study.py: error:")]
     assert lines == ["study.py: error: --world-sizes: 5 is larger than the launch's 1 rank; "
-                     "allowed: 1..1 (or launch more ranks with torchrun --nproc_per_node)"]
+                     "allowed: 1..1 (or launch more ranks: --nproc, or torchrun --nproc_per_node)"]
     assert "exitcode  : 2" in done.stderr, "workers exit with code 2"
     assert not out.exists()

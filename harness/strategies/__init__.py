@@ -1,64 +1,130 @@
-"""One module per strategy: how a model is wrapped, fed and reduced.
+"""One module per strategy, and one :class:`Strategy` spec each that says what it is.
 
 - :mod:`~harness.strategies.local`: one process, the reference everything is compared with;
 - :mod:`~harness.strategies.ddp`: DistributedDataParallel over a process subgroup;
 - :mod:`~harness.strategies.fsdp`: FSDP2's ``fully_shard`` over a process subgroup;
 - :mod:`~harness.strategies.dp_emulated`: DataParallel's dataflow emulated on the CPU;
 - :mod:`~harness.strategies.dp`: the real torch.nn.DataParallel on CUDA devices.
+
+A study asks the spec (``STRATEGIES[name]``) instead of testing names: whether
+cases run collectively, where rows say they computed, what DDP-like
+synchronisation choices exist, how to measure one step or build a trainer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness.strategies import ddp, dp, dp_emulated, fsdp
-from harness.strategies.common import StepMeasurement, StepSpec
+from harness.strategies import ddp, dp, dp_emulated, fsdp, local
+from harness.strategies.common import StepMeasurement, StepSpec, Trainer
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from harness.context import RunContext
+
+
+def _available(world_size: int, run: RunContext) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What the harness needs to know about a way of training on k devices."""
+
+    name: str
+    #: How the report names it in sentences.
+    label: str
+    #: One line for ``--help``.
+    description: str
+    #: True: a case of world size k runs collectives on the subgroup of ranks 0..k-1.
+    #: False: one process computes it (and may run on any idle rank).
+    collective: bool
+    #: Rough milliseconds of one forward/backward step at world size k, for balancing
+    #: work across ranks (measured on a 2-core CPU running 4 gloo ranks).
+    step_ms: Callable[[int], float]
+    #: The row's ``emulated`` column.
+    emulated: bool = False
+    #: The device a row records when it is not the run's (real DataParallel is CUDA).
+    row_device: str | None = None
+    #: When the accumulation study's micro-steps reduce: DDP can defer its all-reduce
+    #: (``no_sync``), DataParallel reduces in every backward, one process never.
+    syncs: tuple[str, ...] = ("every-micro-step",)
+    #: Why the strategy cannot run at world size k here (a row's status), or None.
+    #: The same answer on every rank, so that all skip a collective case together.
+    unavailable: Callable[[int, RunContext], str | None] = _available
+    #: One measured step of a StepSpec over k devices (None: the strategy has none).
+    measure: Callable[[StepSpec, int, RunContext], StepMeasurement | None] | None = None
+    #: A model under the strategy over k devices, fed one micro-step at a time.
+    trainer: Callable[[nn.Module, int, RunContext], Trainer] | None = None
+
+    def participants(self, world_size: int) -> int:
+        """Ranks a case of this world size occupies."""
+        return world_size if self.collective else 1
+
+
+def _gloo_or_collective_ms(world_size: int) -> float:
+    # The all-reduce's latency dominates and grows with the group.
+    return 1.2 + 2.2 * (world_size - 1)
+
+
+def _one_process_ms(world_size: int) -> float:
+    # About one forward/backward per device, one after the other.
+    return 1.0 + 0.75 * world_size
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("local", "one process (local)",
+             "one process, no reduction: the single-device reference",
+             collective=False, step_ms=_one_process_ms, syncs=("none",),
+             trainer=lambda module, k, run: local.LocalTrainer(module, run.device)),
+    Strategy("ddp", "DDP",
+             "torch.nn.parallel.DistributedDataParallel over a process subgroup",
+             collective=True, step_ms=_gloo_or_collective_ms,
+             syncs=("every-micro-step", "no_sync"),
+             measure=lambda spec, k, run: ddp.measure_step(spec, run.group(k), run.device),
+             trainer=lambda module, k, run: ddp.DDPTrainer(module, run.group(k), run.device)),
+    Strategy("fsdp", "FSDP",
+             "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
+             collective=True, step_ms=_gloo_or_collective_ms,
+             unavailable=lambda k, run: fsdp.unavailable_reason(run.placement),
+             measure=lambda spec, k, run: fsdp.measure_step(spec, run.group(k), run.device)),
+    Strategy("dp-emulated", "DataParallel (CPU emulation)",
+             "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
+             collective=False, step_ms=_one_process_ms, emulated=True,
+             measure=lambda spec, k, run: dp_emulated.measure_step(spec, k, run.device),
+             trainer=lambda module, k, run: dp_emulated.EmulatedDPTrainer(module, k,
+                                                                         run.device)),
+    Strategy("dp", "DataParallel",
+             "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
+             collective=False, step_ms=_one_process_ms, row_device="cuda",
+             unavailable=lambda k, run: dp.unavailable_reason(k),
+             measure=lambda spec, k, run: dp.measure_step(spec, k),
+             trainer=lambda module, k, run: dp.DPTrainer(module, k)),
+)}
 
 
 def measure_step(strategy: str, spec: StepSpec, world_size: int, run: RunContext
                  ) -> StepMeasurement | None:
     """One measured step of ``spec`` under ``strategy`` over ``world_size`` devices.
 
-    Returns the measurement on rank 0; None on the other ranks of a DDP case.
+    Returns the measurement on rank 0; None on the other ranks of a collective case.
     """
-    if strategy == "ddp":
-        return ddp.measure_step(spec, run.group(world_size), run.device)
-    if strategy == "fsdp":
-        return fsdp.measure_step(spec, run.group(world_size), run.device)
-    if strategy == "dp-emulated":
-        return dp_emulated.measure_step(spec, world_size, run.device)
-    if strategy == "dp":
-        return dp.measure_step(spec, world_size)
-    raise ValueError(f"strategy {strategy!r} does not measure single steps")
+    measure = STRATEGIES[strategy].measure
+    if measure is None:
+        raise ValueError(f"strategy {strategy!r} does not measure single steps")
+    return measure(spec, world_size, run)
 
 
 def row_device(strategy: str) -> str | None:
-    """The device a row records when it is not the run's: real DataParallel is always CUDA."""
-    return "cuda" if strategy == "dp" else None
+    return STRATEGIES[strategy].row_device
 
 
 def unavailable_reason(strategy: str, world_size: int, run: RunContext) -> str | None:
-    """Why ``strategy`` cannot run at ``world_size`` here (the row's status), or None.
-
-    The same answer on every rank, so that all skip a collective case together.
-    """
-    if strategy == "dp":
-        return dp.unavailable_reason(world_size)
-    if strategy == "fsdp":
-        return fsdp.unavailable_reason(run.placement)
-    return None
+    return STRATEGIES[strategy].unavailable(world_size, run)
 
 
 def step_cost(strategy: str, world_size: int) -> float:
-    """Rough milliseconds of one forward/backward step, for balancing work across ranks.
-
-    Measured on a 2-core CPU running 4 gloo ranks: DDP's step is dominated by the
-    all-reduce's latency, which grows with the group; single-process strategies
-    cost about one forward/backward per device.
-    """
-    if strategy in ("ddp", "fsdp"):
-        return 1.2 + 2.2 * (world_size - 1)
-    return 1.0 + 0.75 * world_size
+    return STRATEGIES[strategy].step_ms(world_size)

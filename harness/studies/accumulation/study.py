@@ -47,12 +47,12 @@ from harness.fit import equivalence_verdict, fit_scale, relative_error
 from harness.models import NORMS
 from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
 from harness.seeding import generator_for
-from harness.strategies import row_device, step_cost, unavailable_reason
+from harness.strategies import STRATEGIES, row_device, step_cost, unavailable_reason
 from harness.strategies.common import Trainer, relative_spread
 from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
-from harness.strategies.local import LocalTrainer, local_gradient
+from harness.strategies.local import local_gradient
 from harness.studies.base import Case, Column, Study
 from harness.tasks import Batch, Task, task_by_name
 
@@ -66,10 +66,10 @@ MICRO_BATCH = 4
 #: (from 2: BatchNorm cannot normalise a batch of one sample).
 UNEVEN_SIZES = (2, 6)
 
-STRATEGIES = ("local", "ddp", "dp-emulated", "dp")
+#: The strategies this study runs, in row order.
+SUPPORTED = ("local", "ddp", "dp-emulated", "dp")
 ZERO_GRAD = ("never", "every-micro-step", "every-step")
 LOSS_SCALING = ("none", "1/k")
-DDP_SYNC = ("every-micro-step", "no_sync")
 #: Shard layouts: "tokens" belongs to the sequence task, the others to the MLP.
 SHARDS = ("even", "uneven", "tokens")
 LOSS_NORMALIZATIONS = ("micro-batch-mean", "window-total")
@@ -125,17 +125,17 @@ class Recipe:
 
 def _syncs(strategy: str) -> tuple[str, ...]:
     """DDP can defer its all-reduce; DataParallel reduces in every backward; one process never."""
-    if strategy == "ddp":
-        return DDP_SYNC
-    return ("none",) if strategy == "local" else ("every-micro-step",)
+    return STRATEGIES[strategy].syncs
 
 
 def _norms(strategy: str) -> tuple[str, ...]:
-    return NORMS if strategy == "ddp" else NORMS[:-1]
+    """SyncBatchNorm synchronises over a process group: only a collective strategy has one."""
+    return NORMS if STRATEGIES[strategy].collective else NORMS[:-1]
 
 
 def _world_sizes(strategy: str, run: RunContext) -> tuple[int, ...]:
-    return (1,) if strategy == "local" else run.world_sizes
+    """A strategy that never reduces (one process) has world size 1 only."""
+    return (1,) if STRATEGIES[strategy].syncs == ("none",) else run.world_sizes
 
 
 def _conditions(strategy: str) -> list[tuple[str, str, str]]:
@@ -288,15 +288,16 @@ class AccumulationStudy(Study):
 
     def __init__(self, options: AccumulationOptions | None = None) -> None:
         super().__init__(options)
-        #: DDP trainers by (world size, task): wrapped once, reset between cases.
-        self._ddp_trainers: dict[tuple[int, str], DDPTrainer] = {}
+        #: Collective trainers by (strategy, world size, task): wrapped once, reset between
+        #: cases.
+        self._collective_trainers: dict[tuple[str, int, str], Trainer] = {}
 
     def cases(self, run: RunContext) -> list[Case]:
         full = run.config.matrix == "full"
-        return [Case.of(self.name, participants=k if strategy == "ddp" else 1,
-                        collective=strategy == "ddp",
+        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(k),
+                        collective=STRATEGIES[strategy].collective,
                         cost=WINDOWS * steps * step_cost(strategy, k), **asdict(recipe))
-                for strategy in run.strategies(STRATEGIES)
+                for strategy in run.strategies(SUPPORTED)
                 for k in _world_sizes(strategy, run)
                 for steps in self.options.accum_steps
                 for recipe in matrix(strategy, k, steps, full)]
@@ -342,23 +343,21 @@ class AccumulationStudy(Study):
 
     def _trainer(self, recipe: Recipe, task: Task, run: RunContext) -> Trainer:
         initial = self._initial_model(recipe, task, run)
-        if recipe.strategy == "ddp":
-            key = (recipe.world_size, recipe.task_name)
-            if key not in self._ddp_trainers:
-                module = copy.deepcopy(initial)
-                if recipe.norm == "syncbatchnorm":
-                    # Synchronise statistics over the case's subgroup, not the whole launch.
-                    module.norm.process_group = run.group(recipe.world_size)
-                self._ddp_trainers[key] = DDPTrainer(module, run.group(recipe.world_size),
-                                                     run.device)
-            trainer = self._ddp_trainers[key]
-            trainer.reset(initial.state_dict())
-            return trainer
-        if recipe.strategy == "dp-emulated":
-            return EmulatedDPTrainer(initial, recipe.world_size, run.device)
-        if recipe.strategy == "dp":
-            return DPTrainer(initial, recipe.world_size)
-        return LocalTrainer(initial, run.device)
+        spec = STRATEGIES[recipe.strategy]
+        if not spec.collective:
+            return spec.trainer(initial, recipe.world_size, run)
+        # Collective trainers are built once per (strategy, world size, model) and reset:
+        # their constructor is a collective of its own (a broadcast and a shape check).
+        key = (recipe.strategy, recipe.world_size, recipe.task_name)
+        if key not in self._collective_trainers:
+            module = copy.deepcopy(initial)
+            if recipe.norm == "syncbatchnorm":
+                # Synchronise statistics over the case's subgroup, not the whole launch.
+                module.norm.process_group = run.group(recipe.world_size)
+            self._collective_trainers[key] = spec.trainer(module, recipe.world_size, run)
+        trainer = self._collective_trainers[key]
+        trainer.reset(initial.state_dict())
+        return trainer
 
     @staticmethod
     def _initial_model(recipe: Recipe, task: Task, run: RunContext) -> nn.Module:
@@ -433,7 +432,7 @@ class AccumulationStudy(Study):
         numbers = ("window_elements", "allreduce_calls", "allreduce_bytes", "reduce_add_calls",
                    "reduce_add_bytes", "full_batch_scale", "fit_residual", "relative_error",
                    "cumulative_scale", "cumulative_residual", "rank_spread")
-        row = {**asdict(recipe), "emulated": recipe.strategy == "dp-emulated",
+        row = {**asdict(recipe), "emulated": STRATEGIES[recipe.strategy].emulated,
                "optimizer_steps": WINDOWS, **dict.fromkeys(numbers, math.nan), "verdict": ""}
         row.update(measured)
         row["device"] = row_device(recipe.strategy)

@@ -27,7 +27,13 @@ from harness.errors import UsageError
 from harness.fit import equivalence_verdict, fit_scale, reduction_verdict
 from harness.options import StudyOptions, check_positive, option, parse_int
 from harness.seeding import generator_for
-from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
+from harness.strategies import (
+    STRATEGIES,
+    measure_step,
+    row_device,
+    step_cost,
+    unavailable_reason,
+)
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
 from harness.studies.base import Case, Column, Study
@@ -40,9 +46,8 @@ from harness.tasks import (
     task_by_name,
 )
 
-STRATEGIES = ("ddp", "fsdp", "dp-emulated", "dp")
-#: Strategies whose cases run collectives on the subgroup of ranks 0..k-1.
-COLLECTIVE = ("ddp", "fsdp")
+#: The strategies this study runs, in row order.
+SUPPORTED = ("ddp", "fsdp", "dp-emulated", "dp")
 MODELS = ("toy", "mlp", "mlp-batchnorm", "loss-in-forward")
 #: Beyond this a shard only costs time: the verdicts need a few samples per device.
 MAX_SHARD_SIZE = 4096
@@ -130,15 +135,16 @@ class ReductionStudy(Study):
 
     def cases(self, run: RunContext) -> list[Case]:
         cases = []
-        for strategy in run.strategies(STRATEGIES):
+        for strategy in run.strategies(SUPPORTED):
+            spec = STRATEGIES[strategy]
             for k in run.world_sizes:
                 for model in MODELS:
-                    if model in DATAPARALLEL_ONLY_MODELS and strategy in COLLECTIVE:
+                    if model in DATAPARALLEL_ONLY_MODELS and spec.collective:
                         continue
                     for reduction in LOSS_REDUCTIONS:
                         cases.append(Case.of(
-                            self.name, participants=k if strategy in COLLECTIVE else 1,
-                            collective=strategy in COLLECTIVE, cost=2 * step_cost(strategy, k),
+                            self.name, participants=spec.participants(k),
+                            collective=spec.collective, cost=2 * step_cost(strategy, k),
                             strategy=strategy, world_size=k, model=model,
                             loss_reduction=reduction))
         return cases
@@ -179,7 +185,7 @@ class ReductionStudy(Study):
 
 
 def _identity(case: Case, shard_sizes: str) -> dict[str, Any]:
-    return {"strategy": case["strategy"], "emulated": case["strategy"] == "dp-emulated",
+    return {"strategy": case["strategy"], "emulated": STRATEGIES[case["strategy"]].emulated,
             "world_size": case["world_size"], "model": case["model"],
             "loss_reduction": case["loss_reduction"], "shard_sizes": shard_sizes}
 

@@ -29,15 +29,21 @@ import torch
 from harness.context import RunContext
 from harness.fit import combination_verdict
 from harness.models import SeedToyModel
-from harness.strategies import measure_step, row_device, step_cost, unavailable_reason
+from harness.strategies import (
+    STRATEGIES,
+    measure_step,
+    row_device,
+    step_cost,
+    unavailable_reason,
+)
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.studies.base import Case, Column, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
 from harness.tolerances import close
 
-STRATEGIES = ("dp-emulated", "ddp", "fsdp", "dp")
-#: Every rank runs the seed's script on its own batch; the collective averages.
-RANK_AVERAGING = ("ddp", "fsdp")
+#: The strategies this study runs, in row order. Under a collective one (DDP, FSDP)
+#: every rank runs the seed's script on its own copy of the batch.
+SUPPORTED = ("dp-emulated", "ddp", "fsdp", "dp")
 EXPERIMENTS = ("1-per-device-factor", "2-distinct-samples", "3-no-zero-grad")
 PASSES = {"1-per-device-factor": 1, "2-distinct-samples": 1, "3-no-zero-grad": 3}
 SEED_BATCH = 2
@@ -86,7 +92,7 @@ def predict(setup: SeedSetup, strategy: str, world_size: int, reduction: str,
     """The predicted entry of ``w.grad`` after ``passes`` backward passes, and its arithmetic."""
     values = setup.sample_values()
     divisor = "" if reduction == "sum" else f"/{len(values)}"
-    if strategy in RANK_AVERAGING:
+    if STRATEGIES[strategy].collective:
         # Every rank runs the seed's script on its own copy of the batch, then it is averaged.
         per_rank = [sum(a * _factor(setup, r) for a in values) for r in range(world_size)]
         if reduction == "mean":
@@ -166,12 +172,12 @@ class Seed001Study(Study):
     )
 
     def cases(self, run: RunContext) -> list[Case]:
-        return [Case.of(self.name, participants=k if strategy in RANK_AVERAGING else 1,
-                        collective=strategy in RANK_AVERAGING,
+        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(k),
+                        collective=STRATEGIES[strategy].collective,
                         cost=step_cost(strategy, k) * (PASSES[experiment] + 1),
                         strategy=strategy, experiment=experiment, world_size=k,
                         loss_reduction=reduction)
-                for strategy in run.strategies(STRATEGIES)
+                for strategy in run.strategies(SUPPORTED)
                 for experiment in EXPERIMENTS
                 for k in run.world_sizes
                 for reduction in LOSS_REDUCTIONS]
@@ -185,7 +191,7 @@ class Seed001Study(Study):
         x = setup.inputs(run.dtype)
         batch = Batch(x, torch.zeros(SEED_BATCH, dtype=run.dtype))
         # DDP/FSDP: each rank has the seed's batch; DataParallel: it is the global batch.
-        shards = [batch] * k if strategy in RANK_AVERAGING else [batch]
+        shards = [batch] * k if STRATEGIES[strategy].collective else [batch]
         spec = StepSpec(task=ToyTask(), model=setup.model(run.dtype), shards=shards,
                         reduction=case["loss_reduction"], backward_passes=passes)
         measurement = measure_step(strategy, spec, k, run)
@@ -217,7 +223,7 @@ class Seed001Study(Study):
 
     @staticmethod
     def _identity(case: Case, iteration: int) -> dict[str, Any]:
-        return {"strategy": case["strategy"], "emulated": case["strategy"] == "dp-emulated",
+        return {"strategy": case["strategy"], "emulated": STRATEGIES[case["strategy"]].emulated,
                 "experiment": case["experiment"], "world_size": case["world_size"],
                 "loss_reduction": case["loss_reduction"], "iteration": iteration}
 

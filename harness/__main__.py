@@ -1,0 +1,8 @@
+"""``python -m harness`` and the ``grad-study`` console script: study.py's command line."""
+
+import sys
+
+from harness.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``study.py --nproc N``: start the ranks ourselves, without torchrun's noise.
+
+torch's elastic launch API (what torchrun itself calls) starts N ranks of
+``python -m harness`` on this machine, rendezvousing on a free local port as
+``torchrun --standalone`` does. Every flag has been validated before this runs,
+so a rank that fails now fails for a reason of its own (an exception, a crash,
+a hang): each rank writes its one error line into a folder the launcher hands
+it (:data:`ERROR_DIR_VARIABLE`), and the launcher turns the first failure into
+one line naming the rank and the cause -- the line always reaches the user,
+whichever rank died first, and no launcher traceback follows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.errors import ERROR_DIR_VARIABLE, USAGE_EXIT
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Loggers of torch's launcher: their per-rank failure reports and tracebacks are what
+#: the one line replaces.
+LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def strip_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N``: the ranks are launched already."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
+def _quiet_launcher() -> None:
+    for name in LAUNCHER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _rank_environment(error_dir: str) -> None:
+    """What every rank inherits: the harness importable, one thread each, the error folder."""
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # torchrun's default too, without its warning: tiny models gain nothing from threads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[ERROR_DIR_VARIABLE] = error_dir
+
+
+def _first_error_line(error_dir: Path, rank: int) -> str:
+    """The line rank ``rank`` wrote, else any rank's, else ''."""
+    own = error_dir / f"rank{rank}.txt"
+    for path in [own, *sorted(error_dir.glob("rank*.txt"))]:
+        if path.is_file() and (text := path.read_text().strip()):
+            return text.splitlines()[0]
+    return ""
+
+
+def launch_ranks(nproc: int, argv: Sequence[str], prog: str) -> int:
+    """Run ``python -m harness argv`` on ``nproc`` local ranks; 0, 1 (a rank failed) or 2."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_launcher()
+    with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
+        _rank_environment(error_dir)
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                              run_id=f"study-{os.getpid()}", rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0)
+        try:
+            elastic_launch(config, sys.executable)("-m", "harness", *strip_nproc(argv))
+        except ChildFailedError as failed:
+            rank, failure = failed.get_first_failure()
+            cause = _first_error_line(Path(error_dir), rank)
+            code = USAGE_EXIT if failure.exitcode == USAGE_EXIT else 1
+            what = cause or _describe_exit(failure.exitcode)
+            print(f"{prog}: error: rank {rank} failed: {what}", file=sys.stderr)
+            return code
+    return 0
+
+
+def _describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode} without saying why"

@@ -1,0 +1,66 @@
+"""``study.py --nproc N``: the harness starts its own ranks, and a failure is one line."""
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from harness.launcher import strip_nproc
+from tests.launch import ROOT
+
+pytestmark = pytest.mark.launches
+
+
+def study(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "study.py"), *args],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_nproc_runs_the_ranks_itself(tmp_path):
+    out = tmp_path / "out"
+    done = study("--nproc", "2", "--studies", "seed001", "--strategies", "ddp", "--out", str(out),
+                 "--quiet", "--no-report")
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_csv(out / "seed001.csv")
+    assert sorted(frame.world_size.unique()) == [1, 2]
+    assert (frame.launch_world_size == 2).all()
+
+
+def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
+    out = tmp_path / "out"
+    done = study("--nproc", "2", "--world-sizes", "3", "--out", str(out))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "study.py: error: --world-sizes: 3 is larger than the launch's 2 ranks; allowed: 1..2 "
+        "(or launch more ranks: --nproc, or torchrun --nproc_per_node)"]
+    assert not out.exists()
+
+
+def test_a_failed_rank_is_the_last_line_naming_rank_and_cause_without_traceback(tmp_path):
+    out = tmp_path / "out"
+    done = study("--nproc", "2", "--studies", "reduction", "--strategies", "ddp", "--out",
+                 str(out), "--quiet", env={"HARNESS_FAULT": "rank=1,case=world_size=2,mode=raise"})
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == ("study.py: error: rank 1 failed: in case reduction/strategy=ddp/"
+                         "world_size=2/model=toy/loss_reduction=mean: RuntimeError: fault "
+                         "injected by HARNESS_FAULT")
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
+@pytest.mark.parametrize("nproc, message", [
+    ("0", "--nproc 0 is not allowed; allowed: 1..256"),
+    ("two", "--nproc 'two' is not an integer"),
+])
+def test_bad_nproc(nproc, message, tmp_path):
+    done = study("--nproc", nproc, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and done.stderr.strip() == f"study.py: error: {message}"
+
+
+def test_strip_nproc_leaves_every_other_flag():
+    assert strip_nproc(["--nproc", "4", "--studies", "x", "--nproc=2", "--quiet"]) == [
+        "--studies", "x", "--quiet"]
