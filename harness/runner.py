@@ -120,6 +120,12 @@ class Runner:
         except UsageError as error:
             return self._refuse(error)
         plan = [(study, study.cases(ctx)) for study in self.studies]
+        if empty := [study.name for study, cases in plan if not cases]:
+            return self._refuse(UsageError(
+                f"{', '.join(empty)}: no case for --strategies "
+                f"{','.join(self.config.strategies)} at world sizes "
+                f"{','.join(map(str, self.world_sizes))}; `study.py --list` and --help say "
+                "what each study runs"))
         if self.leader:
             self._announce(ctx, plan, done)
         journal.start(self.kept)

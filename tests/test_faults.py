@@ -89,3 +89,13 @@ def test_a_killed_rank_fails_the_others_naming_the_case(tmp_path, capfd):
     assert f"study.py: rank 0 failed in case {VICTIM}" in err
     assert len(pd.read_csv(out / "seed001.csv")) > 0
     assert not (out / "reduction.csv").exists()
+
+
+def test_flags_that_select_no_case_are_refused_before_anything_is_written(tmp_path, capfd):
+    out = tmp_path / "out"
+    codes = launch(WORLD, ["--studies", "training", "--strategies", "dp-emulated", "--out",
+                           str(out), "--quiet"], tmp_path)
+    err = capfd.readouterr().err
+    assert codes == [2, 2]
+    assert err.count("study.py: error: training: no case for --strategies dp-emulated") == 1
+    assert not out.exists()
