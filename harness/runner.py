@@ -232,10 +232,7 @@ class Runner:
     def _finish(self, ctx: RunContext, plan: list, study_times: dict[str, float],
                 started: float) -> None:
         manifest = RunManifest(
-            # torchrun's own flags never reach the script: this is the launch's equivalent.
-            command=" ".join([f"torchrun --nnodes={self.launch.nodes}",
-                              f"--nproc_per_node={self.launch.local_world_size}",
-                              "scripts/study.py", *sys.argv[1:]]),
+            command=self._command(),
             settings=self.settings,
             config={f.name: json_ready(getattr(self.config, f.name))
                     for f in fields(self.config) if f.name not in ("known_studies",
@@ -251,6 +248,19 @@ class Runner:
         write_text_atomic(self.config.out / MANIFEST, manifest.to_json())
         if not self.config.quiet:
             self._print_summaries(plan)
+
+    def _command(self) -> str:
+        """The command that started this run, as the user would type it again.
+
+        Neither torchrun's own flags nor ``--nproc`` reach the ranks' argv: this is the
+        launch's equivalent.
+        """
+        if launched_by_harness():
+            launcher = ["python scripts/study.py", f"--nproc {self.launch.local_world_size}"]
+        else:
+            launcher = [f"torchrun --nnodes={self.launch.nodes}",
+                        f"--nproc_per_node={self.launch.local_world_size}", "scripts/study.py"]
+        return " ".join([*launcher, *sys.argv[1:]])
 
     def _print_summaries(self, plan: list) -> None:
         import pandas as pd

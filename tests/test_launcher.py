@@ -28,6 +28,11 @@ def test_nproc_runs_the_ranks_itself(tmp_path):
     frame = pd.read_csv(out / "seed001.csv")
     assert sorted(frame.world_size.unique()) == [1, 2]
     assert (frame.launch_world_size == 2).all()
+    import json
+
+    command = json.loads((out / "run.json").read_text())["command"]
+    assert command == ("python scripts/study.py --nproc 2 --studies seed001 --strategies ddp "
+                       f"--out {out} --quiet --no-report")
 
 
 def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
