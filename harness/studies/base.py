@@ -62,6 +62,14 @@ TRAILING_COLUMNS = (
 )
 assert tuple(c.name for c in TRAILING_COLUMNS[:-1]) == CONTEXT_COLUMNS
 
+#: Columns several studies share, documented once.
+STRATEGY = Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
+                  "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, "
+                  "a CPU emulation of DataParallel, the real DataParallel (CUDA)")
+EMULATED = Column("emulated", "bool", "true for the emulation")
+WORLD_SIZE = Column("world_size", "devices",
+                    "k: ranks (DDP, FSDP) or devices asked for (DataParallel)")
+
 
 # -------------------------------------------------------------------- cases
 @dataclass(frozen=True)

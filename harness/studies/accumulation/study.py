@@ -53,7 +53,7 @@ from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
 from harness.strategies.local import local_gradient
-from harness.studies.base import Case, Column, Study
+from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
 from harness.tasks import Batch, Task, task_by_name
 
 #: Optimizer steps per case; the gradient of the last one is measured.
@@ -226,13 +226,9 @@ class AccumulationStudy(Study):
                "--accum-steps 1,4 --matrix full")
     Options = AccumulationOptions
     columns = (
-        Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
-               "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
-               " emulation of DataParallel, the real DataParallel (CUDA)"),
-        Column("emulated", "bool",
-               "true for the emulation"),
-        Column("world_size", "devices",
-               "k: ranks (DDP, FSDP) or devices asked for (DataParallel)"),
+        STRATEGY,
+        EMULATED,
+        WORLD_SIZE,
         Column("accum_steps", "micro-steps",
                "k, micro-steps per optimizer step"),
         Column("zero_grad", "`never`, `every-micro-step`, `every-step`",

@@ -36,7 +36,7 @@ from harness.strategies import (
 )
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
-from harness.studies.base import Case, Column, Study
+from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
 from harness.tasks import (
     LOSS_REDUCTIONS,
     Batch,
@@ -80,13 +80,9 @@ class ReductionStudy(Study):
     example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"
     Options = ReductionOptions
     columns = (
-        Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
-               "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
-               " emulation of DataParallel, the real DataParallel (CUDA)"),
-        Column("emulated", "bool",
-               "true for the emulation"),
-        Column("world_size", "devices",
-               "k: ranks (DDP, FSDP) or devices asked for (DataParallel)"),
+        STRATEGY,
+        EMULATED,
+        WORLD_SIZE,
         Column("model", "`toy`, `mlp`, `mlp-batchnorm`, `loss-in-forward`",
                "seed 001's model (output x (device + 1)); a 4-8-2 MLP whose inputs come from a "
                "different distribution on each device; the same with BatchNorm; the MLP "

@@ -37,7 +37,7 @@ from harness.strategies import (
     unavailable_reason,
 )
 from harness.strategies.common import StepMeasurement, StepSpec
-from harness.studies.base import Case, Column, Study
+from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
 from harness.tolerances import close
 
@@ -128,15 +128,11 @@ class Seed001Study(Study):
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies seed001 "
                "--strategies dp-emulated,ddp")
     columns = (
-        Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
-               "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, a CPU"
-               " emulation of DataParallel, the real DataParallel (CUDA)"),
-        Column("emulated", "bool",
-               "true for the emulation"),
+        STRATEGY,
+        EMULATED,
         Column("experiment", "`1-per-device-factor`, `2-distinct-samples`, `3-no-zero-grad`",
                "the seed's experiment"),
-        Column("world_size", "devices",
-               "k: ranks (DDP, FSDP) or devices asked for (DataParallel)"),
+        WORLD_SIZE,
         Column("devices_used", "devices",
                "devices that computed (DataParallel uses fewer than asked when the batch is "
                "small)"),
