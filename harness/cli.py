@@ -8,16 +8,14 @@ rank 0 alone prints one line, and the exit code is 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import textwrap
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from harness.config import DTYPES, MATRICES, STRATEGIES, RunConfig
-from harness.errors import USAGE_EXIT, UsageError, launched_by_harness, record_error
+from harness.errors import UsageError, launched_by_harness, refuse
 from harness.launch import (
     BACKENDS,
     DEVICES,
@@ -200,9 +198,6 @@ def list_studies() -> str:
 
 #: More local ranks than this would only oversubscribe a machine's cores.
 MAX_NPROC = 256
-#: How long a rank other than 0 waits before exiting on bad input: torchrun stops every
-#: rank once one exits, and rank 0 (the one that prints) must have printed by then.
-QUIET_RANK_EXIT_DELAY_S = 2.0
 
 
 def _launch_size(text: str) -> int:
@@ -213,17 +208,6 @@ def _launch_size(text: str) -> int:
         raise UsageError("--nproc starts ranks of its own; under torchrun (or Slurm's "
                          "torchrun) leave it out")
     return nproc
-
-
-def _refuse(error: UsageError, leader: bool) -> int:
-    """One line, once: from rank 0, or through the launcher that started the ranks."""
-    if launched_by_harness():
-        record_error(int(os.environ.get("RANK", "0")), str(error))
-    elif leader:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(QUIET_RANK_EXIT_DELAY_S)
-    return USAGE_EXIT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world_sizes = config.resolved_world_sizes(launch)
         placement = choose_placement(config.backend, config.device, launch)
     except UsageError as error:
-        return _refuse(error, leader)
+        return refuse(error, 0 if leader else 1, PROG)
     from harness.runner import Runner
 
     studies = [_studies()[name](config.options_of(name)) for name in config.studies]

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 from pathlib import Path
 
 #: Exit code of bad input (argparse's too).
 USAGE_EXIT = 2
+#: How long a rank other than 0 waits before exiting on bad input: torchrun stops every
+#: rank once one exits, and rank 0 (the one that prints) must have printed by then.
+QUIET_RANK_EXIT_DELAY_S = 2.0
 #: Set by ``study.py --nproc`` for the ranks it starts: a folder where each rank writes
 #: its error line, which the launcher prints once (harness/launcher.py).
 ERROR_DIR_VARIABLE = "HARNESS_ERROR_DIR"
@@ -32,3 +37,15 @@ def record_error(rank: int, line: str) -> None:
     with contextlib.suppress(OSError):
         if not path.exists():
             path.write_text(line + "\n")
+
+
+def refuse(error: UsageError, rank: int, prog: str = "study.py") -> int:
+    """Bad input, said once: through the launcher that started the ranks, or by rank 0
+    (the others wait for its line to get out); the exit code to return."""
+    if launched_by_harness():
+        record_error(rank, str(error))
+    elif rank == 0:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+    return USAGE_EXIT

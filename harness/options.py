@@ -71,7 +71,7 @@ def check_positive_unique(flag: str, values: Sequence[int], upper: int | None = 
     if not values:
         raise UsageError(f"{flag} is empty; give at least one value")
     for value in values:
-        if value < 1:
+        if value < 1 or (upper is not None and value > upper):
             allowed = f"1..{upper}" if upper else "integers >= 1"
             raise UsageError(f"{flag}: {value} is not allowed; allowed: {allowed}")
     if len(set(values)) != len(values):

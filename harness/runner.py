@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.context import RunContext
-from harness.errors import UsageError, launched_by_harness, record_error
+from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
@@ -139,12 +139,8 @@ class Runner:
         return self._write_report() if self.leader and self.config.report else 0
 
     def _refuse(self, error: UsageError) -> int:
-        if launched_by_harness():
-            record_error(self.launch.rank, str(error))
-        elif self.leader:
-            print(f"study.py: error: {error}", file=sys.stderr)
         dist.destroy_process_group()
-        return 2
+        return refuse(error, self.launch.rank)
 
     def _run_plan(self, plan: list, ctx: RunContext, done: dict[str, list[dict]],
                   journal: Journal) -> dict[str, float]:

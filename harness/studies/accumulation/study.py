@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
-from harness.errors import UsageError
 from harness.fit import equivalence_verdict, fit_scale, relative_error
 from harness.models import NORMS
 from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
@@ -88,9 +87,6 @@ class AccumulationOptions(StudyOptions):
 
     def __post_init__(self) -> None:
         check_positive_unique("--accum-steps", self.accum_steps, MAX_ACCUM_STEPS)
-        if max(self.accum_steps) > MAX_ACCUM_STEPS:
-            raise UsageError(f"--accum-steps: {max(self.accum_steps)} is not allowed; "
-                             f"allowed: 1..{MAX_ACCUM_STEPS}")
 
 
 @dataclass(frozen=True)
