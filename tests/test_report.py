@@ -70,7 +70,9 @@ def test_the_report_has_the_runs_context_every_section_and_its_figures(reported_
     for value in (manifest["torch_version"], manifest["backend"], manifest["dtype"],
                   manifest["command"], manifest["started"][:10]):
         assert value in report
-    assert "## At a glance" in report
+    assert "## Answers" in report
+    assert report.index("## Answers") < report.index("## reduction"), "the answers come first"
+    assert "| [DDP: summed or averaged?](#reduction-summed-or-averaged) |" in report
     assert "## reduction: summed or averaged?" in report
     assert "## seed001: the seed's DataParallel experiments, explained" in report
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
@@ -80,6 +82,10 @@ def test_the_report_has_the_runs_context_every_section_and_its_figures(reported_
         assert (reported_run / link).is_file(), f"{link} is not relative to REPORT.md"
     pngs = {p.name for p in (reported_run / "figures").iterdir()}
     assert pngs == {Path(link).name for link in links}, "every figure is shown, none left over"
+    lines = report.splitlines()
+    for header, rule in zip(lines, lines[1:], strict=False):
+        if rule.startswith("|--"):
+            assert rule.count("|") == header.replace("\\|", "").count("|"), header
 
 
 def test_findings_quote_the_numbers_in_the_csv(reported_run):
@@ -87,7 +93,7 @@ def test_findings_quote_the_numbers_in_the_csv(reported_run):
     frame = pd.read_csv(reported_run / "reduction.csv")
     ddp = ddp_multi_device(frame)
     deviation = (ddp.reduce_weight - 1 / ddp.devices_used).abs().max()
-    sentence = the_finding(report, "DDP averaged what its devices fed into the reduction")
+    sentence = the_finding(report, "With two or more devices, DDP's collective averaged")
     assert f"in all {len(ddp)} cases" in sentence
     assert f"reduce_weight = 1/k at k = 2; largest deviation {small(deviation)}" in sentence
     assert f"`reduction.csv`: strategy = ddp, status = ok, devices_used >= 2 ({len(ddp)} rows)" \
@@ -95,7 +101,8 @@ def test_findings_quote_the_numbers_in_the_csv(reported_run):
     batchnorm = ddp[(ddp.model == "mlp-batchnorm") & (ddp.loss_reduction == "mean")]
     sentence = the_finding(report, "With a mean loss, DDP's param.grad")
     assert f"full_batch_residual {small(batchnorm.full_batch_residual.max())}" in sentence
-    assert "no multiple of it for mlp-batchnorm" in sentence
+    assert ("was no multiple of the big-batch gradient in 1 case for model = "
+            "mlp-batchnorm") in sentence
     seed = pd.read_csv(reported_run / "seed001.csv")
     example = seed[(seed.strategy == "dp-emulated") & (seed.devices_used >= 2)].iloc[0]
     parts = example.device_contributions.split(";")
@@ -121,9 +128,13 @@ def test_a_regenerated_report_follows_the_folder_and_nothing_else(run_copy, repo
     write_report(run_copy)
 
     report = (run_copy / REPORT_NAME).read_text()
-    assert not findings(report, "DDP averaged what its devices fed into the reduction")
-    sentence = the_finding(report, "DDP did not reduce what its devices fed into the reduction")
-    assert "neither summed nor averaged it in 1 case (reduce_weight = 0.7 at k = 2" in sentence
+    assert not findings(report, "With two or more devices, DDP's collective averaged what its "
+                                "devices fed it in all")
+    sentence = the_finding(report, "With two or more devices, DDP's collective averaged")
+    assert f"averaged what its devices fed it in {len(ddp_multi_device(frame)) - 1} cases" \
+        in sentence
+    assert ("neither summed nor averaged what its devices fed it in 1 case (reduce_weight = 0.7 "
+            "at k = 2") in sentence
     assert frame.loc[row, "case_id"] in sentence, "an odd case is cited by its case_id"
     assert ("## future\n\nThe report has no section for this study yet: see `future.csv` "
             "(1 row).") in report
@@ -256,15 +267,26 @@ def test_accumulation_findings_name_the_recipes_the_rows_say_are_exact(tmp_path)
     rows += [accumulation_row(textbook, batchnorm, k, "differs", 0.9, error)
              for k, error in ((1, 0.3), (2, 0.5))]
     with style():
-        output = SECTION.render(pd.DataFrame(rows), SectionInputs(
+        output = SECTION.summarize(pd.DataFrame(rows), SectionInputs(
             "accumulation.csv", 1e-9, FigureWriter(tmp_path)))
     text = "\n".join(f.text for f in output.findings)
-    assert ("zero_grad = every-step with loss_scaling = 1/k gave the big-batch gradient in all "
-            "2 cases") in text
-    assert "zero_grad = every-step with loss_scaling = none (full_batch_scale = k at k = 1, 2" \
-        in text
-    assert (f"zero_grad = never with loss_scaling = none (relative_error up to {small(4.0)}, "
-            "differing in all 2 cases, largest at k = 2") in text
-    assert ("batchnorm, even shards, micro-batch-mean loss (every-step, 1/k: relative_error up "
-            f"to {small(0.5)}, differing in all 2 cases)") in text
+    assert ("With zero_grad = every-step and loss_scaling = 1/k in the plain setting, the last "
+            "step's gradient equalled the big-batch gradient in all 2 cases") in text
+    assert ("With zero_grad = every-step and loss_scaling = none in the plain setting, the last "
+            "step's gradient equalled the big-batch gradient in 1 case for accum_steps = 1 "
+            "(largest fit_residual 1.0e-16) and was another multiple of the big-batch gradient in "
+            "1 case for accum_steps = 2 (full_batch_scale = k at k = 2") in text
+    assert ("With zero_grad = never and loss_scaling = none in the plain setting, the last step's "
+            f"gradient was no multiple of the big-batch gradient in all 2 cases (relative_error "
+            f"{small(2.5)} to {small(4.0)}, largest at k = 2)") in text
+    assert ("Under the textbook recipe, a setting gave the big-batch gradient at every k in 2 "
+            "cases for setting = none · even · micro-batch-mean (largest fit_residual 1.0e-16) "
+            "and missed it somewhere in 2 cases for setting = batchnorm · even · "
+            f"micro-batch-mean (relative_error {small(0.3)} to {small(0.5)})") in text
+    answers = {a.question: a for a in output.answers}
+    recipe = answers["Which accumulation recipe (zero_grad, loss_scaling) equals the big batch?"]
+    assert recipe.answer.startswith("(every-step, 1/k); (every-step, none): k × it;")
+    assert recipe.fix == "(every-step, none): divide the loss by k"
+    settings = answers["When does no recipe equal the big batch (textbook recipe per setting)?"]
+    assert settings.answer == "norm = batchnorm" and settings.fix == "norm = none (1 setting)"
     assert (tmp_path / "figures" / "accumulation_errors.png").is_file()

@@ -36,8 +36,8 @@ class UnsavedFigures(FigureWriter):
 
 def render(section, rows: list[dict], out: Path) -> SectionOutput:
     with style():
-        return section.render(pd.DataFrame(rows), SectionInputs(f"{section.study}.csv", RTOL,
-                                                                 UnsavedFigures(out)))
+        return section.summarize(pd.DataFrame(rows), SectionInputs(
+            f"{section.study}.csv", RTOL, UnsavedFigures(out)))
 
 
 def the_finding(output: SectionOutput, start: str) -> str:
@@ -77,6 +77,9 @@ def training_row(strategy: str, variant: str, epoch: int) -> dict:
                    heldout_accuracy=0.875 / (2 * epoch), applied_grad_norm=8.0 * epoch)
     if (strategy, variant) == ("ddp", "autograd.grad"):
         row.update(param_distance=0.125 * epoch, rank_spread=0.15 * epoch)
+    # The study's verdict on the two norms (empty at epoch 0, where no step was taken).
+    row["applied_is_fresh"] = row["applied_grad_norm"] == row["fresh_grad_norm"] if trained \
+        else None
     return row
 
 
@@ -120,30 +123,45 @@ def test_training_findings_quote_the_rows_and_follow_them(tmp_path):
 def test_training_twins_ranks_and_applied_gradients_follow_the_rows(tmp_path):
     output = render(training.SECTION, training_rows(
         **{"local/optim.SGD/2": {"identical_to_twin": False, "twin_distance": 0.003}}), tmp_path)
-    twins = the_finding(output, "With one process (local), backward-no-zero stayed")
-    assert "backward-zero-grad on that of `autograd.grad` through epoch 2" in twins
-    assert f"optim.SGD left that of its twin `autograd.grad` in epoch 2 (twin_distance " \
-        f"{small(0.003)}" in twins
-    ranks = the_finding(output, "Training with DDP at k = 2, the ranks of")
-    assert (f"those of autograd.grad drifted apart (rank_spread {number(0.15)} after epoch 1 to "
-            f"{number(0.3)} after epoch 2)") in ranks
-    assert "its gradients were never all-reduced" in ranks
-    applied = the_finding(output, "At the last step of every epoch")
-    assert (f"backward-no-zero applied a gradient {number(8.0)} to {number(16.0)} times as large"
-            in applied)
-    assert "autograd.grad, backward-zero-grad and optim.SGD applied exactly that gradient" \
-        in applied
+    twins = the_finding(output, "With one process (local) at k = 1, a rule")
+    # optim.SGD stayed in epoch 1: the epochs on the trajectory span every rule with a twin.
+    assert "stayed on the trajectory of its twin in 5 epochs (largest twin_distance 0)" in twins
+    assert ("left the trajectory of its twin in 1 epoch for variant = optim.SGD (twin_distance "
+            f"{small(0.003)})") in twins
+    ranks = the_finding(output, "With DDP at k = 2, the ranks")
+    assert (f"drifted apart in 2 epochs for variant = autograd.grad (rank_spread {small(0.15)} to "
+            f"{small(0.3)}, largest at epoch 2)") in ranks
+    assert "its gradients were never all-reduced" in the_finding(output, "With DDP, rank 0")
+    applied = the_finding(output, "With DDP at k = 2, the last step of an epoch")
+    assert ("applied a gradient other than its own loss's in 2 epochs for variant = "
+            f"backward-no-zero (applied_grad_norm / fresh_grad_norm {number(8.0)} to "
+            f"{number(16.0)})") in applied
+    assert ("applied the gradient of its own loss in 6 epochs for variant = autograd.grad, "
+            "backward-zero-grad, optim.SGD") in applied
 
     # Rank 0 off its lone twin: the rows no longer show that nothing was all-reduced.
     output = render(training.SECTION, training_rows(
         **{"ddp/autograd.grad/2": {"identical_to_twin": False, "twin_distance": 0.01}}), tmp_path)
-    ranks = the_finding(output, "Training with DDP at k = 2, the ranks of")
-    assert "drifted apart" in ranks and "never all-reduced" not in ranks
+    alone = the_finding(output, "With DDP, rank 0")
+    assert "left that trajectory in 1 epoch" in alone and "never all-reduced" not in alone
+    assert "drifted apart" in the_finding(output, "With DDP at k = 2, the ranks")
 
 
 def test_training_table_and_figure_show_the_last_epoch_and_every_row(tmp_path):
-    output = render(training.SECTION, training_rows(), tmp_path)
-    assert sum(f.headline for f in output.findings) <= 2, "the At-a-glance list stays short"
+    rows = training_rows()
+    output = render(training.SECTION, rows, tmp_path)
+    never = next(a for a in output.answers if a.question.startswith("Never zeroing .grad"))
+    last = [r for r in rows if (r["strategy"], r["variant"], r["epoch"]) == (
+        "local", "backward-no-zero", 2)][0]
+    assert never.answer.startswith(f"param_distance {small(last['param_distance'])} from the "
+                                   f"reference after epoch 2 (one process (local)); train loss "
+                                   f"{number(last['train_loss'])} vs {number(1 / 3)}")
+    assert never.fix == ("zero .grad each step: autograd.grad, backward-zero-grad and optim.SGD "
+                         "stay on the reference")
+    ranks = next(a for a in output.answers if a.question.endswith("ranks in step?"))
+    assert ranks.answer == ("in step for variant = backward-no-zero, backward-zero-grad, "
+                            "optim.SGD (6 epochs); drift apart for variant = autograd.grad "
+                            "(2 epochs)")
     table = next(b for b in output.blocks if b.startswith("**After the last epoch**"))
     assert "| ddp (k = 2) | autograd.grad | 0.3333 | 0.7 | 0.25 | 0 |" in table
     assert figure_links(output.blocks) == ["figures/training_curves.png"]
@@ -178,10 +196,13 @@ def test_seed004_findings_compare_measured_predicted_printed_and_the_big_batch(t
     assert ("accumulation ([4.0] then [2.0], each loss divided by 2) and big-batch ([4.0, 2.0], "
             "the loss divided by 2) left the same w.grad = -20 and the same w = 1.2 after "
             "`step`") in big
-    assert [f.headline for f in output.findings].count(True) == 1
-    assert the_finding(output, "All 10 values measured")
-    printed = the_finding(output, "The accumulation run reproduced all 6 numbers")
-    assert "w.grad -16 after backward-1, -20 after backward-2 and -20 after step" in printed
+    (answer,) = output.answers
+    assert answer.answer == "the same w.grad = -20 and the same w = 1.2"
+    assert "matched in all 10 rows (largest abs_error 0)" in the_finding(
+        output, "Against its exact first-principles prediction")
+    printed = the_finding(output, "Of the numbers the seed printed for accumulation")
+    assert ("reproduced the printed one in all 6 numbers (w.grad -16 after backward-1, -20 after "
+            "backward-2 and -20 after step") in printed
     table = output.blocks[0]
     assert "| big-batch | step |  | w | 1.2 | 1.2 |  |" in table
 
@@ -191,8 +212,11 @@ def test_seed004_findings_compare_measured_predicted_printed_and_the_big_batch(t
     output = render(seed004.SECTION, rows, tmp_path)
     assert "the same w.grad = -20 and a different w: 1.2 against 1.25" in \
         the_finding(output, "In seed 004's one-weight model")
-    assert "1.25 instead of 1.2" in the_finding(output, "1 value of the 10 measured differs")
-    assert "measured -20, printed -19" in the_finding(output, "1 number of the 6")
+    assert ("differed in 1 row (e.g. w after step of big-batch: 1.25 instead of 1.2; largest "
+            "abs_error 0.05)") in the_finding(output, "Against its exact first-principles")
+    assert ("differed from the printed one in 1 number (e.g. w.grad after backward-2 of "
+            "accumulation: measured -20, printed -19)") in the_finding(
+        output, "Of the numbers the seed printed")
     assert "| big-batch | step |  | w | 1.25 ✗ | 1.2 |  |" in output.blocks[0]
 
 
@@ -267,22 +291,26 @@ def test_diagnostics_findings_say_when_gradients_die_and_what_each_experiment_di
     assert "lr=0.1" not in sweep
     assert f"largest zero_grad_fraction {number(0.3)}" in the_finding(output, "At lr=0.1")
     frozen = the_finding(output, "With one process (local) and `middle frozen")
-    assert ("middle.weight kept .grad None at all 3 steps and did not move (update_ratio 0), "
-            f"while the other parameters trained (update_ratio {small(0.02)} to "
-            f"{small(0.06)})") in frozen
+    assert (f"a parameter trained in 6 rows for parameter = input.weight, output.bias "
+            f"(update_ratio {small(0.02)} to {small(0.06)}, largest at step 3) and kept .grad None "
+            f"and did not move (update_ratio 0) in 3 rows for parameter = middle.weight") in frozen
     ddp = the_finding(output, "With DDP at k = 2")
-    assert ("`middle frozen, find_unused_parameters=False` completed 3 steps, every gradient "
-            "averaged over the ranks") in ddp
-    assert ("`middle unused, find_unused_parameters=False` stopped after 1 step with "
-            "RuntimeError: Expected to have finished reduction, the ranks' gradients of the last "
-            f"step not averaged (largest grad_rank_spread {small(1.75)})") in ddp
+    assert ("completed 3 steps, every gradient averaged over the ranks in 2 rows for setting = "
+            "middle frozen, find_unused_parameters=False") in ddp
+    assert ("stopped after 1 step with RuntimeError: Expected to have finished reduction, the "
+            "ranks' gradients of the last step not averaged in 2 rows for setting = middle "
+            f"unused, find_unused_parameters=False (largest grad_rank_spread {small(1.75)})") in ddp
     modes = the_finding(output, "One batch through the first BatchNorm")
     assert "in `eval()` its output had bn_batch_mean 0.11 and bn_batch_std 0.125" in modes
     assert "its running statistics stayed unchanged (running_stats_change 0)" in modes
     graphs = the_finding(output, "One forward of the MLP")
     assert "with `torch.no_grad()` the loss had no graph (output_requires_grad False)" in graphs
     assert "backward() raised RuntimeError: element 0 of tensors" in graphs
-    assert sum(f.headline for f in output.findings) <= 2
+    sweep_answer, frozen_answer = output.answers
+    assert sweep_answer.answer == "lr=10: exactly 0 from step 5"
+    assert sweep_answer.fix == "lr=0.1 kept every gradient alive"
+    assert frozen_answer.answer == ("`middle unused, find_unused_parameters=False` fails: "
+                                    "RuntimeError")
 
     # The layer dies later: every step in the sentence moves with the rows.
     later = the_finding(render(diagnostics.SECTION, sweep_rows(dies_at=5), tmp_path),

@@ -5,9 +5,10 @@
 
 The folder is checked first (``run.json`` and every CSV it lists, with the
 columns the report reads); a malformed folder raises :class:`ReportError`
-before anything is written. Each study's section lives next to it, in
-``harness/studies/<study>/report.py``. matplotlib is imported only here, when a report
-is written, so that a study run that skips the report never loads it.
+before anything is written. Each study declares its section next to it, in
+``harness/studies/<study>/report.py`` (see :mod:`harness.report.spec`). matplotlib is
+imported only here, when a report is written, so that a study run that skips the report
+never loads it.
 """
 
 from __future__ import annotations
@@ -37,15 +38,53 @@ def write_report(out: Path) -> Path:
     results = load_results(out, manifest, sections)
     rtol = tolerance(results.dtype)
     figures = FigureWriter(out)
-    outputs = {}
+
+    def render(studies: list[str]) -> dict:
+        return {study: _render_section(sections[study], results.frames[study],
+                                       results.csv_name(study), rtol, figures)
+                for study in studies}
+
     with style():
-        for study, frame in results.frames.items():
-            outputs[study] = _render_section(sections[study], frame, results.csv_name(study),
-                                             rtol, figures)
+        outputs = _on_two_processes(render, list(results.frames), figures)
     figures.remove_stale()
     target = out / REPORT_NAME
     write_text_atomic(target, render_document(results, sections, outputs))
     return target
+
+
+def _on_two_processes(render, studies: list[str], figures) -> dict:
+    """``render(studies)``, every other study in a forked child where the system forks.
+
+    Drawing figures is most of a report's time and a report machine has a core to
+    spare: the child renders its sections (writing their figures) and sends back
+    what it rendered; should it fail, the parent renders its share itself. The
+    bytes of REPORT.md and of every figure are the same either way.
+    """
+    import os
+    import pickle
+
+    if len(studies) < 2 or not hasattr(os, "fork"):
+        return render(studies)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        try:
+            with os.fdopen(write, "wb") as pipe:
+                pickle.dump((render(studies[1::2]), figures.written), pipe)
+        finally:
+            os._exit(0)
+    os.close(write)
+    outputs = render(studies[::2])
+    with os.fdopen(read, "rb") as pipe:
+        received = pipe.read()
+    os.waitpid(child, 0)
+    try:
+        theirs, written = pickle.loads(received)
+    except Exception:  # noqa: BLE001 -- the child died: its share is rendered here
+        theirs, written = render(studies[1::2]), []
+    figures.written += written
+    return {study: {**outputs, **theirs}[study] for study in studies}
 
 
 def _render_section(section, frame, csv_name, rtol, figures):
@@ -57,7 +96,7 @@ def _render_section(section, frame, csv_name, rtol, figures):
     from harness.report.section import SectionInputs
 
     try:
-        return section.render(frame, SectionInputs(csv_name, rtol, figures))
+        return section.summarize(frame, SectionInputs(csv_name, rtol, figures))
     except Exception as error:  # noqa: BLE001 -- reported in REPORT.md and on stderr
         reason = f"{type(error).__name__}: {error}"
         print(f"report: section {section.study} failed: {reason}", file=sys.stderr)

@@ -15,12 +15,13 @@ TITLE = "Gradient-reduction study: report"
 
 def render_document(results: RunResults, sections: dict[str, Section],
                     outputs: dict[str, SectionOutput | str]) -> str:
-    """The whole report; ``outputs`` maps a study to its rendered section or an error text."""
-    parts = [f"# {TITLE}", _preamble(), _context_table(results.manifest),
-             _contents(results, sections)]
-    glance = _at_a_glance(results, sections, outputs)
-    if glance:
-        parts.append(glance)
+    """The whole report; ``outputs`` maps a study to its rendered section or an error text.
+
+    The answers come first, right under the run's context: a reader who stops
+    there knows what to do; the sections below hold the rows behind each answer.
+    """
+    parts = [f"# {TITLE}", _context_table(results.manifest)]
+    parts += [_answers(results, sections, outputs), _preamble(), _contents(results, sections)]
     for study in results.manifest["studies"]:
         if study in results.frames:
             parts.append(_section(sections[study], results, outputs[study]))
@@ -30,12 +31,12 @@ def render_document(results: RunResults, sections: dict[str, Section],
         names = words([code(n) for n in results.foreign_csvs])
         parts.append("---\n\nIn this folder but not written by this run (not listed in "
                      f"`run.json`), so not reported: {names}.")
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def _preamble() -> str:
     return ("What lands in `param.grad` when a model trains on several devices, as measured by "
-            "the run below. Every finding is a sentence built from the run's CSVs and ends with "
+            "the run above. Every finding is a sentence built from the run's CSVs and ends with "
             "the rows it comes from, in brackets: the CSV, the filter, and how many rows match. "
             "Regenerate with `python scripts/report.py <results folder>`.")
 
@@ -107,17 +108,21 @@ def _contents(results: RunResults, sections: dict[str, Section]) -> str:
     return "\n".join(lines)
 
 
-def _at_a_glance(results: RunResults, sections: dict[str, Section],
-                 outputs: dict[str, SectionOutput | str]) -> str:
-    """The headline findings of every section, first: the answers a reader came for."""
-    lines = []
+def _answers(results: RunResults, sections: dict[str, Section],
+             outputs: dict[str, SectionOutput | str]) -> str:
+    """The questions every study answers, in study order, each linked to its section."""
+    rows = []
     for study in results.frames:
         output = outputs[study]
+        link = f"(#{anchor(sections[study].title)})"
         if isinstance(output, SectionOutput):
-            lines += [f.markdown() for f in output.findings if f.headline]
-    if not lines:
+            rows += [[f"[{a.question}]{link}", a.answer, a.evidence, a.fix or "—"]
+                     for a in output.answers]
+    if not rows:
         return ""
-    return "## At a glance\n\n" + "\n".join(lines)
+    return ("## Answers\n\nEach answer is computed from the rows of the linked section; the "
+            "evidence says how many cases it rests on and how far the worst one is from it.\n\n"
+            + table(["question", "measured answer", "evidence", "fix"], rows))
 
 
 def _section(section: Section, results: RunResults, output: SectionOutput | str) -> str:

@@ -1,31 +1,280 @@
-"""Findings every study's section can state the same way."""
+"""Generic parts that state findings and answers from verdicts the rows carry.
+
+The workhorse is a *tally*: the rows of one group (``per`` columns, after a
+``where`` query) counted by the words of a verdict column, each word with the
+evidence for it (a :data:`Detail`). :class:`Verdicts` says it as a sentence,
+:class:`VerdictAnswer` as a row of the answer table. A verdict the rows do not
+carry can be derived by ``classify`` (e.g. :func:`within`: a spread below the
+tolerance), but a column the study wrote is read as written, never re-judged.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.report.rows import ordered
-from harness.report.section import Finding, SectionInputs
-from harness.report.text import strategy_name
+from harness.report.rows import labels, named_ratio, ordered, split_by
+from harness.report.section import Answer, Finding, Rows
+from harness.report.text import (
+    capitalized,
+    cite_cases,
+    count,
+    integers,
+    number,
+    small,
+    span,
+    strategy_name,
+    value_name,
+    words,
+)
+from harness.verdicts import Equivalence
 
 if TYPE_CHECKING:
     import pandas as pd
 
+#: Evidence for a verdict: (the rows that got it, the tolerance) -> words and numbers.
+Detail = Callable[["pd.DataFrame", float], str]
+#: A verdict derived from rows the study gave no verdict column for.
+Classify = Callable[["pd.DataFrame", float], "pd.Series"]
 
-def skipped_findings(frame: pd.DataFrame, inputs: SectionInputs, unit: str = "case",
-                     headline: bool = False) -> list[Finding]:
+
+# -------------------------------------------------------------------- details
+def ratio(column: str, k: str = "world_size") -> Detail:
+    """``reduce_weight = 1/k at k = 2, 3, 4; largest deviation 5.6e-17`` (1, 1/k or k), or the
+    values and the cases when no named ratio fits."""
+    def detail(rows: pd.DataFrame, rtol: float) -> str:
+        name, deviation = named_ratio(rows[k], rows[column], rtol)
+        at = f"at k = {integers(rows[k])}"
+        if name is not None:
+            return f"{column} = {name} {at}; largest deviation {small(deviation)}"
+        values = ", ".join(dict.fromkeys(number(v) for v in rows[column]))
+        return f"{column} = {values} {at}: {cite_cases(rows['case_id'].tolist())}"
+    return detail
+
+
+def spread(column: str, at: str = "world_size", label: str = "k =") -> Detail:
+    """``full_batch_residual 0.43 to 0.91, largest at k = 3`` (or ``at epoch 5``)."""
+    def detail(rows: pd.DataFrame, rtol: float) -> str:
+        values = rows[column].dropna()
+        if rows.loc[values.index, at].nunique() < 2:
+            return f"{column} {span(values)}"
+        worst = rows.loc[values.idxmax(), at]
+        return f"{column} {span(values)}, largest at {label} {value_name(at, worst)}"
+    return detail
+
+
+def largest(column: str) -> Detail:
+    return lambda rows, rtol: f"largest {column} {small(rows[column].max())}"
+
+
+def joined(*details: Detail) -> Detail:
+    return lambda rows, rtol: "; ".join(d(rows, rtol) for d in details)
+
+
+def yes_no(true: object, false: object) -> dict[str, object]:
+    """Phrases (or details) for a boolean verdict column, as its CSV text spells it."""
+    return {"True": true, "False": false}
+
+
+#: How a sentence says what a gradient was against the big batch's, by ``Equivalence``.
+BIG_BATCH = {Equivalence.MATCHES: "equalled the big-batch gradient",
+             Equivalence.SCALED: "was another multiple of the big-batch gradient",
+             Equivalence.DIFFERS: "was no multiple of the big-batch gradient"}
+
+
+def within(column: str) -> Classify:
+    """``True`` where ``column`` (a spread or distance) is within the tolerance."""
+    return lambda rows, rtol: (rows[column] <= rtol).astype(str)
+
+
+# --------------------------------------------------------------------- tallies
+@dataclass(frozen=True, kw_only=True)
+class Tallied:
+    """Rows grouped by ``per`` (after ``where``), each group counted by verdict word."""
+
+    column: str
+    per: tuple[str, ...] = ("strategy",)
+    where: str = ""
+    classify: Classify | None = None
+    unit: str = "case"
+
+    def tallies(self, rows: Rows):
+        for values, group in rows.groups(self.per, self.where):
+            words_ = (self.classify(group, rows.rtol) if self.classify
+                      else labels(group, self.column))
+            yield values, group, split_by(group, words_)
+
+
+def names(values: dict) -> dict[str, str]:
+    """Group values as a template names them: ``{strategy}`` -> ``DDP``."""
+    return {column: value_name(column, value) for column, value in values.items()}
+
+
+def qualifier(subset: pd.DataFrame, group: pd.DataFrame, columns: tuple[str, ...]) -> str:
+    """`` for model = toy, mlp`` when ``subset`` has only some of the group's values of a column."""
+    text = ""
+    for column in columns:
+        shown = ordered(subset, column)
+        if len(shown) < len(ordered(group, column)):
+            names_ = [value_name(column, v) for v in shown]
+            # Values with commas of their own are told apart by semicolons.
+            text += f" for {column} = " + ("; " if any("," in n for n in names_) else ", ").join(
+                names_)
+    return text
+
+
+def _share(n: int, total: int, unit: str) -> str:
+    if n < total:
+        return count(n, unit)
+    return f"the one {unit}" if n == 1 else f"all {count(n, unit)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdicts(Tallied):
+    """One finding per group: "{subject} {phrase} in n cases (evidence) and ...".
+
+    ``phrases`` maps a verdict word to what the subject did (a word missing from
+    it is quoted as is); ``detail`` gives the evidence, one for every word or one
+    per word; ``qualify`` names the values of these columns a verdict holds for,
+    when it holds for only some of the group's; ``conclusion`` is added when every
+    row of the group has that verdict.
+    """
+
+    subject: str
+    phrases: Mapping[str, str] = field(default_factory=dict)
+    detail: Detail | Mapping[str, Detail] | None = None
+    qualify: tuple[str, ...] = ()
+    conclusion: Mapping[str, str] = field(default_factory=dict)
+
+    def __call__(self, rows: Rows) -> list[Finding]:
+        findings = []
+        for values, group, parts in self.tallies(rows):
+            clauses = [self._clause(verdict, subset, group, rows.rtol) for verdict, subset in parts]
+            text = f"{capitalized(self.subject.format(**names(values)))} {words(clauses)}"
+            if len(parts) == 1 and parts[0][0] in self.conclusion:
+                text += f": {self.conclusion[parts[0][0]]}"
+            findings.append(Finding(text + ".", rows.cite(values, self.where, len(group))))
+        return findings
+
+    def _clause(self, verdict: str, subset: pd.DataFrame, group: pd.DataFrame,
+                rtol: float) -> str:
+        # Without phrases the verdict words are the phrase (a classify that words its verdicts).
+        phrase = self.phrases.get(verdict, f"had {self.column} = {verdict or 'empty'}"
+                                  ) if self.phrases else verdict
+        clause = f"{phrase} in {_share(len(subset), len(group), self.unit)}"
+        clause += qualifier(subset, group, self.qualify)
+        detail = self.detail.get(verdict) if isinstance(self.detail, Mapping) else self.detail
+        return clause + (f" ({detail(subset, rtol)})" if detail else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerdictAnswer(Tallied):
+    """One answer row per group: the verdict in a few ``answers`` words, the evidence, a fix."""
+
+    question: str
+    answers: Mapping[str, str] = field(default_factory=dict)
+    evidence: Detail | None = None
+    fix: Detail | None = None
+    qualify: tuple[str, ...] = ()
+
+    def __call__(self, rows: Rows) -> list[Answer]:
+        made = []
+        for values, group, parts in self.tallies(rows):
+            answer = "; ".join(self.answers.get(verdict, verdict)
+                               + qualifier(subset, group, self.qualify)
+                               + ("" if len(parts) == 1 else f" ({count(len(subset), self.unit)})")
+                               for verdict, subset in parts)
+            evidence = count(len(group), self.unit)
+            if self.evidence:
+                evidence += f"; {self.evidence(group, rows.rtol)}"
+            made.append(Answer(self.question.format(**names(values)), answer, evidence,
+                               self.fix(group, rows.rtol) if self.fix else ""))
+        return made
+
+
+# ---------------------------------------------------------------- named ratios
+#: What a gradient that is a named multiple of the big batch's asks the loss to become.
+CORRECTIONS = {"1/k": "multiply the loss by k", "k": "divide the loss by k"}
+
+
+def ratios(rows: pd.DataFrame, value: str, k: str, rtol: float, by: str, split: str = ""
+           ) -> tuple[list[tuple[str, list[tuple[str | None, list[str]]]]], float]:
+    """Per ``by`` value, the named ratio (1, 1/k, k) of ``value`` to ``k``: [(ratio, [])]; where
+    none fits them all, per ``split`` value, the most common ratio first (without its values).
+    Also the largest deviation from a named ratio."""
+    found, deviations = [], [0.0]
+    for name, group in rows.groupby(by, sort=False):
+        subsets = [(None, group)]
+        if named_ratio(group[k], group[value], rtol)[0] is None and split:
+            subsets = list(group.groupby(split, sort=False))
+        parts: dict[str | None, list[str]] = {}
+        for part, subset in subsets:
+            named, deviation = named_ratio(subset[k], subset[value], rtol)
+            parts.setdefault(named, []).extend([] if part is None else [part])
+            deviations.append(0.0 if named is None else deviation)
+        ordered_parts = sorted(parts.items(), key=lambda item: -len(item[1]))
+        found.append((value_name(by, name), [(ordered_parts[0][0], []), *ordered_parts[1:]]))
+    return found, max(deviations)
+
+
+def ratio_words(found: list[tuple[str, list]]) -> str:
+    """``DDP, FSDP: 1/k; DataParallel (CPU emulation): 1 (loss-in-forward: k)``."""
+    texts: dict[str, list[str]] = {}
+    for name, parts in found:
+        (main, _), rest = parts[0], parts[1:]
+        text = (main or "no single ratio") + "".join(
+            f" ({', '.join(values)}: {r or 'no single ratio'})" for r, values in rest)
+        texts.setdefault(text, []).append(name)
+    return "; ".join(f"{', '.join(names_)}: {text}" for text, names_ in texts.items())
+
+
+def corrections(found: list[tuple[str, list]]) -> str:
+    """What each named ratio asks of the loss: ``DDP, FSDP: multiply the loss by k``."""
+    fixes: dict[str, list[str]] = {}
+    for name, parts in found:
+        for r, values in parts:
+            if r in CORRECTIONS:
+                label = ", ".join([name, *values])
+                fixes.setdefault(CORRECTIONS[r], []).append(label)
+    return "; ".join(f"{', '.join(labels_)}: {fix}" for fix, labels_ in fixes.items())
+
+
+# ----------------------------------------------------------------- other parts
+@dataclass(frozen=True, kw_only=True)
+class PerRow:
+    """One finding saying something of every selected row: ``lead``, then a clause a row."""
+
+    lead: str
+    clause: Callable[[dict], str]
+    where: str = ""
+
+    def __call__(self, rows: Rows) -> Finding | None:
+        chosen = rows.select(self.where)
+        if chosen.empty:
+            return None
+        text = f"{self.lead} " + "; ".join(self.clause(r) for r in chosen.to_dict("records"))
+        return Finding(text + ".", rows.cite({}, self.where, len(chosen)))
+
+
+def skipped(unit: str = "case") -> Callable[[Rows], list[Finding]]:
     """Per strategy, how many of its rows were not measured, and why (the ``status`` texts)."""
-    skipped = frame[frame["status"] != "ok"]
-    findings = []
-    for strategy in ordered(skipped, "strategy"):
-        rows = skipped[skipped["strategy"] == strategy]
-        total = int((frame["strategy"] == strategy).sum())
-        reasons = ordered(rows, "status")
-        shown = "; ".join(reasons[:2]) + ("; ..." if len(reasons) > 2 else "")
-        name = strategy_name(strategy)
-        text = (f"{name} was not measured: all {total} of its {unit}s were skipped ({shown})."
-                if len(rows) == total else
-                f"{len(rows)} of the {total} {unit}s of {name} were skipped ({shown}).")
-        source = inputs.source(f"strategy = {strategy}, status != ok", len(rows))
-        findings.append(Finding(text, source, headline=headline))
-    return findings
+    def part(rows: Rows) -> list[Finding]:
+        frame = rows.all
+        skipped_rows = frame[frame["status"] != "ok"]
+        if skipped_rows.empty or "strategy" not in frame:
+            return []
+        findings = []
+        for strategy in ordered(skipped_rows, "strategy"):
+            off = skipped_rows[skipped_rows["strategy"] == strategy]
+            total = int((frame["strategy"] == strategy).sum())
+            reasons = ordered(off, "status")
+            shown = "; ".join(reasons[:2]) + ("; ..." if len(reasons) > 2 else "")
+            name = strategy_name(strategy)
+            text = (f"{name} was not measured: all {total} of its {unit}s were skipped ({shown})."
+                    if len(off) == total else
+                    f"{len(off)} of the {total} {unit}s of {name} were skipped ({shown}).")
+            source = rows.inputs.source(f"strategy = {strategy}, status != ok", len(off))
+            findings.append(Finding(text, source))
+        return findings
+    return part

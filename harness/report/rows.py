@@ -1,9 +1,10 @@
-"""Small queries on a study's rows that several sections share."""
+"""Small queries on a study's rows that every part of the report shares."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from harness.tolerances import close
@@ -31,11 +32,35 @@ def ordered(frame: pd.DataFrame, column: str) -> list:
     return list(dict.fromkeys(frame[column].tolist()))
 
 
-def split_by(frame: pd.DataFrame, column: str) -> list[tuple[object, pd.DataFrame]]:
-    """Groups of rows by ``column``, largest group first; missing values form a group too."""
-    keys = frame[column].fillna("").astype(str)
-    groups = [(value, frame[keys == value]) for value in dict.fromkeys(keys)]
-    return sorted(groups, key=lambda group: -len(group[1]))
+def labels(frame: pd.DataFrame, column: str) -> pd.Series:
+    """A column as text, missing values as "" (verdict words, booleans, names)."""
+    return frame[column].fillna("").astype(str)
+
+
+def split_by(frame: pd.DataFrame, values: pd.Series) -> list[tuple[str, pd.DataFrame]]:
+    """Groups of rows by ``values`` (text, aligned with the rows), largest group first."""
+    parts = [(value, frame[values == value]) for value in dict.fromkeys(values)]
+    return sorted(parts, key=lambda part: -len(part[1]))
+
+
+def select(frame: pd.DataFrame, where: str = "") -> pd.DataFrame:
+    """The rows a pandas query selects (``devices_used >= 2 and model != 'toy'``); all if empty."""
+    return frame.query(where, engine="python") if where else frame
+
+
+def filter_text(where: str) -> str:
+    """A query as a finding cites it: ``devices_used >= 2, model != toy``."""
+    text = where.replace(" and ", ", ").replace("'", "").replace(".notna()", " not empty")
+    return re.sub(r"\s*==\s*", " = ", text)
+
+
+def groups(frame: pd.DataFrame, per: Sequence[str]) -> list[tuple[dict, pd.DataFrame]]:
+    """Rows grouped by the columns ``per`` in the CSV's order, each with its column values."""
+    if not per:
+        return [({}, frame)] if len(frame) else []
+    grouped = frame.groupby(list(per), sort=False, dropna=False)
+    return [(dict(zip(per, key if isinstance(key, tuple) else (key,), strict=True)), rows)
+            for key, rows in grouped]
 
 
 def named_ratio(ks: Iterable[float], values: Iterable[float], rtol: float

@@ -1,18 +1,21 @@
-"""What a study's section of the report is, and what it gets to build itself.
+"""What a study's section of the report is: a declaration of parts, drawn by one renderer.
 
-A section is a plain function from the study's CSV (a DataFrame) to findings,
-tables and figures. It never sees text written for an expected outcome: every
-sentence is assembled from the rows, and every finding names the rows it was
-built from so that a reader can check it in the CSV.
+Every part is a callable ``part(rows: Rows)`` returning one item, a list, or
+None: :class:`Answer` rows for the table that opens the report, :class:`Finding`
+sentences, or Markdown blocks (tables, figures); see :mod:`harness.report.spec`.
+A section written as one function, ``render(frame, inputs) -> SectionOutput``,
+still works: its output comes first, the declared parts after it. Every sentence
+is assembled from the rows and names the rows it was built from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from harness.report.text import code, count
+from harness.report.rows import filter_text, groups, measured, select
+from harness.report.text import code, count, small
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -27,11 +30,21 @@ class Finding:
     text: str
     #: Which CSV and which rows: ``reduction.csv: strategy = ddp, devices_used >= 2 (24 rows)``.
     source: str
-    #: Also listed under "At a glance" at the top of the report: the answers a reader came for.
-    headline: bool = False
 
     def markdown(self) -> str:
         return f"- {self.text} <sub>[{self.source}]</sub>"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One row of the answer table that opens the report: a question, answered by the rows."""
+
+    question: str
+    answer: str
+    #: How much the answer rests on: cases, scale, worst residual.
+    evidence: str
+    #: What to change, where the rows show a change that works; empty otherwise.
+    fix: str = ""
 
 
 @dataclass
@@ -50,10 +63,52 @@ class SectionInputs:
 
 @dataclass
 class SectionOutput:
-    """A rendered section: findings first, then tables and figures (Markdown blocks)."""
+    """A rendered section: answers for the top table, findings, then tables and figures."""
 
     findings: list[Finding] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
+    answers: list[Answer] = field(default_factory=list)
+
+
+@dataclass
+class Rows:
+    """What a declared part reads: the measured rows (status ok), every row, and how to cite."""
+
+    ok: pd.DataFrame
+    all: pd.DataFrame
+    inputs: SectionInputs
+    #: What the derived columns a ``where`` may name mean, for citations.
+    terms: Mapping[str, str] = field(default_factory=dict)
+    #: Selections by ``where`` text, made once: several parts read the same rows.
+    _selected: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+    @property
+    def rtol(self) -> float:
+        return self.inputs.rtol
+
+    def select(self, where: str = "") -> pd.DataFrame:
+        if where not in self._selected:
+            self._selected[where] = select(self.ok, where)
+        return self._selected[where]
+
+    def groups(self, per: Sequence[str], where: str = "") -> list[tuple[dict, pd.DataFrame]]:
+        return groups(self.select(where), per)
+
+    def fill(self, caption: str, shown: int) -> str:
+        """A caption template filled in: ``{csv}``, ``{rows}`` (how many shown), ``{rtol}``."""
+        return caption.format(csv=code(self.inputs.csv_name), rows=shown, rtol=small(self.rtol))
+
+    def cite(self, values: dict, where: str, rows: int) -> str:
+        """``reduction.csv: strategy = ddp, status = ok, devices_used >= 2 (18 rows)``."""
+        parts = [f"{column} = {value}" for column, value in values.items()]
+        shown = filter_text(where)
+        for term, meaning in self.terms.items():
+            shown = shown.replace(term, meaning)
+        parts += ["status = ok"] + ([shown] if where else [])
+        return self.inputs.source(", ".join(parts), rows)
+
+
+Part = Callable[[Rows], Any]
 
 
 @dataclass(frozen=True)
@@ -68,4 +123,36 @@ class Section:
     intro: str
     #: Columns the section reads; a CSV without them is refused before anything is written.
     columns: tuple[str, ...]
-    render: Callable[[pd.DataFrame, SectionInputs], SectionOutput]
+    #: The escape hatch: one function building (part of) the section from every row.
+    render: Callable[[pd.DataFrame, SectionInputs], SectionOutput] | None = None
+    #: Columns computed once from the measured rows and the tolerance, for every part to read.
+    derive: Callable[[pd.DataFrame, float], pd.DataFrame] | None = None
+    #: What each derived column means when a ``where`` names it: how citations say it.
+    terms: Mapping[str, str] = field(default_factory=dict)
+    answers: Sequence[Part] = ()
+    findings: Sequence[Part] = ()
+    tables: Sequence[Part] = ()
+    figures: Sequence[Part] = ()
+
+    def summarize(self, frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
+        """The section's answers, findings and blocks, from the study's rows."""
+        output = self.render(frame, inputs) if self.render else SectionOutput()
+        # An empty text is a missing value, as when the CSV is read (rows built in memory).
+        ok = measured(frame).replace({"": None})
+        if self.derive is not None and not ok.empty:
+            ok = self.derive(ok, inputs.rtol)
+        rows = Rows(ok, frame, inputs, self.terms)
+        output.answers += _items(self.answers, rows)
+        output.findings += _items(self.findings, rows)
+        if not ok.empty:
+            output.blocks += _items([*self.tables, *self.figures], rows)
+        return output
+
+
+def _items(parts: Sequence[Part], rows: Rows) -> list:
+    """What the parts gave, flattened: a part returns one item, a list, or None."""
+    items = []
+    for part in parts:
+        made = part(rows)
+        items += made if isinstance(made, list) else [] if made is None else [made]
+    return items

@@ -32,6 +32,13 @@ def small(value: float) -> str:
     return _formatted(value, 1e3, ".2g", ".1e")
 
 
+def span(values: Iterable[float], format=small) -> str:
+    """``0.43 to 0.91``, or one number when the smallest and largest read the same."""
+    values = [v for v in values if v == v]
+    low, high = format(min(values, default=math.nan)), format(max(values, default=math.nan))
+    return low if low == high else f"{low} to {high}"
+
+
 def integers(values: Iterable[float]) -> str:
     """Sorted distinct integers as a comma-separated list: '2, 3, 4'."""
     return ", ".join(str(int(v)) for v in sorted({int(v) for v in values}))
@@ -87,3 +94,16 @@ STRATEGY_NAMES = {
 
 def strategy_name(strategy: str) -> str:
     return STRATEGY_NAMES.get(strategy, strategy)
+
+
+def value_name(column: str, value: object) -> str:
+    """How a sentence names a column's value: strategies by name, whole numbers without .0."""
+    if column == "strategy":
+        return strategy_name(str(value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]

@@ -1,415 +1,205 @@
 """The ``accumulation`` study's section: which accumulation recipes give the big batch?
 
-A row is one case: a recipe (``zero_grad``, ``loss_scaling`` and, for DDP,
-``sync``) in a setting (``norm``, ``shards``, ``loss_normalization``) with k
-accumulation steps, under a strategy and world size. Its ``verdict`` says whether
-the gradient of the last optimizer step equals the big-batch gradient
-(``matches``), is a multiple of it (``scaled``) or neither (``differs``).
-
-The findings compare recipes in the setting where the study measured the most
-recipes (the plain one), then every setting under the best recipe measured in
-it, then what ``no_sync`` changed for DDP. Nothing here knows which recipe is
-"right": the best recipe of a setting is the one whose rows match most often.
+A row is one case: a recipe (``zero_grad``, ``loss_scaling``, DDP's ``sync``) in a
+setting (``norm``, ``shards``, ``loss_normalization``) with k accumulation steps;
+its ``verdict`` says whether the last optimizer step's gradient equals the big
+batch's (``matches``), is a multiple of it (``scaled``) or neither (``differs``).
+The study measures every recipe in the plain setting and every setting under
+the textbook recipe (its ``matrix``); the section reads the verdicts of each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from harness.report.figures import (
-    COLOURS,
-    MARKERS,
-    Margins,
-    label_floor_as_zero,
-    new_figure,
-    zero_floor,
-)
-from harness.report.findings import skipped_findings
-from harness.report.rows import measured, named_ratio, ordered
-from harness.report.section import Finding, Section, SectionInputs, SectionOutput
-from harness.report.text import cite_cases, count, integers, number, small, table, words
-
-if TYPE_CHECKING:
-    import pandas as pd
+from harness.report import spec
+from harness.report.rows import ordered
+from harness.report.text import cite_cases, count, integers, number, small, words
+from harness.studies.accumulation.study import default_scaling
+from harness.verdicts import Equivalence
 
 COLUMNS = (
     "strategy", "world_size", "accum_steps", "zero_grad", "loss_scaling", "sync", "norm",
     "shards", "loss_normalization", "allreduce_calls", "full_batch_scale", "fit_residual",
     "relative_error", "cumulative_scale", "cumulative_residual", "verdict",
 )
-#: What the user does in the training loop.
-RECIPE = ("zero_grad", "loss_scaling")
-#: What the model and data are like.
-SETTING = ("norm", "shards", "loss_normalization")
-#: ``sync`` of the one strategy with nothing to reduce (one process).
-NO_SYNC_AXIS = "none"
+#: The study's plain setting, where it measures every recipe.
+PLAIN = "norm == 'none' and shards == 'even' and loss_normalization == 'micro-batch-mean'"
+RECIPE, SETTING = ("zero_grad", "loss_scaling"), ("norm", "shards", "loss_normalization")
+MATCHES, DIFFERS = Equivalence.MATCHES, Equivalence.DIFFERS
 
 
-def render(frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
-    ok = _with_keys(measured(frame))
-    output = SectionOutput()
-    if not ok.empty:
-        plain = _plain_setting(ok)
-        plain_rows = _in_setting(ok, plain)
-        best = {setting: _best_recipe(_in_setting(ok, setting)) for setting in _settings(ok)}
-        output.findings += _recipe_findings(plain_rows, plain, inputs)
-        output.findings += _never_zeroed_findings(plain_rows, inputs)
-        output.findings += _setting_findings(ok, best, inputs)
-        output.findings += _no_sync_findings(ok, inputs)
-        output.blocks += [_recipes_table(plain_rows, plain, inputs),
-                          _settings_table(ok, best, inputs),
-                          _figure(plain_rows, ok, best, inputs)]
-    output.findings += skipped_findings(frame, inputs)
-    return output
+def _derive(ok, rtol):
+    """Recipe and setting labels; the textbook recipe's rows; whether each unit (recipe in the
+    plain setting, setting under the textbook recipe) matched at every k."""
+    textbook = (ok["zero_grad"] == "every-step") & (
+        ok["loss_scaling"] == ok["loss_normalization"].map(default_scaling))
+    ok = ok.assign(recipe="(" + ok["zero_grad"] + ", " + ok["loss_scaling"] + ")",
+                   setting=ok["norm"] + " · " + ok["shards"] + " · " + ok["loss_normalization"],
+                   textbook=textbook)
+    matched = (ok["verdict"] == MATCHES) | ~textbook
+    return ok.assign(setting_matches=matched.groupby(ok["setting"]).transform("all").astype(str))
 
 
-# ------------------------------------------------------------------ grouping
-def _with_keys(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows with a setting and a recipe key each, so that selecting one is one comparison."""
-    return rows.assign(setting_key=_key(rows, SETTING), recipe_key=_key(rows, RECIPE))
-
-
-def _key(rows: pd.DataFrame, columns: tuple[str, ...]) -> list[str]:
-    return ["|".join(map(str, values)) for values in zip(*(rows[c] for c in columns),
-                                                           strict=True)]
-
-
-def _settings(rows: pd.DataFrame) -> list[tuple]:
-    return [tuple(key.split("|")) for key in ordered(rows, "setting_key")]
-
-
-def _recipes(rows: pd.DataFrame) -> list[tuple]:
-    return [tuple(key.split("|")) for key in ordered(rows, "recipe_key")]
-
-
-def _in_setting(rows: pd.DataFrame, setting: tuple) -> pd.DataFrame:
-    return rows[rows["setting_key"] == "|".join(setting)]
-
-
-def _with_recipe(rows: pd.DataFrame, recipe: tuple) -> pd.DataFrame:
-    return rows[rows["recipe_key"] == "|".join(recipe)]
-
-
-def _plain_setting(rows: pd.DataFrame) -> tuple:
-    """The setting in which the most recipes were measured (the first such, in CSV order)."""
-    recipes_per_setting = rows.groupby("setting_key", sort=False)["recipe_key"].nunique()
-    return tuple(str(recipes_per_setting.idxmax()).split("|"))
-
-
-def _best_recipe(rows: pd.DataFrame) -> tuple:
-    """The recipe whose rows match the big batch most often; then the smallest worst error."""
-    def score(recipe: tuple) -> tuple[float, float]:
-        subset = _with_recipe(rows, recipe)
-        return (-(subset["verdict"] == "matches").mean(), subset["relative_error"].max())
-
-    return min(_recipes(rows), key=score)
-
-
-def short_recipe(recipe: tuple) -> str:
-    return ", ".join(recipe)
-
-
-def recipe_name(recipe: tuple) -> str:
-    return f"zero_grad = {recipe[0]} with loss_scaling = {recipe[1]}"
-
-
-def setting_name(setting: tuple) -> str:
-    norm, shards, normalization = setting
-    norm_text = "no norm layer" if norm == "none" else norm
-    return f"{norm_text}, {shards} shards, {normalization} loss"
-
-
-def _setting_filter(setting: tuple) -> str:
-    return ", ".join(f"{c} = {v}" for c, v in zip(SETTING, setting, strict=True))
-
-
-# ------------------------------------------------------------------ outcomes
-@dataclass(frozen=True)
-class Outcome:
-    """How a group of rows compares with the big batch, in words and numbers."""
-
-    #: ``matches`` (every row), ``multiple`` (every row a pure multiple) or ``differs``.
-    kind: str
-    detail: str
-    #: Where the largest error is, for ``differs``: k, strategy and world size.
-    worst: str = ""
-
-    def full(self) -> str:
-        return f"{self.detail}, {self.worst}" if self.worst else self.detail
-
-
-def _outcome(rows: pd.DataFrame, rtol: float) -> Outcome:
-    verdicts = rows["verdict"]
-    ks = f"k = {integers(rows['accum_steps'])}"
-    if (verdicts == "matches").all():
-        return Outcome("matches", f"{ks}; largest fit_residual {small(rows['fit_residual'].max())}")
-    if verdicts.isin(["matches", "scaled"]).all():
-        name, deviation = named_ratio(rows["accum_steps"], rows["full_batch_scale"], rtol)
-        if name is None:
-            values = ", ".join(dict.fromkeys(number(v) for v in rows["full_batch_scale"]))
-            return Outcome("multiple", f"full_batch_scale = {values} at {ks}")
-        return Outcome("multiple", f"full_batch_scale = {name} at {ks}; "
-                                   f"largest deviation {small(deviation)}")
-    differs = rows[verdicts != "matches"]
-    worst = rows.loc[rows["relative_error"].idxmax()]
-    where = (f"largest at k = {int(worst['accum_steps'])}, {worst['strategy']}, world size "
-             f"{int(worst['world_size'])}")
-    share = (f"all {len(rows)} cases" if len(differs) == len(rows)
-             else f"{len(differs)} of {len(rows)} cases")
-    return Outcome("differs", f"relative_error up to {small(worst['relative_error'])}, differing "
-                              f"in {share}", where)
-
-
-def _scope(rows: pd.DataFrame) -> str:
-    """Which strategies and world sizes the rows span, for a finding's reader."""
-    return (f"{words(ordered(rows, 'strategy'))} at world sizes {integers(rows['world_size'])}")
-
-
-# ------------------------------------------------------------------ findings
-def _recipe_findings(rows: pd.DataFrame, setting: tuple, inputs: SectionInputs) -> list[Finding]:
-    outcomes = {recipe: _outcome(_with_recipe(rows, recipe), inputs.rtol)
-                for recipe in _recipes(rows)}
-    where = f"In the setting with {setting_name(setting)}"
-    source = inputs.source(_setting_filter(setting), len(rows))
-    findings = []
-    matched = [r for r, o in outcomes.items() if o.kind == "matches"]
-    if matched:
-        subset = rows[rows["recipe_key"].isin(["|".join(r) for r in matched])]
-        text = (f"{where}, {words([recipe_name(r) for r in matched])} gave the big-batch "
-                f"gradient in all {len(subset)} cases ({_scope(subset)}; "
-                f"{_outcome(subset, inputs.rtol).detail}).")
-        findings.append(Finding(text, source, headline=True))
-    multiples = [f"{recipe_name(r)} ({o.detail})" for r, o in outcomes.items()
-                 if o.kind == "multiple"]
-    if multiples:
-        findings.append(Finding(f"{where}, a multiple of the big-batch gradient came from "
-                                f"{words(multiples)}.", source, headline=True))
-    differing = [f"{recipe_name(r)} ({o.full()})" for r, o in outcomes.items()
-                 if o.kind == "differs"]
-    if differing:
-        findings.append(Finding(f"{where}, no multiple of the big-batch gradient came from "
-                                f"{words(differing)}.", source, headline=True))
-    return findings
-
-
-def _never_zeroed_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
-    """What a gradient that is never zeroed grows into: the sum over every window so far."""
-    never = rows[rows["zero_grad"] == "never"]
-    if never.empty:
-        return []
-    clauses = []
-    for scaling in ordered(never, "loss_scaling"):
-        subset = never[never["loss_scaling"] == scaling]
-        fits = subset["cumulative_residual"] <= inputs.rtol
-        if fits.all():
-            name, deviation = named_ratio(subset["accum_steps"], subset["cumulative_scale"],
-                                          inputs.rtol)
-            scale = name if name else ", ".join(number(v) for v in subset["cumulative_scale"])
-            relation = "equal to it" if name == "1" else f"{scale} times it"
-            clauses.append(f"{relation} with loss_scaling = {scaling} (cumulative_scale = {scale} "
-                           f"at k = {integers(subset['accum_steps'])}; largest cumulative_residual "
-                           f"{small(subset['cumulative_residual'].max())})")
-        else:
-            clauses.append(f"no multiple of it with loss_scaling = {scaling} in "
-                           f"{count(int((~fits).sum()), 'case')} (cumulative_residual up to "
-                           f"{small(subset['cumulative_residual'].max())})")
-    text = ("With zero_grad = never, the gradient at the last optimizer step, compared with the "
-            f"sum of the big-batch gradients of every step so far, was {words(clauses)}.")
-    return [Finding(text, inputs.source("zero_grad = never, status = ok, setting as above",
-                                        len(never)))]
-
-
-def _setting_findings(rows: pd.DataFrame, best: dict[tuple, tuple],
-                      inputs: SectionInputs) -> list[Finding]:
-    by_kind: dict[str, list[tuple[tuple, tuple, Outcome]]] = {}
-    for setting, recipe in best.items():
-        outcome = _outcome(_with_recipe(_in_setting(rows, setting), recipe), inputs.rtol)
-        by_kind.setdefault(outcome.kind, []).append((setting, recipe, outcome))
-    source = inputs.source("each setting's rows under its best recipe (zero_grad, loss_scaling: "
-                           "the one matching most often)", len(rows))
-    findings = []
-    if exact := by_kind.get("matches"):
-        # One detail for them all: their rows together, not the same words once per setting.
-        pairs = {("|".join(s), "|".join(r)) for s, r, _ in exact}
-        chosen = [pair in pairs for pair in zip(rows["setting_key"], rows["recipe_key"],
-                                                strict=True)]
-        together = rows[chosen]
-        names = [f"{setting_name(s)} ({short_recipe(r)})" for s, r, _ in exact]
-        findings.append(Finding(
-            f"Settings whose best recipe gave the big-batch gradient in every case "
-            f"({_outcome(together, inputs.rtol).detail}): {words(names)}.", source,
-            headline=True))
-    if multiple := by_kind.get("multiple"):
-        names = [f"{setting_name(s)} ({short_recipe(r)}: {o.detail})" for s, r, o in multiple]
-        findings.append(Finding(f"Settings whose best recipe gave only a multiple of the big-batch "
-                                f"gradient: {words(names)}.", source, headline=True))
-    if inexact := by_kind.get("differs"):
-        names = [f"{setting_name(s)} ({short_recipe(r)}: {o.detail})" for s, r, o in inexact]
-        findings.append(Finding(f"Settings where no recipe measured gave the big-batch gradient "
-                                f"in every case: {words(names)}.", source, headline=True))
-    return findings
-
-
-def _no_sync_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
-    """What DDP's no_sync changed: the verdicts (nothing, if it is exact) and the all-reduces."""
-    ddp = rows[rows["strategy"] == "ddp"]
-    syncs = [s for s in ordered(ddp, "sync") if s != NO_SYNC_AXIS]
-    if len(syncs) < 2:
-        return []
-    keys = ["world_size", "accum_steps", *RECIPE, *SETTING]
-    first, other = syncs[0], syncs[1]
-    paired = ddp[ddp["sync"] == first].merge(ddp[ddp["sync"] == other], on=keys,
-                                             suffixes=("", "_other"))
-    if paired.empty:
-        return []
-    same = paired["verdict"] == paired["verdict_other"]
-    gap = (paired["relative_error"] - paired["relative_error_other"]).abs().max()
-    calls = "; ".join(f"{_calls_by_k(ddp[ddp['sync'] == s])} with sync = {s}"
-                      for s in (first, other))
-    agreement = (f"the same verdict in all {len(paired)} paired cases" if same.all() else
-                 f"a different verdict in {count(int((~same).sum()), 'paired case')} of "
-                 f"{len(paired)} ({cite_cases(paired.loc[~same, 'case_id'].tolist())})")
-    text = (f"DDP with sync = {other} gave {agreement} as sync = {first} (largest difference "
-            f"in relative_error {small(gap)}), with allreduce_calls per optimizer step {calls}.")
-    return [Finding(text, inputs.source(f"strategy = ddp, sync = {first} paired with sync = "
-                                        f"{other} on every other axis", 2 * len(paired)))]
-
-
-def _calls_by_k(rows: pd.DataFrame) -> str:
-    """``1, 2, 4 at k = 1, 2, 4``: the allreduce_calls at each k (several joined by /)."""
-    values = []
-    for k in sorted(rows["accum_steps"].unique()):
-        calls = sorted({int(c) for c in rows.loc[rows["accum_steps"] == k, "allreduce_calls"]})
-        values.append("/".join(map(str, calls)))
-    return f"{', '.join(values)} at k = {integers(rows['accum_steps'])}"
-
-
-# -------------------------------------------------------------------- tables
-def _cell(rows: pd.DataFrame, rtol: float) -> str:
-    """A table cell: the verdict over every strategy and world size of one k, in a few signs.
-
-    ✓ every case matches; ×s every case is s times the big batch; ✗ e (n/m) n of m
-    cases differ, the largest relative_error being e.
-    """
-    if rows.empty:
-        return ""
-    outcome = _outcome(rows, rtol)
-    if outcome.kind == "matches":
+def _cell(rows, rtol) -> str:
+    """✓ every case matches; ×s every case is s times the big batch; ✗ e (n/m) n of m differ."""
+    if (rows["verdict"] == MATCHES).all():
         return "✓"
-    if outcome.kind == "multiple":
+    differs = int((rows["verdict"] == DIFFERS).sum())
+    if not differs:
         return "×" + "/".join(dict.fromkeys(number(v) for v in rows["full_batch_scale"]))
-    differs = int((rows["verdict"] == "differs").sum())
     share = "" if differs == len(rows) else f" ({differs}/{len(rows)})"
     return f"✗ {small(rows['relative_error'].max())}{share}"
 
 
-def _cells_by_k(rows: pd.DataFrame, ks: list[int], rtol: float) -> tuple[str, ...]:
-    by_k = dict(iter(rows.groupby("accum_steps")))
-    return tuple(_cell(by_k[k], rtol) if k in by_k else "" for k in ks)
+def _causes(units, failing, axes) -> list[str]:
+    """``zero_grad = never or every-micro-step``: axis values every unit with which fails; then
+    the failing units no such value explains, by label."""
+    causes = {axis: [value for value in ordered(units[failing], axis)
+                     if failing[units[axis] == value].all()] for axis in axes}
+    rest = [label for label, *values in units.loc[failing, ["label", *axes]].to_numpy()
+            if not any(v in causes[a] for a, v in zip(axes, values, strict=True))]
+    return [f"{axis} = {' or '.join(values)}" for axis, values in causes.items() if values] + rest
 
 
-def _listed(values: list[str], every: list[str]) -> str:
-    """``all`` when ``values`` are every value there is, else the values."""
-    return "all" if len(every) > 1 and set(values) == set(every) else ", ".join(values)
+def _recipe_answer(rows) -> spec.Answer | None:
+    plain = rows.select(PLAIN)
+    if plain.empty:
+        return None
+    units = plain.groupby("recipe", sort=False).agg(
+        label=("recipe", "first"), zero_grad=("zero_grad", "first"),
+        loss_scaling=("loss_scaling", "first"),
+        exact=("verdict", lambda v: (v == MATCHES).all()),
+        differs=("verdict", lambda v: (v == DIFFERS).any()))
+    scaled = plain[plain["recipe"].isin(units.index[~units["exact"] & ~units["differs"]])]
+    found, _ = spec.ratios(scaled, "full_batch_scale", "accum_steps", rows.rtol, "recipe")
+    exact = plain[plain["recipe"].isin(units.index[units["exact"]])]
+    answer = "; ".join([words(ordered(exact, "recipe"), "or") or "none",
+                        *(f"{name}: {r} × it" for name, ((r, _), *_) in found),
+                        "; ".join(_causes(units, units["differs"], RECIPE)) + ": neither"])
+    return spec.Answer("Which accumulation recipe (zero_grad, loss_scaling) equals the big batch?",
+                       answer, f"{count(len(exact), 'case')}, k = {integers(exact['accum_steps'])}"
+                       f", {words(ordered(exact, 'strategy'))}; largest fit_residual "
+                       f"{small(exact['fit_residual'].max())}", spec.corrections(found))
 
 
-CELL_LEGEND = ("✓: every case gave the big-batch gradient; ×s: every case gave s times it; "
-               "✗ e (n/m): n of m cases gave neither, the largest `relative_error` being e "
-               "(all cases when n/m is not shown).")
+def _settings_answer(rows) -> spec.Answer | None:
+    """Settings where the textbook recipe misses the big batch, and one-axis changes that fix."""
+    units = rows.select("textbook").drop_duplicates("setting").assign(
+        label=lambda u: u["setting"])
+    failing = units["setting_matches"] == "False"
+    if not failing.any():
+        return None
+    matching = {tuple(s) for s in units.loc[~failing, list(SETTING)].to_numpy()}
+    fixes: dict[str, int] = {}
+    for values in units.loc[failing, list(SETTING)].to_numpy():
+        for i, axis in enumerate(SETTING):
+            for other in ordered(units, axis):
+                if (*values[:i], other, *values[i + 1:]) in matching:
+                    fixes[f"{axis} = {other}"] = fixes.get(f"{axis} = {other}", 0) + 1
+    worst = rows.select("textbook and setting_matches == 'False'")["relative_error"].max()
+    return spec.Answer("When does no recipe equal the big batch (textbook recipe per setting)?",
+                       "; ".join(_causes(units, failing, SETTING)),
+                       f"{failing.sum()} of {len(units)} settings; relative_error up to "
+                       f"{small(worst)}",
+                       "; ".join(f"{fix} ({count(n, 'setting')})" for fix, n in fixes.items()))
 
 
-def _recipes_table(rows: pd.DataFrame, setting: tuple, inputs: SectionInputs) -> str:
-    ks = sorted(int(k) for k in rows["accum_steps"].unique())
-    body = []
-    for recipe in _recipes(rows):
-        subset = _with_recipe(rows, recipe)
-        # Sync values (and their strategies) whose cells read the same share a line.
-        lines: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}
-        for sync in ordered(subset, "sync"):
-            of_sync = subset[subset["sync"] == sync]
-            cells = _cells_by_k(of_sync, ks, inputs.rtol)
-            syncs, strategies = lines.setdefault(cells, ([], []))
-            syncs.append(sync)
-            strategies += [s for s in ordered(of_sync, "strategy") if s not in strategies]
-        for cells, (syncs, strategies) in lines.items():
-            body.append([*recipe, _listed(syncs, ordered(rows, "sync")), *cells,
-                         _listed(strategies, ordered(rows, "strategy"))])
-    headers = [*RECIPE, "sync", *(f"k = {k}" for k in ks), "strategies"]
-    caption = (f"**Recipes against the big batch** ({setting_name(setting)}), at each number "
-               f"of accumulation steps k over every strategy and world size; rows of "
-               f"`{inputs.csv_name}` with status ok and {_setting_filter(setting)}. "
-               + CELL_LEGEND)
-    return caption + "\n\n" + table(headers, body, [False] * 3 + [True] * len(ks) + [False])
+def _no_sync(rows) -> tuple[spec.Finding, spec.Answer] | None:
+    """DDP's cases with sync = every-micro-step paired with no_sync on every other axis."""
+    ddp = rows.ok[rows.ok["strategy"] == "ddp"]
+    pairs = ddp[ddp["sync"] == "every-micro-step"].merge(
+        ddp[ddp["sync"] == "no_sync"], suffixes=("", "_no_sync"),
+        on=["world_size", "accum_steps", *RECIPE, *SETTING])
+    if pairs.empty:
+        return None
+    same = pairs["verdict"] == pairs["verdict_no_sync"]
+    gap = small((pairs["relative_error"] - pairs["relative_error_no_sync"]).abs().max())
+    calls = [pairs.groupby("accum_steps")[c].agg(lambda v: "/".join(map(str, sorted(
+        {int(x) for x in v})))) for c in ("allreduce_calls", "allreduce_calls_no_sync")]
+    allreduces = (f"allreduce_calls per optimizer step {', '.join(calls[1])} instead of "
+                  f"{', '.join(calls[0])} at k = {integers(calls[0].index)}")
+    agreement = (f"the same verdict in all {len(pairs)} paired cases" if same.all() else
+                 f"a different verdict in {count(int((~same).sum()), 'paired case')} of "
+                 f"{len(pairs)} ({cite_cases(pairs.loc[~same, 'case_id'].tolist())})")
+    text = (f"DDP with sync = no_sync gave {agreement} as with sync = every-micro-step (largest "
+            f"difference in relative_error {gap}), with {allreduces}.")
+    source = rows.cite({"strategy": "ddp"}, "sync in [every-micro-step, no_sync], paired on "
+                                            "every other axis", 2 * len(pairs))
+    return spec.Finding(text, source), spec.Answer(
+        "DDP's no_sync for the first k-1 micro-steps: same gradient?",
+        ("yes" if same.all() else f"no, in {int((~same).sum())} cases") + f"; {allreduces}",
+        f"{count(len(pairs), 'paired case')}; relative_error differs by ≤ {gap}")
 
 
-def _settings_table(rows: pd.DataFrame, best: dict[tuple, tuple], inputs: SectionInputs) -> str:
-    ks = sorted(int(k) for k in rows["accum_steps"].unique())
-    body = []
-    for setting, recipe in best.items():
-        subset = _with_recipe(_in_setting(rows, setting), recipe)
-        body.append([*setting, short_recipe(recipe), *_cells_by_k(subset, ks, inputs.rtol)])
-    headers = [*SETTING, "best recipe", *(f"k = {k}" for k in ks)]
-    caption = (f"**Settings under their best recipe** (zero_grad, loss_scaling: the recipe "
-               f"whose rows match most often), rows of `{inputs.csv_name}` with status ok; "
-               f"cells as above.")
-    return caption + "\n\n" + table(headers, body, [False] * 4 + [True] * len(ks))
+def _title(data, rtol) -> str:
+    plain = data.query(PLAIN)
+    exact = [r for r, g in plain.groupby("recipe", sort=False) if (g["verdict"] == MATCHES).all()]
+    settings = data[data["textbook"]].drop_duplicates("setting")
+    return (f"Recipes: {words(exact) or 'none'} gave the big-batch gradient at every k, "
+            f"{plain['recipe'].nunique() - len(exact)} others did not. Settings: "
+            f"{(settings['setting_matches'] == 'True').sum()} of {len(settings)} did under the "
+            f"textbook recipe")
 
 
-# -------------------------------------------------------------------- figure
-def _figure(plain_rows: pd.DataFrame, rows: pd.DataFrame, best: dict[tuple, tuple],
-            inputs: SectionInputs) -> str:
-    recipe_series = [(recipe_name(r).replace(" with ", ", "), _with_recipe(plain_rows, r))
-                     for r in _recipes(plain_rows)]
-    setting_series = [(setting_name(s), _with_recipe(_in_setting(rows, s), r))
-                      for s, r in best.items()]
-    floor = zero_floor(rows["relative_error"], inputs.rtol)
-    largest = float(rows["relative_error"].max())
-    figure, axes = new_figure(10, 8.4, rows=2, margins=Margins(left=0.08, right=0.64, bottom=0.07,
-                                                                top=0.96, hspace=0.25))
-    panels = [(axes[0][0], recipe_series,
-               f"Recipes ({setting_name(_plain_setting(rows))})"),
-              (axes[1][0], setting_series, "Settings, each under its best recipe")]
-    for axis, series, title in panels:
-        _draw_errors(axis, series, floor, largest, inputs.rtol)
-        axis.set_title(title)
-    caption = (f"Rows of `{inputs.csv_name}` with status ok: for each recipe (top) and setting "
-               f"(bottom), the largest `relative_error` (‖g - g_big‖ / ‖g_big‖) over every "
-               f"strategy, world size and sync at each k. Below the dashed tolerance: the big "
-               f"batch exactly; errors of exactly 0 sit on the line labelled 0.")
-    return inputs.figures.save(figure, "accumulation_errors",
-                               "relative error against accumulation steps", caption)
-
-
-def _draw_errors(axis, series: list, floor: float, largest: float, rtol: float) -> None:
-    ks = sorted({int(k) for _, rows in series for k in rows["accum_steps"]})
-    for i, (label, rows) in enumerate(series):
-        worst = rows.groupby("accum_steps")["relative_error"].max().sort_index()
-        y = worst.clip(lower=floor).to_numpy()
-        axis.plot(worst.index.to_numpy(), y, color=COLOURS[i % len(COLOURS)],
-                  marker=MARKERS[(i // len(COLOURS)) % len(MARKERS)], markersize=5,
-                  linewidth=1.2, label=label, linestyle="-" if i < len(COLOURS) else "--")
-    axis.axhline(rtol, color="0.4", linestyle="--", linewidth=1)
-    axis.text(0.99, rtol, f"tolerance {small(rtol)}", transform=axis.get_yaxis_transform(),
-              va="bottom", ha="right", fontsize=8, color="0.3")
-    axis.set_yscale("log")
-    label_floor_as_zero(axis, floor, largest)
-    axis.set_xscale("log", base=2)
-    axis.set_xticks(ks, [str(k) for k in ks])
-    axis.minorticks_off()
-    axis.set_xlabel("accumulation steps k")
-    axis.set_ylabel("largest relative_error")
-    axis.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=8)
-
-
-SECTION = Section(
+SECTION = spec.Section(
     study="accumulation",
     title="accumulation: which recipes give the big batch?",
     intro=("k micro-steps per optimizer step, two optimizer steps per case; the gradient of "
            "the last step is fitted against one process's gradient of every sample of that "
            "step in one batch (`full_batch_scale`, `fit_residual`, `relative_error`). Recipes "
-           "(`zero_grad`, `loss_scaling`, DDP's `sync`) are measured in settings (`norm`, "
-           "`shards`, `loss_normalization`)."),
-    columns=COLUMNS,
-    render=render,
+           "(`zero_grad`, `loss_scaling`, DDP's `sync`) are measured in the plain setting (no "
+           "norm, even shards, micro-batch-mean loss); settings (`norm`, `shards`, "
+           "`loss_normalization`) under the textbook recipe: zero_grad every step, the loss "
+           "divided by k for a micro-batch-mean loss, not for a window-total one."),
+    columns=COLUMNS, derive=_derive,
+    terms={"textbook": "the textbook recipe", "setting_matches": "matching at every k"},
+    answers=(_recipe_answer, _settings_answer, lambda rows: (_no_sync(rows) or [None] * 2)[1]),
+    findings=(
+        spec.Verdicts(column="verdict", per=RECIPE, where=PLAIN, qualify=("accum_steps",),
+                      subject="With zero_grad = {zero_grad} and loss_scaling = {loss_scaling} "
+                              "in the plain setting, the last step's gradient",
+                      phrases=spec.BIG_BATCH,
+                      detail={MATCHES: spec.largest("fit_residual"),
+                              DIFFERS: spec.spread("relative_error", "accum_steps"),
+                              Equivalence.SCALED: spec.ratio("full_batch_scale", "accum_steps")}),
+        spec.Verdicts(column="cumulative", classify=spec.within("cumulative_residual"),
+                      per=("loss_scaling",), where=f"{PLAIN} and zero_grad == 'never'",
+                      subject="With zero_grad = never and loss_scaling = {loss_scaling}, the "
+                              "gradient",
+                      phrases=spec.yes_no("was a multiple of the sum of every step's big-batch "
+                                          "gradient", "was no multiple of that sum"),
+                      detail=spec.yes_no(spec.ratio("cumulative_scale", "accum_steps"),
+                                         spec.spread("cumulative_residual", "accum_steps"))),
+        spec.Verdicts(column="setting_matches", per=(), where="textbook", qualify=("setting",),
+                      subject="Under the textbook recipe, a setting",
+                      phrases=spec.yes_no("gave the big-batch gradient at every k",
+                                          "missed it somewhere"),
+                      detail=spec.yes_no(spec.largest("fit_residual"),
+                                         spec.spread("relative_error", "setting", "setting"))),
+        lambda rows: (_no_sync(rows) or [None] * 2)[0],
+        spec.skipped(),
+    ),
+    tables=(
+        spec.Pivot(caption="**Recipes against the big batch** in the plain setting, at each "
+                           "number of accumulation steps k over every strategy and world size; "
+                           "rows of {csv} with status ok, syncs with identical cells sharing a "
+                           "line. ✓: every case gave the big-batch gradient; ×s: every case gave "
+                           "s times it; ✗ e (n/m): n of m cases gave neither, the largest "
+                           "`relative_error` being e (all cases when n/m is not shown). The "
+                           "settings, under the textbook recipe, are in the figure.",
+                   index=RECIPE, column="accum_steps", collapse="sync", where=PLAIN, cell=_cell),
+    ),
+    figures=(
+        spec.Heatmap(name="accumulation_errors", title=_title, column="accum_steps",
+                     value="relative_error", left=0.34,
+                     panels=(("Recipes (zero_grad, loss_scaling) in the plain setting", PLAIN,
+                              ("recipe",)),
+                             ("Settings (norm · shards · loss_normalization), textbook recipe",
+                              "textbook", ("setting",))),
+                     within=lambda cell: (cell["verdict"] == MATCHES).all(),
+                     text=lambda cell, inside: _cell(cell, 0).split(" (")[0],
+                     caption="Rows of {csv} with status ok ({rows} rows): per recipe or setting "
+                             "and k, the largest `relative_error` (‖g - g_big‖ / ‖g_big‖) over "
+                             "every strategy, world size and sync. Text as in the table: ✓, ×s, "
+                             "or ✗ and the largest relative_error."),
+    ),
 )

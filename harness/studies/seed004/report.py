@@ -1,160 +1,100 @@
 """The ``seed004`` study's section: seed 004's one-weight model, to the last digit.
 
 Every row is one value read from the model (``w.grad`` or ``w``) after one call
-(``event``) of one method, next to its exact first-principles value and, for
-the seed's own method, the number the seed printed. The findings say whether
-measured and predicted agree, whether the seed's printed numbers come out
-again, and whether accumulating the two batches leaves what one big batch does.
+(``event``) of one method, next to its exact first-principles value and, for the
+seed's own method, the number the seed printed: whether accumulating the two
+batches leaves what one big batch does, and the study's ``matches`` and
+``matches_seed`` verdicts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from harness.report.rows import is_true, measured, ordered
-from harness.report.section import Finding, Section, SectionInputs, SectionOutput
-from harness.report.text import code, count, number, small, table, words
+from harness.report import spec
+from harness.report.rows import ordered
+from harness.report.text import code, number, small, words
 from harness.tolerances import close
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 COLUMNS = (
     "method", "event", "batch", "loss_divisor", "quantity", "measured", "predicted", "formula",
     "abs_error", "matches", "seed_printed", "matches_seed",
 )
-#: How sentences name the ``quantity`` column's values.
-QUANTITY_NAMES = {"grad": "w.grad", "weight": "w"}
 
 
-def render(frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
-    ok = measured(frame)
-    output = SectionOutput()
-    if ok.empty:
-        return output
-    output.findings = [f for f in (_big_batch_finding(ok, inputs), _prediction_finding(ok, inputs),
-                                   _seed_printed_finding(ok, inputs)) if f]
-    output.blocks.append(_table(ok, inputs))
-    return output
+def _derive(ok, rtol):
+    """How sentences name each quantity, and each method's last call."""
+    last = ok.groupby("method", sort=False)["event"].transform(lambda e: e.iloc[-1])
+    return ok.assign(name=ok["quantity"].map({"grad": "w.grad", "weight": "w"}),
+                     last_call=ok["event"] == last)
 
 
-def _quantity(name: str) -> str:
-    return QUANTITY_NAMES.get(name, name)
-
-
-# ------------------------------------------------------------------ findings
-def _big_batch_finding(ok: pd.DataFrame, inputs: SectionInputs) -> Finding | None:
-    """The first two methods after their last call, quantity by quantity."""
-    methods = ordered(ok, "method")
-    if len(methods) < 2:
-        return None
-    first, second = (_after_last_event(ok[ok["method"] == m]) for m in methods[:2])
-    paired = first.merge(second, on="quantity", suffixes=("", "_other"))
-    if paired.empty:
-        return None
-    clauses = []
-    for _, row in paired.iterrows():
-        name = _quantity(row["quantity"])
-        if close(row["measured"], row["measured_other"], inputs.rtol):
-            clauses.append(f"the same {name} = {number(row['measured'])}")
-        else:
-            clauses.append(f"a different {name}: {number(row['measured'])} against "
-                           f"{number(row['measured_other'])}")
-    gap = (paired["measured"] - paired["measured_other"]).abs().max()
-    events = " / ".join(dict.fromkeys([first["event"].iloc[0], second["event"].iloc[0]]))
-    text = (f"In seed 004's one-weight model, {_described(ok, methods[0])} and "
-            f"{_described(ok, methods[1])} left {words(clauses)} after {code(events)} (largest "
-            f"difference {small(gap)}).")
-    source = inputs.source(f"status = ok, event = {events}, method = {methods[0]}, "
-                           f"{methods[1]}", len(first) + len(second))
-    return Finding(text, source, headline=True)
-
-
-def _after_last_event(rows: pd.DataFrame) -> pd.DataFrame:
-    return rows[rows["event"] == ordered(rows, "event")[-1]]
-
-
-def _described(ok: pd.DataFrame, method: str) -> str:
+def _described(ok, method: str) -> str:
     """``accumulation ([4.0] then [2.0], each loss divided by 2)``: a method's backward passes."""
     passes = ok[ok["method"] == method].dropna(subset=["batch"]).drop_duplicates("event")
     if passes.empty:
         return method
-    batches = " then ".join(passes["batch"].astype(str))
     divisors = ", ".join(dict.fromkeys(number(d) for d in passes["loss_divisor"]))
     each = "each loss" if len(passes) > 1 else "the loss"
-    return f"{method} ({batches}, {each} divided by {divisors})"
+    return f"{method} ({' then '.join(passes['batch'].astype(str))}, {each} divided by {divisors})"
 
 
-def _prediction_finding(ok: pd.DataFrame, inputs: SectionInputs) -> Finding:
-    matched = is_true(ok["matches"])
-    if matched.all():
-        quantities = words([_quantity(q) for q in ordered(ok, "quantity")])
-        methods = words(ordered(ok, "method"))
-        text = (f"All {len(ok)} values measured ({quantities} after every call of {methods}) "
-                f"equal their exact first-principles prediction in the `formula` column "
-                f"(largest abs_error {small(ok['abs_error'].max())}).")
-    else:
-        off = ok[~matched]
-        example = off.iloc[0]
-        verb = "differs" if len(off) == 1 else "differ"
-        text = (f"{count(len(off), 'value')} of the {len(ok)} measured {verb} from the exact "
-                f"prediction (e.g. {_quantity(example['quantity'])} after {example['event']} "
-                f"of {example['method']}: {number(example['measured'])} instead of "
-                f"{number(example['predicted'])}; largest abs_error "
-                f"{small(ok['abs_error'].max())}).")
-    return Finding(text, inputs.source("status = ok", len(ok)))
-
-
-def _seed_printed_finding(ok: pd.DataFrame, inputs: SectionInputs) -> Finding | None:
-    printed = ok.dropna(subset=["seed_printed"])
-    if printed.empty:
+def _compared(rows):
+    """The first two methods after their last call, quantity by quantity: the same value or
+    not, the calls, the largest difference."""
+    methods = ordered(rows.ok, "method")[:2]
+    last = rows.select("last_call")
+    lasts = [last[last["method"] == method] for method in methods]
+    if len(methods) < 2 or any(last.empty for last in lasts):
         return None
-    agree = is_true(printed["matches_seed"])
-    gap = (printed["measured"] - printed["seed_printed"]).abs().max()
-    methods = words(ordered(printed, "method"))
-    if agree.all():
-        values = "; ".join(_read_values(printed[printed["quantity"] == q])
-                           for q in ordered(printed, "quantity"))
-        text = (f"The {methods} run reproduced all {len(printed)} numbers the seed printed "
-                f"(largest |measured - seed_printed| {small(gap)}): {values}.")
-    else:
-        off = printed[~agree]
-        example = off.iloc[0]
-        text = (f"{count(len(off), 'number')} of the {len(printed)} the seed printed for "
-                f"{methods} came out differently (e.g. {_quantity(example['quantity'])} after "
-                f"{example['event']}: measured {number(example['measured'])}, printed "
-                f"{number(example['seed_printed'])}).")
-    return Finding(text, inputs.source("status = ok, seed_printed not empty", len(printed)))
+    paired = lasts[0].merge(lasts[1], on="quantity", suffixes=("", "_other"))
+    clauses = [f"the same {r['name']} = {number(r['measured'])}"
+               if close(r["measured"], r["measured_other"], rows.rtol) else
+               f"a different {r['name']}: {number(r['measured'])} against "
+               f"{number(r['measured_other'])}" for r in paired.to_dict("records")]
+    events = " / ".join(dict.fromkeys([paired["event"].iloc[0], paired["event_other"].iloc[0]]))
+    return methods, words(clauses), events, small((paired["measured"]
+                                                   - paired["measured_other"]).abs().max())
 
 
-def _read_values(rows: pd.DataFrame) -> str:
-    """``w.grad -16 after backward-1, -20 after backward-2 and -20 after step``."""
-    return f"{_quantity(rows['quantity'].iloc[0])} " + words(
-        [f"{number(v)} after {e}" for v, e in zip(rows["measured"], rows["event"], strict=True)])
+def _big_batch_finding(rows) -> spec.Finding | None:
+    if (compared := _compared(rows)) is None:
+        return None
+    methods, said, events, gap = compared
+    text = (f"In seed 004's one-weight model, {_described(rows.ok, methods[0])} and "
+            f"{_described(rows.ok, methods[1])} left {said} after {code(events)} (largest "
+            f"difference {gap}).")
+    return spec.Finding(text, rows.cite({}, f"event == {events} and method in {methods}",
+                                        len(rows.select("last_call"))))
 
 
-# --------------------------------------------------------------------- table
-def _table(ok: pd.DataFrame, inputs: SectionInputs) -> str:
-    judged = ok.assign(predicted_ok=is_true(ok["matches"]), seed_ok=is_true(ok["matches_seed"]))
-    body = []
-    for row in judged.to_dict("records"):
-        measured_cell = number(row["measured"]) + ("" if row["predicted_ok"] else " ✗")
-        printed = row["seed_printed"]
-        seed_cell = "" if printed != printed else (  # NaN: the seed printed nothing here
-            number(printed) + ("" if row["seed_ok"] else " ✗"))
-        batch = row["batch"] if isinstance(row["batch"], str) else ""
-        body.append([row["method"], row["event"], batch, _quantity(row["quantity"]),
-                     measured_cell, number(row["predicted"]), seed_cell,
-                     code(str(row["formula"]))])
-    headers = ["method", "event", "batch", "quantity", "measured", "predicted", "seed_printed",
-               "formula (exact)"]
-    caption = (f"**Every value read**: every row of `{inputs.csv_name}` with status ok. ✗ after "
-               f"measured: differs from the prediction; after seed_printed: differs from the "
-               f"measured value. seed_printed is empty where the seed printed nothing.")
-    return caption + "\n\n" + table(headers, body, [False] * 4 + [True] * 3 + [False])
+def _answer(rows) -> spec.Answer | None:
+    if (compared := _compared(rows)) is None:
+        return None
+    methods, said, events, gap = compared
+    return spec.Answer(f"Seed 004: does {methods[0]} leave what {methods[1]} does?", said,
+                       f"after {events}; largest difference {gap}")
 
 
-SECTION = Section(
+def _read_values(rows, rtol) -> str:
+    """``w.grad -16 after backward-1, -20 after backward-2; w 1 after ...``."""
+    return "; ".join(f"{name} " + words([f"{number(v)} after {e}" for v, e in zip(
+        part["measured"], part["event"], strict=True)])
+        for name, part in rows.groupby("name", sort=False))
+
+
+def _off(column: str, before: str, between: str):
+    """``e.g. w after step of big-batch: 1.25 instead of 1.2``: the first row that differs."""
+    def detail(rows, rtol) -> str:
+        row = rows.iloc[0]
+        return (f"e.g. {row['name']} after {row['event']} of {row['method']}: {before}"
+                f"{number(row['measured'])}{between}{number(row[column])}")
+    return detail
+
+
+def _flag(row: dict, verdict: str) -> str:
+    return "" if str(row[verdict]) in ("True", "nan", "None") else " ✗"
+
+
+SECTION = spec.Section(
     study="seed004",
     title="seed004: accumulation against the big batch, to the last digit",
     intro=("Seed 004's one-weight model `y_hat = w * x` towards `y = 2x` from `w = 1`, loss "
@@ -162,6 +102,37 @@ SECTION = Section(
            "loss divided by 2, then one `step()` (`accumulation`, the seed's), against one "
            "backward of the mean loss over [4.0, 2.0] (`big-batch`). Predictions are exact "
            "rational arithmetic, rounded once."),
-    columns=COLUMNS,
-    render=render,
+    columns=COLUMNS, derive=_derive, terms={"last_call": "the last call of each method"},
+    answers=(_answer,),
+    findings=(
+        _big_batch_finding,
+        spec.Verdicts(column="matches", per=(), unit="row",
+                      detail=spec.yes_no(spec.largest("abs_error"), spec.joined(
+                          _off("predicted", "", " instead of "), spec.largest("abs_error"))),
+                      subject="Against its exact first-principles prediction (the `formula` "
+                              "column), a value read from the model",
+                      phrases=spec.yes_no("matched", "differed")),
+        spec.Verdicts(column="matches_seed", per=("method",), where="seed_printed.notna()",
+                      unit="number", subject="Of the numbers the seed printed for {method}, the "
+                                             "measured value",
+                      phrases=spec.yes_no("reproduced the printed one",
+                                          "differed from the printed one"),
+                      detail=spec.yes_no(_read_values, _off("seed_printed", "measured ",
+                                                            ", printed "))),
+    ),
+    tables=(
+        spec.Records(caption="**Every value read**: every row of {csv} with status ok. ✗ after "
+                             "measured: differs from the prediction; after seed_printed: differs "
+                             "from the measured value. seed_printed is empty where the seed "
+                             "printed nothing.",
+                     numeric=(False,) * 4 + (True,) * 3 + (False,),
+                     columns=(spec.column("method"), spec.column("event"), spec.column("batch"),
+                              ("quantity", lambda r: r["name"]),
+                              ("measured", lambda r: number(r["measured"]) + _flag(r, "matches")),
+                              spec.column("predicted", number),
+                              ("seed_printed", lambda r: "" if r["seed_printed"] != r[
+                                  "seed_printed"] else number(r["seed_printed"])
+                               + _flag(r, "matches_seed")),
+                              spec.column("formula", code))),
+    ),
 )
