@@ -17,17 +17,28 @@ from typing import Any
 from harness.errors import UsageError
 
 
+def _parse_list(text: str, flag: str, convert: Callable[[str], Any], noun: str,
+                example: str) -> tuple:
+    """Each comma-separated item through ``convert``; one line naming the bad item otherwise."""
+    values = []
+    for item in (part.strip() for part in text.split(",")):
+        try:
+            values.append(convert(item))
+        except ValueError:
+            article = "an" if noun[0] in "aeiou" else "a"
+            raise UsageError(f"{flag} {text!r}: {item!r} is not {article} {noun}; "
+                             f"allowed: comma-separated {noun}s, e.g. {example}") from None
+    return tuple(values)
+
+
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4); a one-line error naming the flag and the bad item otherwise."""
-    items = [item.strip() for item in text.split(",")]
-    values = []
-    for item in items:
-        try:
-            values.append(int(item))
-        except ValueError:
-            raise UsageError(f"{flag} {text!r}: {item!r} is not an integer; "
-                             "allowed: comma-separated integers, e.g. 1,2,4") from None
-    return tuple(values)
+    return _parse_list(text, flag, int, "integer", "1,2,4")
+
+
+def parse_float_list(text: str, flag: str) -> tuple[float, ...]:
+    """'0.1,1' -> (0.1, 1.0); a one-line error naming the flag and the bad item otherwise."""
+    return _parse_list(text, flag, float, "number", "0.01,0.1,1")
 
 
 def parse_name_list(text: str, flag: str) -> tuple[str, ...]:

@@ -69,3 +69,43 @@ TRAJECTORY_TOLERANCE: dict[torch.dtype, float] = {
 def trajectory_tolerance(dtype: torch.dtype) -> float:
     """The tolerance for "the same trajectory" on parameters trained in ``dtype``."""
     return _for_dtype(TRAJECTORY_TOLERANCE, dtype, "trajectory tolerance")
+
+
+#: The update study: the parameters after T optimizer steps equal the big-batch run's when
+#: ||θ - θ_ref|| / ||θ_ref - θ_0|| (the error as a fraction of how far the reference moved,
+#: so that a small learning rate cannot hide it) is below this.
+#: float64: measured, identical updates (a recipe equal to the big batch, or the right
+#: learning-rate factor) stay below 1e-15 over 5 steps of every optimizer; the smallest
+#: real effect, Adam's eps at 1e-8 under a gradient scaled by s, measures 1.7e-7 and
+#: up. 1e-9 sits six orders above the first and two below the second.
+#: float32: the same identical updates measure up to 4.3e-7 (Adam divides by sqrt(v),
+#: which turns the rounding of small gradient entries into whole steps); 1e-5 leaves
+#: 20x above it. Adam's eps effects below 1e-5 are then not resolved in float32 -- they
+#: are below what float32 training itself can tell apart.
+UPDATE_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-5,
+}
+
+
+def update_tolerance(dtype: torch.dtype) -> float:
+    """The tolerance for "the same update" on parameters trained in ``dtype``."""
+    return _for_dtype(UPDATE_TOLERANCE, dtype, "update tolerance")
+
+
+#: The update study: a learning-rate factor that leaves an update error above the update
+#: tolerance but below this is "approximate". The one effect meant to land here is Adam's
+#: (and AdamW's) scale invariance "up to eps": with the default eps 1e-8 the measured
+#: error of lr unchanged under a gradient scaled by s = 1/4..16 is 1.7e-7 to 1.0e-4 over
+#: 5 steps. Every factor that really fails (coupled weight decay, eps = 0.1) leaves 0.13
+#: or more. 1e-3 sits 10x above the first and 100x below the second.
+APPROXIMATE_UPDATE_TOLERANCE = 1e-3
+
+#: The update study: Goyal et al.'s linear scaling rule "holds" at a learning rate when
+#: one step at lr * N on the N-times batch lands within this fraction of the displacement
+#: of the N small steps at lr (||θ_big - θ_small|| / ||θ_small - θ_0||). A definition,
+#: not a rounding bound: 10% is where the rule's first-order argument (the gradient
+#: barely changes over the N small steps) stops being a small correction; the error
+#: grows linearly with lr below it (measured: 0.2% to 1% at lr = 1e-3, ten times that at
+#: 1e-2) and saturates near 1 (the two runs unrelated) once one step overshoots.
+LINEAR_SCALING_TOLERANCE = 0.1

@@ -20,6 +20,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
     "reduction",
     "seed001",
     "accumulation",
+    "update",
     "training",
     "seed004",
     "diagnostics",

@@ -1,0 +1,260 @@
+"""Experiment ``clipping``: where ``clip_grad_norm_`` runs decides what it clips.
+
+The big-batch run clips its one gradient per step at ``max_norm``. A recipe
+that equals the big batch without clipping (``mean/k`` accumulation, DDP's
+``mean``) is compared with it when it clips
+
+- ``per-window``: once, after the k micro-steps (one process);
+- ``per-micro-step``: after every micro-step's backward, i.e. the partial sums
+  of the window's gradient (one process);
+- ``after-reduction``: after DDP's all-reduce, on the averaged gradient every
+  rank holds;
+- ``before-reduction``: each DDP rank on its own gradient (backward under
+  ``no_sync``), then the ranks average the clipped gradients by hand;
+- ``total-norm``: FSDP2, ``clip_grad_norm_`` on the sharded DTensor gradients
+  (the norm of the whole gradient, taken across shards);
+- ``local-shard-norm``: FSDP2, each rank clipping its shard by the norm of that
+  shard alone (the norm of a local tensor, as code written for unsharded
+  gradients computes it).
+
+``max_norm`` is a multiple of the big batch's gradient norm at the first step:
+below it (0.5: the big batch clips) and above it (2: the big batch does not,
+yet a partial sum or one rank's gradient still may). Each clipping call's
+coefficient is measured as ``‖g after‖ / ‖g before‖`` on what that call saw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.context import RunContext
+from harness.strategies.common import Trainer
+from harness.strategies.ddp import gather_to_leader
+from harness.studies.update.fleet import (
+    Fleet,
+    every_member_parameters,
+    fleet_trainer,
+    is_sharded,
+    members,
+)
+from harness.studies.update.optimizers import OPTIMIZERS, PLAIN
+from harness.studies.update.recipes import Shape, initial_model, windows
+from harness.studies.update.training import (
+    FleetOptimizers,
+    Member,
+    ReferenceRuns,
+    accumulate_window,
+    big_batch_gradient,
+    big_batch_run,
+    flat_parameters,
+    relative_distance,
+    update_error,
+)
+from harness.tolerances import update_tolerance
+from harness.verdicts import Equivalence
+
+#: max_norm as multiples of the big batch's gradient norm at the first step.
+MAX_NORM_RATIOS = (0.5, 2.0)
+#: Where each strategy clips: the first of each pair is the right place.
+SETTINGS = {
+    "local": ("per-window", "per-micro-step"),
+    "ddp": ("after-reduction", "before-reduction"),
+    "fsdp": ("total-norm", "local-shard-norm"),
+}
+#: torch's clip_grad_norm_ divides by ``norm + 1e-6``; the hand-written local-shard
+#: clipping does the same, so that only the norm it uses differs.
+CLIP_EPS = 1e-6
+
+
+def measured_coefficient(before: float, after: float) -> float:
+    """The factor a clipping call applied, read off the gradient's norm before and after."""
+    return after / before if before > 0 else math.nan
+
+
+def local_norm(params: Sequence[nn.Parameter]) -> float:
+    """The norm of what this process holds of the gradients (its shard, under FSDP)."""
+    grads = [p.grad.to_local() if is_sharded(p.grad) else p.grad for p in params]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                        for g in grads])))
+
+
+def clip_local_shards(params: Sequence[nn.Parameter], max_norm: float) -> None:
+    """Clip by the norm of this rank's shard alone: the mistake code written for whole
+    gradients makes on FSDP's sharded ones (each rank picks its own coefficient)."""
+    coefficient = min(1.0, max_norm / (local_norm(params) + CLIP_EPS))
+    with torch.no_grad():
+        for p in params:
+            (p.grad.to_local() if is_sharded(p.grad) else p.grad).mul_(coefficient)
+
+
+def average_by_hand(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """What DDP's all-reduce does, on gradients the user clipped first: sum over ranks / N."""
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+class ClipRecorder:
+    """Clips the copies a setting names and records the coefficient of every call in the
+    first window."""
+
+    def __init__(self, settings: Sequence[str], max_norms: Sequence[float]) -> None:
+        self.settings, self.max_norms = list(settings), list(max_norms)
+        self.coefficients: list[list[float]] = [[] for _ in settings]
+        self.window = 0
+
+    def clip(self, index: int, params: Sequence[nn.Parameter],
+             how: Callable[[Sequence[nn.Parameter], float], Any]) -> None:
+        before = local_norm(params)
+        how(params, self.max_norms[index])
+        if self.window == 0:
+            self.coefficients[index].append(measured_coefficient(before, local_norm(params)))
+
+
+def torch_clip(params: Sequence[nn.Parameter], max_norm: float) -> None:
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def run(strategy: str, world_size: int, accum_steps: int, steps: int, run_context: RunContext,
+        reports: bool, references: ReferenceRuns) -> list[dict[str, Any]] | None:
+    shape = Shape(world_size, accum_steps)
+    dtype, seed = run_context.dtype, run_context.seed
+    data = windows(seed, shape, steps, dtype)
+    initial = initial_model(seed, dtype)
+    big_norm = float(big_batch_gradient(initial, data[0]).norm())
+    plan = [(setting, ratio) for setting in SETTINGS[strategy] for ratio in MAX_NORM_RATIOS]
+    recorder = ClipRecorder([s for s, _ in plan], [r * big_norm for _, r in plan])
+    loss = "mean/k" if accum_steps > 1 else "mean"
+    runs = [Member(loss, OPTIMIZERS[PLAIN]) for _ in plan]
+    if strategy == "ddp":
+        final = _ddp_runs(plan, runs, recorder, data, shape, initial, run_context)
+    else:
+        final = _single_trainer_runs(strategy, plan, runs, recorder, data, shape, initial,
+                                     run_context)
+    group = run_context.group(world_size) if strategy in ("ddp", "fsdp") else None
+    every_rank = _coefficients_of_every_rank(recorder, group, run_context)
+    if not reports:
+        return None
+    start = flat_parameters(initial)
+    tolerance = update_tolerance(dtype)
+    rows = []
+    for i, (setting, ratio) in enumerate(plan):
+        reference, reference_coefficient = clipped_reference(
+            references, initial, data, recorder.max_norms[i], (seed, dtype, shape, steps))
+        coefficients = every_rank[i]
+        error = update_error(final[i], reference, start)
+        rows.append({
+            "loss": loss, "sync": "none" if strategy == "local" else "every-micro-step",
+            "optimizer": PLAIN, "optimizer_settings": OPTIMIZERS[PLAIN].settings,
+            "learning_rate": OPTIMIZERS[PLAIN].lr, "steps": steps, "setting": setting,
+            "dtype_used": str(dtype).removeprefix("torch."),
+            "max_norm": recorder.max_norms[i], "max_norm_ratio": ratio,
+            "clip_coef_reference": reference_coefficient,
+            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
+            "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients),
+            "param_distance": relative_distance(final[i], reference), "update_error": error,
+            "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
+        })
+    return rows
+
+
+def _single_trainer_runs(strategy, plan, runs, recorder, data, shape, initial, run_context):
+    """One process (clipping per window or per micro-step) or FSDP (total or local norm)."""
+    trainer = fleet_trainer(strategy, Fleet(initial, len(runs)), shape.world_size, run_context)
+    copies = members(trainer)
+    optimizer = FleetOptimizers(runs, copies)
+    per_micro_step = [i for i, (s, _) in enumerate(plan) if s == "per-micro-step"]
+    for t, window in enumerate(data):
+        recorder.window = t
+
+        def clip_micro_step(_: int) -> None:
+            for i in per_micro_step:
+                recorder.clip(i, list(copies[i].parameters()), torch_clip)
+
+        accumulate_window(trainer, runs, window, shape, no_sync=False,
+                          after_backward=clip_micro_step)
+        for i, (setting, _) in enumerate(plan):
+            if setting in ("per-window", "total-norm"):
+                recorder.clip(i, list(copies[i].parameters()), torch_clip)
+            elif setting == "local-shard-norm":
+                recorder.clip(i, list(copies[i].parameters()), clip_local_shards)
+        optimizer.step()
+    return every_member_parameters(trainer)
+
+
+def _ddp_runs(plan, runs, recorder, data, shape, initial, run_context):
+    """Two DDP fleets: one clipping after DDP's all-reduce; one whose backward runs under
+    ``no_sync``, clips each rank's own gradient, then averages by hand."""
+    after = [i for i, (s, _) in enumerate(plan) if s == "after-reduction"]
+    before = [i for i, (s, _) in enumerate(plan) if s == "before-reduction"]
+    group = run_context.group(shape.world_size)
+    trainers: dict[str, Trainer] = {}
+    optimizers = {}
+    for name, indices in (("after", after), ("before", before)):
+        trainers[name] = fleet_trainer("ddp", Fleet(initial, len(indices)), shape.world_size,
+                                       run_context)
+        optimizers[name] = FleetOptimizers([runs[i] for i in indices], members(trainers[name]))
+    for t, window in enumerate(data):
+        recorder.window = t
+        accumulate_window(trainers["after"], [runs[i] for i in after], window, shape,
+                          no_sync=False)
+        for j, i in enumerate(after):
+            recorder.clip(i, list(members(trainers["after"])[j].parameters()), torch_clip)
+        with trainers["before"].no_sync():
+            accumulate_window(trainers["before"], [runs[i] for i in before], window, shape,
+                              no_sync=False)
+        for j, i in enumerate(before):
+            params = list(members(trainers["before"])[j].parameters())
+            recorder.clip(i, params, torch_clip)
+            average_by_hand(params, group)
+        optimizers["after"].step()
+        optimizers["before"].step()
+    final: list[torch.Tensor | None] = [None] * len(plan)
+    for name, indices in (("after", after), ("before", before)):
+        for i, params in zip(indices, every_member_parameters(trainers[name]), strict=True):
+            final[i] = params
+    return final
+
+
+def _coefficients_of_every_rank(recorder: ClipRecorder, group, run_context: RunContext
+                                ) -> list[list[float]]:
+    """Per copy, the coefficients of the first window's calls on every rank (rank-major)."""
+    if group is None:
+        return recorder.coefficients
+    mine = torch.tensor(recorder.coefficients, dtype=torch.float64)
+    gathered = gather_to_leader(mine, group, run_context.device)
+    if gathered is None:
+        return []
+    return [[float(rank[i, j]) for rank in gathered for j in range(rank.shape[1])]
+            for i in range(len(recorder.coefficients))]
+
+
+def clipped_reference(references: ReferenceRuns, initial: nn.Module, data, max_norm: float,
+                       key: tuple) -> tuple[torch.Tensor, float]:
+    """The big-batch run clipping its gradient at ``max_norm`` every step: its final
+    parameters and the coefficient it applied at the first step."""
+    first: list[float] = []
+
+    def clip(model: nn.Module, t: int) -> None:
+        params = list(model.parameters())
+        before = local_norm(params)
+        torch_clip(params, max_norm)
+        if t == 0:
+            first.append(measured_coefficient(before, local_norm(params)))
+
+    def compute() -> list[torch.Tensor]:
+        after = big_batch_run(initial, OPTIMIZERS[PLAIN], data, before_step=clip)
+        return [*after, torch.tensor(first[0], dtype=torch.float64)]
+
+    result = references.get((*key, PLAIN, "clip", max_norm), compute)
+    return result[-2], float(result[-1])

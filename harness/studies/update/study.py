@@ -1,0 +1,217 @@
+"""The update study: from ``param.grad`` to the optimizer step.
+
+Every other study stops at ``param.grad``. This one compares the *parameters
+after the optimizer step* with one process training on the big batch (every
+sample of the step, mean loss), in the run's dtype (float64 by default):
+
+- ``lr-factor``: each loss recipe (``mean``, ``sum``, Goyal's ``sum/b`` and
+  ``sum/(N*k*b)``; with accumulation ``mean/k`` under DDP's ``no_sync``) x each
+  optimizer (SGD, momentum, Nesterov, three kinds of weight decay, Adam and
+  AdamW with default and large eps), T steps; which learning-rate factor, if
+  any, makes the run equal the big batch's (lr_factor.py);
+- ``clipping``: ``clip_grad_norm_`` per window vs per micro-step, after vs
+  before DDP's reduction, FSDP2's total norm over shards vs each rank's local
+  shard; the coefficient each applied and the error it caused (clipping.py);
+- ``grad-scaler`` and ``non-finite``: GradScaler with accumulation, and a
+  non-finite input on one rank skipping the whole step everywhere (amp.py);
+- ``bf16-accumulation``: the error of bf16 against fp32 gradients as k grows (amp.py);
+- ``linear-scaling``: Goyal's rule, one step at lr*N against N steps at lr,
+  over a sweep of learning rates, at the start and later in training
+  (linear_scaling.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.context import RunContext
+from harness.errors import UsageError
+from harness.options import StudyOptions, option, parse_float_list, parse_int
+from harness.strategies import row_device, unavailable_reason
+from harness.studies.base import Case, Study
+from harness.studies.update import amp, clipping, linear_scaling, lr_factor
+from harness.studies.update.recipes import MICRO_BATCH
+from harness.studies.update.schema import COLUMNS, blank_row
+from harness.studies.update.training import ReferenceRuns
+
+STRATEGIES = ("local", "ddp", "fsdp", "dp-emulated", "dp")
+#: Strategies whose cases run collectives on the subgroup of ranks 0..N-1.
+COLLECTIVE = ("ddp", "fsdp")
+EXPERIMENTS = ("lr-factor", "clipping", "grad-scaler", "non-finite", "bf16-accumulation",
+               "linear-scaling")
+
+#: Small-batch learning rates of the linear-scaling sweep: from where the rule holds on
+#: this model (1e-3) to where one step overshoots (1).
+DEFAULT_LRS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+MAX_STEPS = 50
+MAX_ACCUM_STEPS = 64
+
+
+@dataclass(frozen=True)
+class UpdateOptions(StudyOptions):
+    #: Optimizer steps T each recipe trains before its parameters are compared.
+    steps: int = field(default=5, metadata=option(
+        "--update-steps", "T", "optimizer steps each run of the update study trains before "
+        "it is compared with the big batch", parse=parse_int))
+    #: Micro-steps k of the update study's accumulation recipes.
+    accum_steps: int = field(default=4, metadata=option(
+        "--update-accum-steps", "K", "micro-steps per optimizer step in the update study's "
+        "accumulation recipes", parse=parse_int))
+    #: Small-batch learning rates of the linear-scaling sweep.
+    lrs: tuple[float, ...] = field(default=DEFAULT_LRS, metadata=option(
+        "--update-lrs", "LR[,LR]", "learning rates of the update study's linear-scaling sweep",
+        parse=parse_float_list))
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise UsageError(f"--update-steps {self.steps} is not allowed; allowed: "
+                             f"1..{MAX_STEPS}")
+        if not 2 <= self.accum_steps <= MAX_ACCUM_STEPS:
+            raise UsageError(f"--update-accum-steps {self.accum_steps} is not allowed; "
+                             f"allowed: 2..{MAX_ACCUM_STEPS}")
+        if not self.lrs:
+            raise UsageError("--update-lrs is empty; give at least one learning rate")
+        for lr in self.lrs:
+            if not (math.isfinite(lr) and lr > 0):
+                raise UsageError(f"--update-lrs: {lr} is not allowed; allowed: finite "
+                                 "numbers > 0")
+        if len(set(self.lrs)) != len(self.lrs):
+            raise UsageError(f"--update-lrs: {','.join(map(str, self.lrs))} repeats a value; "
+                             "give each value once")
+
+
+class UpdateStudy(Study):
+    name = "update"
+    summary = ("parameters after the optimizer step vs the big batch: loss recipes x "
+               "optimizers, the learning-rate factor that fixes them, clipping, GradScaler, "
+               "bf16 accumulation, the linear scaling rule")
+    example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies update "
+               "--update-steps 5 --update-accum-steps 4")
+    Options = UpdateOptions
+    columns = COLUMNS
+    in_default_run = True
+
+    def __init__(self, options: UpdateOptions | None = None) -> None:
+        super().__init__(options)
+        #: Big-batch runs computed by this process, shared by the cases that compare with them.
+        self._references = ReferenceRuns()
+
+    # ------------------------------------------------------------------ cases
+    def cases(self, run: RunContext) -> list[Case]:
+        """The default matrix keeps DDP/FSDP cases few: one optimizer step per batch at every
+        world size for DDP, everything else at the widest only; the full one, every size."""
+        full = run.config.matrix == "full"
+        sizes = _device_counts(run, full)
+        wide = sizes if full else [max(run.world_sizes)]
+        k = self.options.accum_steps
+        strategies = run.strategies(STRATEGIES)
+        cases = [self._case("lr-factor", strategy, n, steps) for strategy in strategies
+                 for n, steps in _lr_factor_grid(strategy, sizes, wide, k)]
+        cases += [self._case("clipping", strategy, n, steps)
+                  for strategy, n, steps in _clipping_grid(strategies, wide, k)]
+        cases += [self._case(experiment, strategy, n, k)
+                  for experiment in ("grad-scaler", "non-finite")
+                  for strategy in ("local", "ddp") if strategy in strategies
+                  for n in ([1] if strategy == "local" else wide)]
+        if "local" in strategies:
+            ks = amp.BF16_STEPS["full" if full else "default"]
+            cases.append(self._case("bf16-accumulation", "local", 1, f"{min(ks)}..{max(ks)}"))
+            cases += [self._case("linear-scaling", "local", n, 1) for n in sizes if n >= 2]
+        return cases
+
+    def _case(self, experiment: str, strategy: str, world_size: int, accum_steps: int | str
+              ) -> Case:
+        """One case; ``accum_steps`` is text for bf16-accumulation, whose rows sweep k."""
+        collective = strategy in COLLECTIVE
+        return Case.of(self.name, participants=world_size if collective else 1,
+                       collective=collective, cost=_cost(experiment, strategy, world_size,
+                                                         accum_steps),
+                       experiment=experiment, strategy=strategy, world_size=world_size,
+                       accum_steps=accum_steps)
+
+    # ---------------------------------------------------------------- measure
+    def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
+        experiment, strategy = case["experiment"], case["strategy"]
+        n, k = case["world_size"], case["accum_steps"]
+        reports = run.reports(case)
+        if reason := unavailable_reason(strategy, n, run):
+            return [self._row(case, {"status": reason})] if reports else None
+        full = run.config.matrix == "full"
+        steps = self.options.steps
+        if experiment == "lr-factor":
+            rows = lr_factor.run(strategy, n, k, steps, full, run, reports, self._references)
+        elif experiment == "clipping":
+            rows = clipping.run(strategy, n, k, steps, run, reports, self._references)
+        elif experiment == "grad-scaler":
+            rows = amp.grad_scaler(strategy, n, k, steps, run, reports, self._references)
+        elif experiment == "non-finite":
+            rows = amp.non_finite(strategy, n, k, run, reports)
+        elif experiment == "bf16-accumulation":
+            rows = amp.bf16_accumulation(full, run)
+        elif experiment == "linear-scaling":
+            rows = linear_scaling.run(n, self.options.lrs, run)
+        else:
+            raise ValueError(f"unknown experiment {experiment!r}")
+        if rows is None:
+            return None
+        return [self._row(case, row) for row in rows]
+
+    @staticmethod
+    def _row(case: Case, measured: dict[str, Any]) -> dict[str, Any]:
+        strategy = case["strategy"]
+        row: dict[str, Any] = blank_row()
+        row.update(experiment=case["experiment"], strategy=strategy,
+                   emulated=strategy == "dp-emulated", world_size=case["world_size"],
+                   accum_steps=case["accum_steps"], micro_batch=MICRO_BATCH, status="ok")
+        row.update(measured)
+        row.setdefault("device", row_device(strategy))
+        return row
+
+    def summary_table(self, frame) -> str:
+        shown = frame[(frame.experiment == "lr-factor") & (frame.status == "ok")
+                      & (frame.world_size == frame.world_size.max())]
+        if shown.empty:
+            return "no lr-factor rows measured"
+        table = shown.pivot_table(index=["strategy", "accum_steps", "loss"], columns="optimizer",
+                                  values="lr_factor_verdict", aggfunc="first", sort=False)
+        return ("learning-rate factor that gives the big-batch update, at the widest world "
+                "size (exact / approximate / none):\n" + table.to_string())
+
+
+def _device_counts(run: RunContext, full: bool) -> list[int]:
+    """World sizes of the multi-device recipes: every one of the run in the full matrix;
+    in the default one those >= 2 (one device is the big batch itself), or 1 if none is."""
+    if full:
+        return list(run.world_sizes)
+    return [n for n in run.world_sizes if n >= 2] or [1]
+
+
+def _lr_factor_grid(strategy: str, sizes: list[int], accumulating: list[int], k: int
+                    ) -> list[tuple[int, int]]:
+    """(world size, k) pairs of a strategy's lr-factor cases: one optimizer step per batch
+    at every world size; k-step accumulation at the widest (every size in the full matrix).
+    FSDP accumulates with ``set_requires_gradient_sync``, which this study does not measure."""
+    if strategy == "local":
+        return [(1, k)]
+    if strategy == "fsdp":
+        return [(n, 1) for n in accumulating]
+    return [(n, 1) for n in sizes] + [(n, k) for n in accumulating]
+
+
+def _clipping_grid(strategies: list[str], sizes: list[int], k: int
+                   ) -> list[tuple[str, int, int]]:
+    grid = []
+    if "local" in strategies:
+        grid.append(("local", 1, k))
+    grid += [(s, n, 1) for s in ("ddp", "fsdp") if s in strategies for n in sizes]
+    return grid
+
+
+def _cost(experiment: str, strategy: str, world_size: int, accum_steps: int | str) -> float:
+    """Rough milliseconds, for spreading single-process cases over idle ranks."""
+    micro_steps = accum_steps if isinstance(accum_steps, int) else 1
+    per_experiment = {"lr-factor": 60.0, "clipping": 10.0, "grad-scaler": 10.0,
+                      "non-finite": 5.0, "bf16-accumulation": 60.0, "linear-scaling": 30.0}
+    return per_experiment[experiment] * micro_steps * (1 + 0.25 * world_size)

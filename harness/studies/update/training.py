@@ -1,0 +1,183 @@
+"""Training a fleet window by window, and the one-process big-batch run it is compared with."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harness.strategies.common import Trainer
+from harness.studies.update.fleet import members, micro_step_context
+from harness.studies.update.optimizers import OptimizerSpec
+from harness.studies.update.recipes import TASK, Shape, big_batch, l2_penalty, recipe_loss
+from harness.tasks import Batch
+
+#: A window: [micro-step][device] shards.
+Window = list[list[Batch]]
+
+
+@dataclass
+class Member:
+    """One training run inside a fleet: its loss recipe and its optimizer."""
+
+    loss: str
+    optimizer: OptimizerSpec
+
+
+def fleet_loss(trainer: Trainer, output: torch.Tensor, batch: Batch,
+               runs: Sequence[Member], shape: Shape) -> torch.Tensor:
+    """The sum of every copy's loss: copies share no weight, so each gets its own gradient.
+
+    The L2 terms are computed after the forward on purpose: FSDP2 keeps the root
+    module's parameters unsharded between forward and backward, so the term is
+    reduced (averaged) with the data gradient, as DDP reduces it.
+    """
+    terms = copy_loss_terms(output, batch)
+    total = output.new_zeros(())
+    for loss in dict.fromkeys(member.loss for member in runs):
+        columns = [i for i, member in enumerate(runs) if member.loss == loss]
+        total = total + recipe_loss(loss, terms[:, columns], shape).sum()
+    copies = members(trainer)
+    for i, member in enumerate(runs):
+        if member.optimizer.l2_in_loss:
+            total = total + l2_penalty(copies[i].parameters(), member.optimizer.l2_in_loss,
+                                       shape.accum_steps)
+    return total
+
+
+def copy_loss_terms(output: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The task's loss terms of every copy at once: (samples, copies) from the fleet's
+    (samples, copies, outputs), each sample's target repeated for every copy."""
+    samples, copies = output.shape[:2]
+    targets = batch.y.unsqueeze(1).expand(samples, copies, *batch.y.shape[1:])
+    flat = Batch(batch.x, targets.reshape(samples * copies, *batch.y.shape[1:]))
+    return TASK.loss_terms(output.reshape(samples * copies, *output.shape[2:]), flat
+                           ).reshape(samples, copies)
+
+
+def accumulate_window(trainer: Trainer, runs: Sequence[Member], window: Window, shape: Shape,
+                      no_sync: bool, after_backward: Callable[[int], None] | None = None,
+                      scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """k micro-steps of forward and backward, no optimizer step.
+
+    ``no_sync``: DDP skips its all-reduce on all but the last micro-step.
+    ``after_backward(j)`` runs after micro-step j's backward (e.g. to clip);
+    ``scale`` transforms each micro-step's loss before backward (GradScaler's ``scale``).
+    """
+    for j, shards in enumerate(window):
+        batch = trainer.batch_for_this_process(shards)
+        sync = not no_sync or j == len(window) - 1
+        with micro_step_context(trainer, sync):
+            output = trainer.forward(batch.x)
+            loss = fleet_loss(trainer, output, batch, runs, shape)
+            (scale(loss) if scale else loss).backward()
+        trainer.after_backward()
+        if after_backward:
+            after_backward(j)
+
+
+def step_all(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+class FleetOptimizers:
+    """One torch optimizer per optimizer configuration, one parameter group per copy.
+
+    Equivalent to one optimizer per copy (every optimizer here acts on each parameter
+    on its own, and a group may have its own learning rate), with one ``step()`` call
+    per configuration instead of one per copy: a third of a fleet's time on a CPU.
+    """
+
+    def __init__(self, runs: Sequence[Member], copies: Sequence[nn.Module]) -> None:
+        by_name: dict[str, list[int]] = {}
+        for i, member in enumerate(runs):
+            by_name.setdefault(member.optimizer.name, []).append(i)
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._group: dict[int, dict] = {}
+        self._spec = [member.optimizer for member in runs]
+        for indices in by_name.values():
+            spec = runs[indices[0]].optimizer
+            optimizer = spec.build([{"params": list(copies[i].parameters())} for i in indices])
+            self.optimizers.append(optimizer)
+            self._group.update(zip(indices, optimizer.param_groups, strict=True))
+
+    def set_lr_factor(self, index: int, factor: float) -> None:
+        """Copy ``index`` steps at its optimizer's learning rate times ``factor`` from now on."""
+        self._group[index]["lr"] = self._spec[index].lr * factor
+
+    def step(self) -> None:
+        step_all(self.optimizers)
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu().to(torch.float64)
+
+
+def flat_gradient(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).cpu().to(torch.float64)
+
+
+# ------------------------------------------------------------------ reference
+def big_batch_loss(model: nn.Module, batch: Batch, spec: OptimizerSpec) -> torch.Tensor:
+    """The reference's loss: the mean over the whole window, plus the L2 term once."""
+    loss = TASK.loss(model(batch.x), batch, "mean")
+    if spec.l2_in_loss:
+        loss = loss + l2_penalty(model.parameters(), spec.l2_in_loss, 1)
+    return loss
+
+
+def big_batch_gradient(initial: nn.Module, window: Window) -> torch.Tensor:
+    """One process's gradient of the mean loss over every sample of ``window``."""
+    model = copy.deepcopy(initial)
+    batch = big_batch(window)
+    TASK.loss(model(batch.x), batch, "mean").backward()
+    return flat_gradient(model)
+
+
+def big_batch_run(initial: nn.Module, spec: OptimizerSpec, data: Sequence[Window],
+                  before_step: Callable[[nn.Module, int], None] | None = None,
+                  skip: Sequence[int] = ()) -> list[torch.Tensor]:
+    """One process, one optimizer step per window on all of its samples; the parameters
+    after each step (float64 vectors). ``before_step(model, t)`` may act on the gradient
+    (clipping); windows in ``skip`` are left out (the step a GradScaler skipped)."""
+    model = copy.deepcopy(initial)
+    optimizer = spec.build(model.parameters())
+    after = []
+    for t, window in enumerate(data):
+        if t not in skip:
+            batch = big_batch(window)
+            big_batch_loss(model, batch, spec).backward()
+            if before_step:
+                before_step(model, t)
+            step_all([optimizer])
+        after.append(flat_parameters(model))
+    return after
+
+
+def relative_distance(measured: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||measured - reference|| / ||reference||``: the parameters' relative distance."""
+    return float((measured - reference).norm() / reference.norm())
+
+
+def update_error(measured: torch.Tensor, reference: torch.Tensor, start: torch.Tensor) -> float:
+    """``||measured - reference|| / ||reference - start||``: the error as a fraction of how
+    far the reference moved, so that a small learning rate does not hide it."""
+    return float((measured - reference).norm() / (reference - start).norm())
+
+
+class ReferenceRuns:
+    """Big-batch runs, each computed once per process and shared by every case that compares
+    with it: DDP, FSDP and DataParallel at the same N and k train on the same windows."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, key: tuple, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        if key not in self._runs:
+            self._runs[key] = compute()
+        return self._runs[key]
