@@ -49,3 +49,9 @@ def refuse(error: UsageError, rank: int, prog: str = "study.py") -> int:
     else:
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
     return USAGE_EXIT
+
+
+def first_sentence(error: BaseException) -> str:
+    """``Type: first sentence``: enough to recognise the error, short enough for a CSV cell."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text.split('. ')[0].rstrip('.')}"

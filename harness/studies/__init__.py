@@ -24,6 +24,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
     "training",
     "seed004",
     "diagnostics",
+    "hooks",
 )
 
 

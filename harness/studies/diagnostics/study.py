@@ -40,6 +40,7 @@ from harness.diagnostics import (
     gradient_stats,
     graph_of,
 )
+from harness.errors import first_sentence
 from harness.seeding import generator_for
 from harness.strategies import ddp
 from harness.strategies.common import flat_grad, relative_spread
@@ -110,12 +111,6 @@ def build_mlp(seed: int, setup: DiagnosticsSetup, dtype: torch.dtype,
     model = DiagnosticMLP(setup.hidden, skip_middle).to(torch.float64)
     seeded_init(model, generator_for(seed, "diagnostics", "mlp"))
     return model.to(dtype)
-
-
-def first_sentence(error: BaseException) -> str:
-    """``Type: first sentence``: enough to recognise the error, short enough for a CSV cell."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text.split('. ')[0].rstrip('.')}"
 
 
 def combined_stats(module: nn.Module) -> GradientStats:

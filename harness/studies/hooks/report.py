@@ -1,0 +1,434 @@
+"""The ``hooks`` study's section: what each reduction variant did to the gradient.
+
+A row is one step of one variant at one world size; its ``verdict`` (written by
+the study) says whether ``param.grad`` was the exact average of the ranks'
+gradients, off by no more than rounding in its wire format allows, a multiple
+of it (summed, over-averaged) or something else. The answers and findings group
+variants by what their rows say, never by their names: a variant is "exact"
+here because every one of its rows is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from harness.report import spec
+from harness.report.figures import COLOURS
+from harness.report.rows import named_ratio, ordered
+from harness.report.text import count, integers, number, small, span, strategy_name, table, words
+from harness.studies.hooks.measure import HookVerdict
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+COLUMNS = (
+    "strategy", "variant", "world_size", "step", "wire_dtype", "buckets", "collective_calls",
+    "collective_bytes", "full_batch_scale", "fit_residual", "relative_error", "error_bound",
+    "verdict", "cumulative_error", "param_distance", "grad_rank_spread", "param_rank_spread",
+    "rank0_state_elements",
+)
+#: How a sentence says what a variant whose every row is a pure multiple of ḡ did.
+SCALE_VERBS = {
+    HookVerdict.SUMMED: "summed the ranks' gradients instead of averaging them",
+    HookVerdict.OVER_AVERAGED: "divided the average by the world size once more",
+    HookVerdict.SCALED: "scaled the average",
+}
+#: What undoes a named scale of the average.
+SCALE_FIXES = {"k": "divide by k once (as the exact variants do)",
+               "1/k": "divide by k once, not twice"}
+#: Verdicts whose error is not a scale: the figure draws their variants.
+ERRING = (HookVerdict.COMPRESSED, HookVerdict.DIFFERS)
+
+
+# ------------------------------------------------------------------ grouping
+def derive(ok: pd.DataFrame, rtol: float) -> pd.DataFrame:
+    """``name`` (strategy and variant, as sentences say them), ``erring`` (the variant had a
+    compressed or differing step at that world size), and for the figure ``via`` (one
+    series: compressed rows by their wire format, the others by variant) and ``at`` (its
+    panel: ``k = 2``)."""
+    names = [f"{strategy_name(s)} {v}" for s, v in zip(ok["strategy"], ok["variant"],
+                                                        strict=True)]
+    erring = ok["verdict"].isin(ERRING).groupby(ok["case_id"]).transform("any")
+    compressed = (ok["verdict"] == HookVerdict.COMPRESSED).groupby(ok["case_id"]).transform("any")
+    via = [wire if squeezed else variant for squeezed, wire, variant in
+           zip(compressed, ok["wire_dtype"], ok["variant"], strict=True)]
+    return ok.assign(name=names, erring=erring, via=via,
+                     at=[f"k = {int(k)}" for k in ok["world_size"]])
+
+
+def _always(rows: pd.DataFrame, verdict: HookVerdict) -> pd.DataFrame:
+    """The rows of the variants every row of which has ``verdict``."""
+    every = (rows["verdict"] == verdict).groupby(rows["variant"]).transform("all")
+    return rows[every]
+
+
+def _variants(rows: pd.DataFrame) -> str:
+    return words(ordered(rows, "name"))
+
+
+def _where(rows: pd.DataFrame) -> str:
+    return "variant in " + ", ".join(ordered(rows, "variant"))
+
+
+def _last_steps(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each case's last measured step."""
+    return rows[rows["step"] == rows.groupby("case_id")["step"].transform("max")]
+
+
+def _steps(steps: list) -> str:
+    """``1-2``, ``3``, ``1, 3-5``: steps in runs."""
+    runs: list[list[int]] = []
+    for step in sorted(int(s) for s in steps):
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _integer(value: float) -> str:
+    return "n/a" if value != value else str(int(value))  # NaN != NaN
+
+
+def by_step(rows: pd.DataFrame, column: str, fmt: Callable[[object], str] = _integer,
+            sentence: bool = False) -> str:
+    """One value, or the values with their steps when they change: ``1 (1-2), 3 (3-5)``, or
+    in a ``sentence``: ``1 in steps 1-2, 3 in steps 3-5``."""
+    runs: list[tuple[str, list]] = []
+    for step, value in rows.sort_values("step")[["step", column]].itertuples(index=False):
+        text = fmt(value)
+        if runs and runs[-1][0] == text:
+            runs[-1][1].append(step)
+        else:
+            runs.append((text, [step]))
+    if len(runs) == 1:
+        return runs[0][0]
+    if sentence:
+        return ", ".join(f"{text} in step{'s' if len(steps) > 1 else ''} {_steps(steps)}"
+                         for text, steps in runs)
+    return ", ".join(f"{text} ({_steps(steps)})" for text, steps in runs)
+
+
+def per_world_size(rows: pd.DataFrame, column: str) -> str:
+    """:func:`by_step` (in a sentence) at each world size, said once when they agree."""
+    texts = {int(k): by_step(rows[rows["world_size"] == k], column, sentence=True)
+             for k in sorted(rows["world_size"].unique())}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return "; ".join(f"{text} at k = {k}" for k, text in texts.items())
+
+
+def _at_each_k(rows: pd.DataFrame, column: str) -> str:
+    """``32 at k = 2, 4`` or ``29 at k = 2, 19 at k = 4``: the values of a per-case constant."""
+    by_value: dict[str, list] = {}
+    for k, value in rows.groupby("world_size")[column].first().items():
+        by_value.setdefault(_integer(value), []).append(k)
+    return ", ".join(f"{value} at k = {integers(ks)}" for value, ks in by_value.items())
+
+
+def _bytes_ratio(rows: pd.DataFrame, every: pd.DataFrame) -> pd.Series:
+    """collective_bytes of each row over the fewest bytes of an exact row of the same
+    strategy, world size and step."""
+    exact = every[every["verdict"] == HookVerdict.EXACT]
+    least = exact.groupby(["strategy", "world_size", "step"])["collective_bytes"].min()
+    reference = [least.get(key, float("nan")) for key in
+                 zip(rows["strategy"], rows["world_size"], rows["step"], strict=True)]
+    return (rows["collective_bytes"] / reference).dropna()
+
+
+def _scale_name(rows: pd.DataFrame, rtol: float) -> tuple[str | None, float]:
+    """The named ratio (1, 1/k, k) of full_batch_scale, judged as the study judged it."""
+    return named_ratio(rows["world_size"], rows["full_batch_scale"],
+                       max(rtol, rows["error_bound"].max()))
+
+
+# ------------------------------------------------------------------- answers
+def answers(rows: spec.Rows) -> list[spec.Answer]:
+    ok = rows.ok
+    made = []
+    exact = _always(ok, HookVerdict.EXACT)
+    if not exact.empty:
+        made.append(spec.Answer(
+            "Which DDP comm hooks, DDP options, ZeRO and FSDP2 settings keep the exact average?",
+            _variants(exact),
+            f"{count(len(exact), 'step')} at k = {integers(exact['world_size'])}; largest "
+            f"relative_error {small(exact['relative_error'].max())}"))
+    scaled = [(verdict, _always(ok, verdict)) for verdict in SCALE_VERBS]
+    scaled = [(verdict, group) for verdict, group in scaled if not group.empty]
+    if scaled:
+        named = [(group, *_scale_name(group, rows.rtol)) for _, group in scaled]
+        made.append(spec.Answer(
+            "Which settings scale the average (a hook that forgets to divide, or divides twice)?",
+            "; ".join(f"{_variants(g)}: × {name or span(g['full_batch_scale'], number)}"
+                      for g, name, _ in named),
+            f"{count(sum(len(g) for g, _, _ in named), 'step')}; largest deviation "
+            f"{small(max(d for _, _, d in named))}",
+            "; ".join(f"{_variants(g)}: {SCALE_FIXES[name]}" for g, name, _ in named
+                      if name in SCALE_FIXES)))
+    compressed = _always(ok, HookVerdict.COMPRESSED)
+    if not compressed.empty:
+        wires = words(ordered(compressed, "wire_dtype"), "or")
+        made.append(spec.Answer(
+            f"How far does reducing in {wires} move the gradient?",
+            "; ".join(f"{wire} ({_variants(g)}): relative_error {span(g['relative_error'])}, "
+                      f"within its rounding bound"
+                      for wire, g in compressed.groupby("wire_dtype", sort=False)),
+            f"{count(len(compressed), 'step')}; at most "
+            f"{number((compressed['relative_error'] / compressed['error_bound']).max())} of "
+            f"the bound; bytes × {span(_bytes_ratio(compressed, ok), number)}"))
+    differing = ok[ok["variant"].isin(ok.loc[ok["verdict"] == HookVerdict.DIFFERS, "variant"])]
+    if not differing.empty:
+        made.append(spec.Answer(
+            "Which settings give neither the average nor a multiple of it, and how far off?",
+            "; ".join(_differing_summary(g) for _, g in differing.groupby("name", sort=False)),
+            f"{count(len(differing), 'step')}; param_distance after the last step "
+            f"{span(_last_steps(differing)['param_distance'])}"))
+    return made
+
+
+def _differing_summary(rows: pd.DataFrame) -> str:
+    differs = rows[rows["verdict"] == HookVerdict.DIFFERS]
+    exact_steps = _exact_steps(rows)
+    before = f"exact in steps {_steps(exact_steps)}, then " if exact_steps else ""
+    return (f"{rows['name'].iloc[0]}: {before}relative_error "
+            f"{span(differs['relative_error'])}")
+
+
+def _exact_steps(rows: pd.DataFrame) -> list:
+    """Steps at which every world size's row was exact."""
+    exact = (rows["verdict"] == HookVerdict.EXACT).groupby(rows["step"]).all()
+    return [step for step, is_exact in exact.items() if is_exact]
+
+
+# ------------------------------------------------------------------ findings
+def exact_finding(rows: spec.Rows) -> spec.Finding | None:
+    exact = _always(rows.ok, HookVerdict.EXACT)
+    if exact.empty:
+        return None
+    text = (f"{_variants(exact)} gave the exact average of the ranks' gradients at every step "
+            f"({_steps(ordered(exact, 'step'))}) and world size (k = "
+            f"{integers(exact['world_size'])}): relative_error at most "
+            f"{small(exact['relative_error'].max())}, full_batch_scale 1 within "
+            f"{small((exact['full_batch_scale'] - 1).abs().max())}, and param_distance at most "
+            f"{small(_last_steps(exact)['param_distance'].max())} from the exact run after the "
+            f"last step.")
+    return spec.Finding(text, rows.inputs.source(f"{_where(exact)}, status = ok", len(exact)))
+
+
+def compressed_findings(rows: spec.Rows) -> list[spec.Finding]:
+    findings = []
+    compressed = _always(rows.ok, HookVerdict.COMPRESSED)
+    for wire, group in compressed.groupby("wire_dtype", sort=False):
+        share = (group["relative_error"] / group["error_bound"]).max()
+        ratio = _bytes_ratio(group, rows.ok)
+        sent = (f", handing the collectives {span(ratio, number)} times the bytes of the exact "
+                f"variants" if not ratio.empty else "")
+        text = (f"Reducing in {wire} ({_variants(group)}) moved the gradient by relative_error "
+                f"{span(group['relative_error'])}, within the rounding bound of {wire} at every "
+                f"step (error_bound {span(group['error_bound'])}; at most {number(share)} of "
+                f"it){sent}; after the last step param_distance was "
+                f"{span(_last_steps(group)['param_distance'])}.")
+        source = rows.inputs.source(f"verdict = compressed, wire_dtype = {wire}", len(group))
+        findings.append(spec.Finding(text, source))
+    return findings
+
+
+def scale_findings(rows: spec.Rows) -> list[spec.Finding]:
+    findings = []
+    for verdict, verb in SCALE_VERBS.items():
+        group = _always(rows.ok, verdict)
+        if group.empty:
+            continue
+        name, deviation = _scale_name(group, rows.rtol)
+        scale = (f"full_batch_scale = {name} at k = {integers(group['world_size'])} (largest "
+                 f"deviation {small(deviation)})" if name else
+                 f"full_batch_scale {span(group['full_batch_scale'], number)}")
+        text = (f"{_variants(group)} {verb}: {scale}, fit_residual at most "
+                f"{small(group['fit_residual'].max())}; after the last step param_distance was "
+                f"{span(_last_steps(group)['param_distance'])}.")
+        findings.append(spec.Finding(text, rows.inputs.source(f"verdict = {verdict}", len(group))))
+    return findings
+
+
+def differing_findings(rows: spec.Rows) -> list[spec.Finding]:
+    """Variants with a step that is not even a multiple of ḡ: when, how far, at what cost."""
+    ok = rows.ok
+    findings = []
+    for variant in ordered(ok[ok["verdict"] == HookVerdict.DIFFERS], "variant"):
+        group = ok[ok["variant"] == variant]
+        differs = group[group["verdict"] == HookVerdict.DIFFERS]
+        exact_steps = _exact_steps(group)
+        before = ""
+        if exact_steps:
+            exact = group[group["step"].isin(exact_steps)]
+            before = (f"was exact in steps {_steps(exact_steps)} (relative_error at most "
+                      f"{small(exact['relative_error'].max())}), then ")
+        last = _last_steps(group)
+        text = (f"{group['name'].iloc[0]} {before}differed from the exact average in steps "
+                f"{_steps(ordered(differs, 'step'))} at k = {integers(differs['world_size'])}: "
+                f"relative_error {span(differs['relative_error'])} per step, full_batch_scale "
+                f"{span(differs['full_batch_scale'], number)}; at the last step "
+                f"({integers(last['step'])}) relative_error was {span(last['relative_error'])}, "
+                f"the sum of the applied gradients was within cumulative_error "
+                f"{span(last['cumulative_error'])} of the exact sum and the weights within "
+                f"param_distance {span(last['param_distance'])}; collective_calls per step: "
+                f"{per_world_size(group, 'collective_calls')}; collective_bytes: "
+                f"{per_world_size(group, 'collective_bytes')}.")
+        findings.append(spec.Finding(text, rows.inputs.source(f"variant = {variant}, status = ok",
+                                                         len(group))))
+    return findings
+
+
+def bucket_finding(rows: spec.Rows) -> spec.Finding | None:
+    with_buckets = rows.ok.dropna(subset=["buckets"])
+    if with_buckets.empty:
+        return None
+    patterns: dict[str, list[str]] = {}
+    for variant, group in with_buckets.groupby("variant", sort=False):
+        patterns.setdefault(per_world_size(group, "buckets"), []).append(variant)
+    described = [f"{words(variants)}: {pattern}"
+                 for pattern, variants in sorted(patterns.items(), key=lambda p: -len(p[1]))]
+    per_bucket = with_buckets["collective_calls"] / with_buckets["buckets"]
+    more = with_buckets[per_bucket != 1]
+    calls = (f"in {(per_bucket == 1).sum()} of {len(with_buckets)} rows collective_calls "
+             f"equalled buckets")
+    if not more.empty:
+        calls += (f"; in the others ({words(ordered(more, 'variant'))}, steps "
+                  f"{_steps(ordered(more, 'step'))}) each bucket cost "
+                  f"{span(per_bucket[per_bucket != 1], number)} all-reduces")
+    text = (f"Buckets DDP handed its comm hook per step: {'; '.join(described)}. "
+            f"{calls[0].upper()}{calls[1:]}.")
+    return spec.Finding(text, rows.inputs.source("strategy = ddp, status = ok", len(with_buckets)))
+
+
+def state_finding(rows: spec.Rows) -> spec.Finding | None:
+    ok = rows.ok
+    most = ok["rank0_state_elements"].max()
+    fewer = ok[ok["rank0_state_elements"] < most]
+    if fewer.empty:
+        return None
+    held = [f"{group['name'].iloc[0]} ({_at_each_k(group, 'rank0_state_elements')})"
+            for _, group in fewer.groupby("variant", sort=False)]
+    exact = _always(ok, HookVerdict.EXACT)
+    exact = _last_steps(exact[exact["variant"].isin(fewer["variant"])])
+    ended = (f"; of these, {_variants(exact)} still ended at param_distance at most "
+             f"{small(exact['param_distance'].max())} from the exact run (one process, plain "
+             f"torch.optim.SGD)" if not exact.empty else "")
+    full = ok.loc[ok["rank0_state_elements"] == most, "variant"].nunique()
+    text = (f"Rank 0 held {int(most)} optimizer-state elements (the most of any variant) under "
+            f"{count(full, 'variant')}, fewer under {words(held)}{ended}.")
+    return spec.Finding(text, rows.inputs.source(f"rank0_state_elements < {int(most)}", len(fewer)))
+
+
+def rank_finding(rows: spec.Rows) -> spec.Finding | None:
+    replicated = rows.ok.dropna(subset=["grad_rank_spread", "param_rank_spread"])
+    if replicated.empty:
+        return None
+    spread = replicated[["grad_rank_spread", "param_rank_spread"]].max(axis=1)
+    apart = replicated[spread > rows.rtol]
+    if apart.empty:
+        text = (f"Every rank held the same param.grad and weights as rank 0 in all "
+                f"{len(replicated)} rows of replicated (DDP) variants (largest spread "
+                f"{small(spread.max())}).")
+    else:
+        text = (f"The ranks disagreed in {count(len(apart), 'row')} "
+                f"({words(ordered(apart, 'variant'))}; spread up to {small(spread.max())}).")
+    return spec.Finding(text, rows.inputs.source("grad_rank_spread not empty", len(replicated)))
+
+
+def skipped_findings(rows: spec.Rows) -> list[spec.Finding]:
+    skipped = rows.all[rows.all["status"] != "ok"]
+    findings = []
+    for variant, group in skipped.groupby("variant", sort=False):
+        name = f"{strategy_name(group['strategy'].iloc[0])} {variant}"
+        text = (f"{name} was not measured at k = {integers(group['world_size'])}: "
+                f"{'; '.join(ordered(group, 'status'))}.")
+        findings.append(spec.Finding(text, rows.inputs.source(f"variant = {variant}, status != ok",
+                                                         len(group))))
+    return findings
+
+
+# -------------------------------------------------------------------- table
+def variants_table(rows: spec.Rows) -> str:
+    body = []
+    for (_, k), case in rows.ok.groupby(["variant", "world_size"], sort=False):
+        case = case.sort_values("step")
+        last = case.iloc[-1]
+        body.append([
+            last["name"], str(int(k)), str(len(case)), by_step(case, "verdict", str),
+            number(last["full_batch_scale"]), small(case["relative_error"].max()),
+            small(case["error_bound"].max()), by_step(case, "collective_calls"),
+            by_step(case, "collective_bytes"), by_step(case, "buckets"),
+            small(last["param_distance"]),
+        ])
+    headers = ["variant", "k", "steps", "verdict", "scale (last step)", "largest relative_error",
+               "largest error_bound", "calls / step", "bytes / step", "buckets / step",
+               "param_distance (last step)"]
+    caption = rows.fill("**Variants by world size**, rows of {csv} with status ok ({rows}). A "
+                        "value that changes between steps is listed with its steps in "
+                        "parentheses; scale: `full_batch_scale` against the exact average; "
+                        "n/a: no buckets (FSDP).", len(rows.ok))
+    numeric = [False, True, True, False, True, True, True, False, False, False, True]
+    return caption + "\n\n" + table(headers, body, numeric)
+
+
+# ------------------------------------------------------------------- figure
+def _figure_title(data: pd.DataFrame, rtol: float) -> str:
+    """What the drawn rows say: who stays within the rounding bound, who leaves it, when."""
+    clauses = []
+    compressed = data[data["verdict"] == HookVerdict.COMPRESSED]
+    if not compressed.empty:
+        share = (compressed["relative_error"] / compressed["error_bound"]).max()
+        clauses.append(f"reduced in {words(ordered(compressed, 'wire_dtype'))}: within the "
+                       f"rounding bound of the format (at most {number(share)} of it)")
+    differs = data[data["verdict"] == HookVerdict.DIFFERS]
+    if not differs.empty:
+        clauses.append(f"{words(ordered(differs, 'variant'))}: up to "
+                       f"{small(differs['relative_error'].max())} from step "
+                       f"{int(differs['step'].min())} on")
+    return "; ".join(clauses)
+
+
+def _draw_bounds(axis, panel: pd.DataFrame) -> list:
+    """Each compressed series' rounding bound (its largest per step), dotted in its colour;
+    the legend handle that says so."""
+    from matplotlib.lines import Line2D
+
+    for i, series in enumerate(ordered(panel, "via")):
+        rows = panel[(panel["via"] == series) & (panel["verdict"] == HookVerdict.COMPRESSED)]
+        if not rows.empty:
+            bound = rows.groupby("step")["error_bound"].max()
+            axis.plot(bound.index, bound.to_numpy(), color=COLOURS[i % len(COLOURS)],
+                      linestyle=":", linewidth=1)
+    return [Line2D([], [], color="0.4", linestyle=":", label="error_bound")]
+
+
+SECTION = spec.Section(
+    study="hooks",
+    title="hooks: what reduction variants do to the gradient",
+    intro=("DDP comm hooks and options, ZeroRedundancyOptimizer and FSDP2 settings, each for "
+           "a few SGD steps at k >= 2 ranks; every step's `param.grad` is compared with the "
+           "exact float64 average of the ranks' gradients (`full_batch_scale`, "
+           "`relative_error` against the rounding bound of the wire format, `error_bound`), "
+           "the gradient collectives are counted as called, and the weights are compared with "
+           "an exact one-process run (`param_distance`)."),
+    columns=COLUMNS,
+    derive=derive,
+    terms={"erring": "a compressed or differing step at that k"},
+    answers=(answers,),
+    findings=(exact_finding, compressed_findings, scale_findings, differing_findings,
+              bucket_finding, state_finding, rank_finding, skipped_findings),
+    tables=(variants_table,),
+    figures=(
+        spec.Lines(name="hooks_errors", title=_figure_title, x="step", y=("relative_error",),
+              series="via", panels="at", where="erring",
+              log_y=("relative_error",), decorate=_draw_bounds,
+              caption="Rows of {csv} with status ok ({rows} rows) of the variants with a "
+                      "compressed or differing step: `relative_error` ‖g - ḡ‖ / ‖ḡ‖ per step, "
+                      "compressed variants drawn together by wire format (a marker per variant, "
+                      "the line through their mean). Dotted, in the same colour: the largest "
+                      "`error_bound` of that format (the most its rounding allows). Errors of "
+                      "exactly 0 sit on the line labelled 0."),
+    ),
+)
