@@ -1,0 +1,393 @@
+"""Compare two results folders of scripts/study.py cell by cell: do their findings agree?
+
+    python scripts/compare.py results/ /tmp/rerun
+    python scripts/compare.py results/ /tmp/rerun --studies reduction,seed001
+
+The rules are :func:`rules` (the ``--help`` text); each is one function:
+rows are matched by :func:`keyed`, a column's kind is :func:`column_kind`
+(timing columns: :func:`is_timing`), two cells are judged by :func:`cells_agree`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import textwrap
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.context import CONTEXT_COLUMNS
+from harness.errors import USAGE_EXIT, UsageError
+from harness.report.data import csv_name, read_manifest
+
+PROG = "compare.py"
+#: Difference lines printed at most; the counts below them cover the rest.
+MAX_SHOWN = 20
+#: Characters of a value shown in the table of differences.
+VALUE_WIDTH = 24
+
+#: A column is timing when its name ends in one of these (a duration in seconds,
+#: milliseconds or microseconds) ...
+TIMING_SUFFIXES = ("_s", "_ms", "_us")
+#: ... or has one of these words between its underscores (``wall_time``, ``algbw_GBps``).
+TIMING_WORDS = frozenset({"time", "algbw", "busbw"})
+#: run.json keys describing the run rather than what it measured: shown, never judged.
+RUN_FACTS = ("started", "wall_time_s", "command")
+
+
+def rules() -> str:
+    """The rules in words, from the constants that implement them (the ``--help`` text)."""
+    from harness.tolerances import RELATIVE_TOLERANCE
+
+    tolerances = ", ".join(f"{rtol:g} for {str(dtype).removeprefix('torch.')}"
+                           for dtype, rtol in RELATIVE_TOLERANCE.items())
+    paragraphs = [
+        "For every study both folders ran, rows are matched by case_id and by their position "
+        "among the rows of that case (several studies write several rows per case: one per "
+        "iteration, epoch, variant, parameter, event, ...). Each cell present on both sides "
+        "is judged by its column:",
+        f"- timing columns (names ending in {', '.join(TIMING_SUFFIXES)}, or with the word "
+        f"{', '.join(sorted(TIMING_WORDS))} between underscores, e.g. wall_time, time_s, "
+        "busbw_GBps): measured durations and rates, which vary from run to run: ignored;",
+        f"- run-context columns ({', '.join(CONTEXT_COLUMNS)}): shown side by side, never a "
+        "disagreement;",
+        "- every other cell: two numbers agree within the relative tolerance of the runs' "
+        f"dtype (harness/tolerances.py, the one the verdicts were judged with: {tolerances}; "
+        "the looser one if the dtypes differ; both empty or both NaN agree); anything else "
+        "(verdicts, status, booleans, text) must be the same text.",
+        "A row only one folder has is a difference too (a case measured on one side only). "
+        "The run.json settings and run context are shown side by side, not judged. At most "
+        f"{MAX_SHOWN} differences are listed, then the counts.",
+        "Exit code: 0 when the findings agree, 1 when they do not, 2 for bad input (a folder "
+        "that is not a results folder, an unreadable run.json or CSV, no study in common), "
+        "with one line naming it.",
+    ]
+    return "\n\n".join(textwrap.fill(p, 79, subsequent_indent="  " if p[0] == "-" else "")
+                       for p in paragraphs)
+
+
+def is_timing(column: str) -> bool:
+    """True for a measured duration or rate: it varies from run to run, so it is ignored."""
+    name = column.lower()
+    return name.endswith(TIMING_SUFFIXES) or bool(TIMING_WORDS & set(name.split("_")))
+
+
+def column_kind(column: str) -> str:
+    """``timing`` (ignored), ``context`` (shown, not judged) or ``judged``."""
+    if column in CONTEXT_COLUMNS:
+        return "context"
+    if is_timing(column):
+        return "timing"
+    return "judged"
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def cells_agree(a: str, b: str, rtol: float) -> bool:
+    """Two CSV cells agree: equal text, or two numbers within ``rtol`` (harness.tolerances'
+    ``close``), NaN (or empty) on both sides counting as equal."""
+    from harness.tolerances import close
+
+    if a == b:
+        return True
+    x, y = _number(a) if a else math.nan, _number(b) if b else math.nan
+    if x is None or y is None:
+        return False
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    if math.isinf(x) or math.isinf(y):
+        return x == y
+    return close(x, y, rtol)
+
+
+# --------------------------------------------------------------- one folder
+@dataclass
+class ResultsFolder:
+    """A results folder: its run.json and, on demand, the rows of a study's CSV."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def load(cls, text: str) -> ResultsFolder:
+        path = Path(text)
+        return cls(path, read_manifest(path))
+
+    @property
+    def studies(self) -> list[str]:
+        return list(self.manifest["studies"])
+
+    @property
+    def dtype(self) -> str:
+        dtype = self.manifest.get("dtype")
+        if not isinstance(dtype, str):
+            raise UsageError(f"{self.path / 'run.json'}: has no dtype; allowed: the run.json "
+                             "of scripts/study.py, which names the run's dtype")
+        return dtype
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting of the run (``settings``, or ``config`` in older runs), flattened."""
+        settings = self.manifest.get("settings", self.manifest.get("config", {}))
+        return dict(_flattened(settings if isinstance(settings, dict) else {}))
+
+    def facts(self) -> dict[str, Any]:
+        """The run's context and when and how it ran."""
+        return {key: self.manifest.get(key, "") for key in (*CONTEXT_COLUMNS, *RUN_FACTS)}
+
+    def rows(self, study: str) -> tuple[list[str], list[dict[str, str]]]:
+        """Columns and rows (text cells, as written) of ``study``'s CSV."""
+        path = self.path / csv_name(self.manifest, study)
+        try:
+            with open(path, newline="") as handle:
+                reader = csv.DictReader(handle)
+                rows = list(reader)
+                columns = list(reader.fieldnames or [])
+        except FileNotFoundError:
+            raise UsageError(f"{path}: missing, although run.json lists {study}") from None
+        except (OSError, UnicodeDecodeError, csv.Error) as error:
+            raise UsageError(f"{path}: not a readable CSV ({error})") from None
+        _check_table(path, columns, rows)
+        return columns, rows
+
+
+def _check_table(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    if "case_id" not in columns:
+        raise UsageError(f"{path}: has no case_id column; allowed: a CSV of scripts/study.py")
+    for number, row in enumerate(rows, start=2):
+        # DictReader files surplus cells under None and fills missing ones with None.
+        if None in row or None in row.values():
+            raise UsageError(f"{path}: line {number} has {len(columns)} columns in its header "
+                             "but not in this row; not a readable CSV")
+
+
+def _flattened(settings: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            yield from _flattened(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+# ---------------------------------------------------------------- comparing
+@dataclass(frozen=True)
+class Difference:
+    """One judged cell (or a row) that disagrees."""
+
+    study: str
+    case_id: str
+    column: str
+    a: str
+    b: str
+
+
+@dataclass
+class Comparison:
+    """Everything two folders disagree on, and how much was compared."""
+
+    studies: list[str]
+    rtol: float
+    differences: list[Difference] = field(default_factory=list)
+    rows_matched: int = 0
+    cells_judged: int = 0
+    timing_columns: set[str] = field(default_factory=set)
+    #: Context cells that differ, as (column, A value, B value), once each.
+    context: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: Columns only one side has: (study, column, side).
+    schema: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def agree(self) -> bool:
+        return not self.differences
+
+
+def keyed(rows: list[dict[str, str]]) -> dict[tuple[str, int], dict[str, str]]:
+    """Rows by (case_id, position among the rows of that case)."""
+    positions: dict[str, int] = {}
+    result = {}
+    for row in rows:
+        position = positions.get(row["case_id"], 0)
+        positions[row["case_id"]] = position + 1
+        result[(row["case_id"], position)] = row
+    return result
+
+
+def _row_label(key: tuple[str, int], rows_in_case: int) -> str:
+    """The case_id, and the row's position when its case has several rows."""
+    case_id, position = key
+    return case_id if rows_in_case == 1 else f"{case_id} [row {position + 1}]"
+
+
+def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparison) -> None:
+    """Add ``study``'s differences between ``a`` and ``b`` to ``into``."""
+    columns_a, rows_a = a.rows(study)
+    columns_b, rows_b = b.rows(study)
+    shared = [c for c in columns_a if c in columns_b and c not in ("study", "case_id")]
+    into.schema += [(study, c, "A") for c in columns_a if c not in columns_b]
+    into.schema += [(study, c, "B") for c in columns_b if c not in columns_a]
+    into.timing_columns |= {c for c in shared if column_kind(c) == "timing"}
+    judged = [c for c in shared if column_kind(c) == "judged"]
+    context = [c for c in shared if column_kind(c) == "context"]
+    left, right = keyed(rows_a), keyed(rows_b)
+    rows_in_case = Counter(case_id for case_id, _ in {**left, **right})
+    for key in {**left, **right}:
+        label = _row_label(key, rows_in_case[key[0]])
+        if key not in left or key not in right:
+            into.differences.append(Difference(
+                study, label, "(row)", "present" if key in left else "absent",
+                "present" if key in right else "absent"))
+            continue
+        into.rows_matched += 1
+        for column in context:
+            cells = (column, left[key][column], right[key][column])
+            if cells[1] != cells[2]:
+                into.context[cells] = into.context.get(cells, 0) + 1
+        for column in judged:
+            into.cells_judged += 1
+            x, y = left[key][column], right[key][column]
+            if not cells_agree(x, y, into.rtol):
+                into.differences.append(Difference(study, label, column, x, y))
+
+
+def tolerance_for(a: ResultsFolder, b: ResultsFolder) -> float:
+    """The relative tolerance of the runs' dtype (the looser one if they differ)."""
+    from harness.config import DTYPES
+    from harness.tolerances import relative_tolerance
+
+    tolerances = []
+    for folder in (a, b):
+        if folder.dtype not in DTYPES:
+            raise UsageError(f"{folder.path / 'run.json'}: dtype {folder.dtype!r} is unknown; "
+                             f"allowed: {', '.join(DTYPES)}")
+        tolerances.append(relative_tolerance(DTYPES[folder.dtype]))
+    return max(tolerances)
+
+
+def studies_to_compare(a: ResultsFolder, b: ResultsFolder, asked: str | None) -> list[str]:
+    """The studies both folders ran (in A's order), or those of ``--studies``."""
+    common = [s for s in a.studies if s in b.studies]
+    if not common:
+        raise UsageError(f"no study in common: {a.path} has {', '.join(a.studies)}; "
+                         f"{b.path} has {', '.join(b.studies)}")
+    if asked is None:
+        return common
+    names = [name.strip() for name in asked.split(",")]
+    for name in names:
+        if name not in common:
+            raise UsageError(f"--studies: {name!r} is not in both folders; "
+                             f"allowed: {', '.join(common)}")
+    return list(dict.fromkeys(names))
+
+
+def compare_folders(a: ResultsFolder, b: ResultsFolder, studies: Sequence[str]) -> Comparison:
+    comparison = Comparison(studies=list(studies), rtol=tolerance_for(a, b))
+    for study in studies:
+        compare_study(study, a, b, comparison)
+    return comparison
+
+
+# ---------------------------------------------------------------- printing
+def _cell(value: Any, width: int = VALUE_WIDTH) -> str:
+    text = "" if value is None else str(value)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [line.format(*headers).rstrip(), *(line.format(*r).rstrip() for r in rows)]
+
+
+def _side_by_side(title: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Keys whose values differ, A next to B; nothing when they all agree."""
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    if not keys:
+        return []
+    rows = [[k, _cell(a.get(k, "(absent)")), _cell(b.get(k, "(absent)"))] for k in keys]
+    return ["", f"{title} (shown, not judged):", *_table(["", "A", "B"], rows)]
+
+
+def report(a: ResultsFolder, b: ResultsFolder, comparison: Comparison) -> str:
+    lines = [f"A = {a.path}", f"B = {b.path}"]
+    lines += _side_by_side("run.json settings that differ", a.settings(), b.settings())
+    lines += _side_by_side("run context", a.facts(), b.facts())
+    if comparison.context:
+        rows = [[column, _cell(x), _cell(y), str(n)]
+                for (column, x, y), n in comparison.context.items()]
+        lines += ["", "context columns that differ in the CSVs (shown, not judged):",
+                  *_table(["column", "A", "B", "rows"], rows)]
+    if comparison.schema:
+        rows = [[study, column, f"only in {side}"] for study, column, side in comparison.schema]
+        lines += ["", "columns only one side has (not compared):",
+                  *_table(["study", "column", ""], rows)]
+    if comparison.differences:
+        shown = comparison.differences[:MAX_SHOWN]
+        rows = [[d.study, d.case_id, d.column, _cell(d.a), _cell(d.b)] for d in shown]
+        lines += ["", "differences:", *_table(["study", "case_id", "column", "A", "B"], rows)]
+        if len(comparison.differences) > MAX_SHOWN:
+            lines.append(f"... and {len(comparison.differences) - MAX_SHOWN} more")
+    lines += ["", _counts(comparison), _verdict(comparison)]
+    return "\n".join(lines)
+
+
+def _counts(comparison: Comparison) -> str:
+    timing = ", ".join(sorted(comparison.timing_columns)) or "none"
+    return (f"compared {', '.join(comparison.studies)}: {comparison.rows_matched} rows matched "
+            f"by case_id and position, {comparison.cells_judged} cells judged (numbers within "
+            f"rtol {comparison.rtol:g}, the rest exactly); timing columns ignored: {timing}")
+
+
+def _verdict(comparison: Comparison) -> str:
+    if comparison.agree:
+        return "agree: no verdict, status or text differs and every number is within tolerance"
+    rows = sum(1 for d in comparison.differences if d.column == "(row)")
+    studies = sorted({d.study for d in comparison.differences})
+    return (f"differ: {len(comparison.differences) - rows} cell(s) and {rows} unmatched row(s) "
+            f"in {', '.join(studies)}")
+
+
+# ------------------------------------------------------------ command line
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors raise UsageError: one line, exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\n" + rules(),
+        epilog=textwrap.dedent("""\
+            examples:
+              python scripts/compare.py results/ /tmp/rerun
+              python scripts/compare.py results/ /tmp/rerun --studies reduction,seed001
+            """))
+    parser.add_argument("a", metavar="A", help="results folder (the --out of a study run, "
+                        "with run.json and the CSVs it lists)")
+    parser.add_argument("b", metavar="B", help="the results folder to compare it with")
+    parser.add_argument("--studies", metavar="NAME[,NAME]",
+                        help="compare only these studies (each must be in both folders; "
+                             "default: every study both ran)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        a, b = ResultsFolder.load(args.a), ResultsFolder.load(args.b)
+        comparison = compare_folders(a, b, studies_to_compare(a, b, args.studies))
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return USAGE_EXIT
+    print(report(a, b, comparison))
+    return 0 if comparison.agree else 1
