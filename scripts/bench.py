@@ -1,7 +1,7 @@
 """Benchmarks of the harness itself (not of PyTorch): how much a study costs to run.
 
     python scripts/bench.py                 # everything, 3 repetitions, N = 4
-    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling
+    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
@@ -11,6 +11,12 @@
    cases, with the same mean work per case: ``--accum-steps`` 4 | 3,5 | 2,3,5,6
    (mean k = 4 in each), so a falling rate would expose per-case overhead that
    grows with the matrix (journals, scheduling, gathering).
+4. comm: the comm study's own timing of all_reduce (harness/studies/comm) against a
+   bare ``torch.distributed.all_reduce`` loop in a torchrun script that imports
+   nothing of the harness, at the same sizes on the same N ranks: busbw of both
+   and their ratio. The study must not be the bottleneck it measures (ratio >= 0.9).
+   Each launch sweeps the sizes 3 times (its median counts); the two launches
+   alternate, ``--repeat`` times; medians per size.
 
 Prints a Markdown table (the README's "Speed" section is this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -31,22 +37,73 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Runnable from a checkout without installing: the package sits next to scripts/.
+sys.path.insert(0, str(ROOT))
 BARE = """import torch.distributed as dist
 dist.init_process_group("gloo")
 dist.destroy_process_group()
 """
 SCALES = {"1x": "4", "2x": "3,5", "4x": "2,3,5,6"}
 
+#: Message sizes of the comm benchmark: the comm study's default sizes.
+COMM_SIZES = (8, 64 * 1024, 4 * 1024 * 1024)
+#: Iterations per size in both loops of the comm benchmark, and rounds over the sizes per
+#: launch (the median round counts): one launch sees the machine at one moment.
+COMM_WARMUP, COMM_ITERATIONS, COMM_ROUNDS = 5, 50, 3
+#: The plain loop a user would write: seconds per all_reduce of float64 zeros, rank 0's clock.
+BARE_COMM = """import json, statistics, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
+seconds = {size: [] for size in sizes}
+for _ in range(rounds):
+    for size in sizes:
+        tensor = torch.zeros(max(1, size // 8), dtype=torch.float64)
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        start = time.perf_counter()
+        for _ in range(iterations):
+            dist.all_reduce(tensor)
+        seconds[size].append((time.perf_counter() - start) / iterations)
+if dist.get_rank() == 0:
+    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
+dist.destroy_process_group()
+"""
+#: The same sizes timed by the comm study's own function (median of per-iteration times).
+STUDY_COMM = """import json, statistics, sys
+sys.path.insert(0, sys.argv[5])
+import torch, torch.distributed as dist
+from harness.studies.comm.collectives import measure_collective
+from harness.studies.comm.timing import Timing
+dist.init_process_group("gloo")
+sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
+timing = Timing(warmup=warmup, iterations=iterations)
+seconds = {size: [] for size in sizes}
+for _ in range(rounds):
+    for size in sizes:
+        seconds[size].append(measure_collective("all_reduce", size, dist.group.WORLD,
+                                                torch.device("cpu"), torch.float64,
+                                                timing).seconds)
+if dist.get_rank() == 0:
+    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
+dist.destroy_process_group()
+"""
 
-def timed(command: list[str], cwd: Path = ROOT) -> float:
-    """Seconds ``command`` takes; fails loudly if it fails (a benchmark of a crash is no use)."""
-    start = time.perf_counter()
+
+def completed(command: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``command``'s result; fails loudly if it fails (a benchmark of a crash is no use)."""
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed = time.perf_counter() - start
     if done.returncode != 0:
         sys.exit(f"bench.py: error: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
-    return elapsed
+    return done
+
+
+def timed(command: list[str], cwd: Path = ROOT) -> float:
+    """Seconds ``command`` takes."""
+    start = time.perf_counter()
+    completed(command, cwd)
+    return time.perf_counter() - start
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -92,6 +149,36 @@ def bench_scaling(nproc: int, repeat: int, scratch: Path) -> dict[str, dict[str,
     return results
 
 
+def comm_seconds(nproc: int, script: Path) -> dict[int, float]:
+    """Seconds per all_reduce by size, as ``script`` (BARE_COMM or STUDY_COMM) timed them."""
+    done = completed(torchrun(nproc, str(script), json.dumps(COMM_SIZES), str(COMM_WARMUP),
+                              str(COMM_ITERATIONS), str(COMM_ROUNDS), str(ROOT)))
+    return {int(size): seconds for size, seconds in json.loads(done.stdout).items()}
+
+
+def bench_comm(nproc: int, repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
+    """busbw of the bare loop and of the study's timing per size, medians over ``repeat``
+    alternating launches, and their ratio."""
+    from harness.studies.comm.collectives import bandwidths, message_elements
+
+    scripts = {"bare": scratch / "bare_comm.py", "study": scratch / "study_comm.py"}
+    scripts["bare"].write_text(BARE_COMM)
+    scripts["study"].write_text(STUDY_COMM)
+    runs: dict[str, list[dict[int, float]]] = {"bare": [], "study": []}
+    for _ in range(repeat):
+        for name, script in scripts.items():
+            runs[name].append(comm_seconds(nproc, script))
+    results = {}
+    for size in COMM_SIZES:
+        message_bytes = message_elements("all_reduce", size, nproc, 8) * 8  # float64
+        busbw = {name: bandwidths("all_reduce", message_bytes,
+                                  statistics.median(run[size] for run in every), nproc)[1]
+                 for name, every in runs.items()}
+        results[str(size)] = {**{f"{name}_busbw_GBps": value for name, value in busbw.items()},
+                              "ratio": busbw["study"] / busbw["bare"]}
+    return results
+
+
 def machine() -> str:
     cpus = os.cpu_count()
     import torch
@@ -101,8 +188,9 @@ def machine() -> str:
 
 
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
-    lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs.", "",
-             "| benchmark | wall time | ratio |", "|---|---|---|"]
+    lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
+    if {"launch", "suite"} & set(timings):
+        lines += ["", "| benchmark | wall time | ratio |", "|---|---|---|"]
     if "launch" in timings:
         launch = timings["launch"]
         lines += [
@@ -122,6 +210,12 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
         for scale, entry in timings["scaling"].items():
             lines.append(f"| {scale} | {SCALES[scale]} | {entry['cases']} | "
                          f"{entry['study_s']:.1f} s | {entry['cases_per_s']:.0f} |")
+    if "comm" in timings:
+        lines += ["", "| all_reduce size | bare loop busbw | comm study busbw | study / bare |",
+                  "|---:|---:|---:|---:|"]
+        for size, entry in timings["comm"].items():
+            lines.append(f"| {int(size):,} B | {entry['bare_busbw_GBps']:.4g} GB/s | "
+                         f"{entry['study_busbw_GBps']:.4g} GB/s | {entry['ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -132,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per launch (default: 4)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per measurement; the median is reported (default: 3)")
-    parser.add_argument("--only", choices=("launch", "suite", "scaling"),
-                        help="run one benchmark instead of all three")
+    parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm"),
+                        help="run one benchmark instead of all four")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
@@ -144,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             timings["launch"] = bench_launch(args.nproc, args.repeat, Path(scratch))
         if args.only in (None, "scaling"):
             timings["scaling"] = bench_scaling(args.nproc, args.repeat, Path(scratch))
+        if args.only in (None, "comm"):
+            timings["comm"] = bench_comm(args.nproc, args.repeat, Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.repeat)
     print(markdown(args.nproc, args.repeat, timings))

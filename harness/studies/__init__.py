@@ -25,6 +25,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
     "seed004",
     "diagnostics",
     "hooks",
+    "comm",
 )
 
 
