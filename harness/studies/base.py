@@ -66,6 +66,9 @@ assert tuple(c.name for c in TRAILING_COLUMNS[:-1]) == CONTEXT_COLUMNS
 STRATEGY = Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
                   "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, "
                   "a CPU emulation of DataParallel, the real DataParallel (CUDA)")
+#: The same for a study whose cases include the one-process reference.
+STRATEGY_OR_LOCAL = Column("strategy", "`local`, " + STRATEGY.unit,
+                           "one process with nothing to reduce, or " + STRATEGY.doc)
 EMULATED = Column("emulated", "bool", "true for the emulation")
 WORLD_SIZE = Column("world_size", "devices",
                     "k: ranks (DDP, FSDP) or devices asked for (DataParallel)")

@@ -52,7 +52,7 @@ from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
 from harness.strategies.local import local_gradient
-from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
+from harness.studies.base import EMULATED, STRATEGY_OR_LOCAL, WORLD_SIZE, Case, Column, Study
 from harness.tasks import Batch, Task, task_by_name
 
 #: Optimizer steps per case; the gradient of the last one is measured.
@@ -222,7 +222,7 @@ class AccumulationStudy(Study):
                "--accum-steps 1,4 --matrix full")
     Options = AccumulationOptions
     columns = (
-        STRATEGY,
+        STRATEGY_OR_LOCAL,
         EMULATED,
         WORLD_SIZE,
         Column("accum_steps", "micro-steps",

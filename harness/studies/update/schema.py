@@ -32,7 +32,7 @@ COLUMNS = (
            "the optimizer (hyperparameters in `optimizer_settings`)"),
     Column("optimizer_settings", "text", "its class and hyperparameters, e.g. `SGD lr=0.1 "
            "momentum=0.9`; `loss += 0.1/2*‖p‖²` for the L2 term in the loss"),
-    Column("learning_rate", "", "the learning rate the recipe ran with (linear-scaling: the "
+    Column("learning_rate", "lr", "the learning rate the recipe ran with (linear-scaling: the "
            "small-batch lr)"),
     Column("steps", "optimizer steps", "T, optimizer steps (windows) trained before comparing"),
     Column("setting", "text", "the experiment's variant: where clipping happens, the "
