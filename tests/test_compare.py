@@ -251,6 +251,7 @@ def test_help_explains_the_arguments_and_the_rules(capsys):
 
 def test_every_console_script_points_at_a_main_that_exists():
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
