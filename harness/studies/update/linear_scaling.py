@@ -14,6 +14,13 @@ phases -- ``initial`` (the study's initial weights) and ``trained`` (after
 distance between the two results, relative to the parameters and to how far the
 N small steps moved them. Small batch j comes from device j's distribution, so
 that the big batch is the N-device batch of the other experiments.
+
+Two more rows per N and learning rate follow early training over
+``2 * WARMUP_WINDOWS`` windows from the initial weights: the N-device run takes
+one big step per window, at lr * N from the start (``no-warm-up``) or with
+Goyal et al.'s gradual warm-up (``warm-up``: lr * (1 + (N - 1) * t / W) at
+window t, lr * N from window W on), against the small-batch run's N steps per
+window at lr, on the same batches.
 """
 
 from __future__ import annotations
@@ -37,14 +44,22 @@ PHASES = ("initial", "trained")
 #: training" phase), at a learning rate well inside the stable range.
 PRETRAIN_STEPS = 100
 PRETRAIN_LR = 0.1
+#: Goyal et al.'s warm-up length W, in windows (big steps); the runs are compared after 2W,
+#: when the warmed-up run has spent as many windows at lr * N as it took to get there.
+WARMUP_WINDOWS = 5
+SCHEDULES = ("no-warm-up", "warm-up")
 
 
-def sgd_step(model: nn.Module, batch: Batch, lr: float) -> None:
-    """One step of torch.optim.SGD on the mean loss of ``batch``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+def descend(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:
+    """One step of ``optimizer`` on the mean loss of ``batch``."""
     TASK.loss(model(batch.x), batch, "mean").backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def sgd_step(model: nn.Module, batch: Batch, lr: float) -> None:
+    """One step of a fresh torch.optim.SGD (no state to carry) on the mean loss of ``batch``."""
+    descend(model, torch.optim.SGD(model.parameters(), lr=lr), batch)
 
 
 def small_batches(seed: int, world_size: int, key: str, dtype: torch.dtype) -> list[Batch]:
@@ -64,7 +79,52 @@ def pretrained(initial: nn.Module, world_size: int, seed: int, dtype: torch.dtyp
     return model
 
 
-def run(world_size: int, lrs: tuple[float, ...], run_context: RunContext) -> list[dict[str, Any]]:
+def big_step_factor(schedule: str, window: int, world_size: int) -> float:
+    """The big step's learning rate over the small steps' at ``window`` (0-based)."""
+    if schedule == "no-warm-up":
+        return world_size
+    return 1 + (world_size - 1) * min(1.0, window / WARMUP_WINDOWS)
+
+
+def early_windows(seed: int, world_size: int, dtype: torch.dtype) -> list[list[Batch]]:
+    """2W windows of N small batches each: the early-training comparison's data."""
+    return [small_batches(seed, world_size, f"update-warm-up/{t}", dtype)
+            for t in range(2 * WARMUP_WINDOWS)]
+
+
+def early_training(start: nn.Module, windows: list[list[Batch]], lr: float, world_size: int,
+                   schedule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(big-batch run, small-batch run) parameters after every window, from ``start``."""
+    small, big = copy.deepcopy(start), copy.deepcopy(start)
+    small_sgd = torch.optim.SGD(small.parameters(), lr=lr)
+    big_sgd = torch.optim.SGD(big.parameters(), lr=lr)
+    for t, window in enumerate(windows):
+        for batch in window:
+            descend(small, small_sgd, batch)
+        big_sgd.param_groups[0]["lr"] = lr * big_step_factor(schedule, t, world_size)
+        descend(big, big_sgd, Batch.cat(window))
+    return flat_parameters(big), flat_parameters(small)
+
+
+def _row(lr: float, world_size: int, steps: int, setting: str, big: torch.Tensor,
+         small: torch.Tensor, start: torch.Tensor, dtype: torch.dtype,
+         big_lr: str) -> dict[str, Any]:
+    error = update_error(big, small, start)
+    return {
+        "accum_steps": 1, "loss": "mean", "sync": "none", "optimizer": "sgd",
+        "optimizer_settings": f"SGD lr={lr:g} (big step: {big_lr})",
+        "learning_rate": lr, "steps": steps, "setting": setting,
+        "dtype_used": str(dtype).removeprefix("torch."),
+        "lr_multiplier": world_size, "device": "cpu",
+        "param_distance": relative_distance(big, small), "update_error": error,
+        "verdict": (ScalingRule.HOLDS if error <= LINEAR_SCALING_TOLERANCE
+                    else ScalingRule.BREAKS),
+    }
+
+
+def run(world_size: int, lrs: tuple[float, ...], run_context: RunContext,
+        early: bool = True) -> list[dict[str, Any]]:
+    """Rows of both phases, and of both warm-up schedules when ``early``."""
     dtype, seed = run_context.dtype, run_context.seed
     initial = initial_model(seed, dtype)
     starts = {"initial": initial, "trained": pretrained(initial, world_size, seed, dtype)}
@@ -79,15 +139,14 @@ def run(world_size: int, lrs: tuple[float, ...], run_context: RunContext) -> lis
             one_big = copy.deepcopy(start)
             sgd_step(one_big, Batch.cat(batches), lr * world_size)
             small, big = flat_parameters(sequential), flat_parameters(one_big)
-            error = update_error(big, small, flat_parameters(start))
-            rows.append({
-                "accum_steps": 1, "loss": "mean", "sync": "none", "optimizer": "sgd",
-                "optimizer_settings": f"SGD lr={lr:g} (big step: lr={lr * world_size:g})",
-                "learning_rate": lr, "steps": 1, "setting": phase,
-                "dtype_used": str(dtype).removeprefix("torch."),
-                "lr_multiplier": world_size, "device": "cpu",
-                "param_distance": relative_distance(big, small), "update_error": error,
-                "verdict": (ScalingRule.HOLDS if error <= LINEAR_SCALING_TOLERANCE
-                            else ScalingRule.BREAKS),
-            })
+            rows.append(_row(lr, world_size, 1, phase, big, small, flat_parameters(start),
+                             dtype, f"lr={lr * world_size:g}"))
+    windows = early_windows(seed, world_size, dtype) if early else []
+    for schedule in SCHEDULES if early else ():
+        for lr in lrs:
+            big, small = early_training(initial, windows, lr, world_size, schedule)
+            ramp = f"lr ramped {lr:g} -> {lr * world_size:g} over {WARMUP_WINDOWS} steps"
+            rows.append(_row(lr, world_size, len(windows), schedule, big, small,
+                             flat_parameters(initial), dtype,
+                             ramp if schedule == "warm-up" else f"lr={lr * world_size:g}"))
     return rows

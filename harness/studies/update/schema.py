@@ -36,8 +36,9 @@ COLUMNS = (
            "small-batch lr)"),
     Column("steps", "optimizer steps", "T, optimizer steps (windows) trained before comparing"),
     Column("setting", "text", "the experiment's variant: where clipping happens, the "
-           "GradScaler recipe, where the non-finite value was put, the gradient dtype, or "
-           "the training phase"),
+           "GradScaler recipe, where the non-finite value was put, the gradient dtype; "
+           "linear-scaling: one step from the `initial` or `trained` weights, or 2W steps of "
+           "early training `no-warm-up` or with Goyal's `warm-up` over W = 5 steps"),
     Column("dtype_used", "`float64`, `float32`, `bfloat16`",
            "dtype of the gradients the row measured (the run's, except bf16-accumulation)"),
     Column("grad_scale", "ratio", "s in `g ~ s * g_big`: the recipe's gradient of the first "

@@ -151,7 +151,9 @@ class UpdateStudy(Study):
         elif experiment == "bf16-accumulation":
             rows = amp.bf16_accumulation(full, run)
         elif experiment == "linear-scaling":
-            rows = linear_scaling.run(n, self.options.lrs, run)
+            # Early training over 2W windows is the costly part: the widest N alone by default.
+            early = full or n == max(run.world_sizes)
+            rows = linear_scaling.run(n, self.options.lrs, run, early)
         else:
             raise ValueError(f"unknown experiment {experiment!r}")
         if rows is None:
