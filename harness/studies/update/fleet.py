@@ -84,6 +84,16 @@ class FSDPTrainer(Trainer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """FSDP2's ``no_sync``: the enclosed backward keeps the unsharded gradient and
+        reduce-scatters nothing; the next synchronized backward reduces the sum."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
 
 def fleet_trainer(strategy: str, fleet: Fleet, world_size: int, run: RunContext) -> Trainer:
     """``fleet`` under ``strategy`` over ``world_size`` devices."""

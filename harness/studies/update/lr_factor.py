@@ -68,11 +68,12 @@ def candidate_factor(candidate: str, scale: float) -> float:
 
 
 def sync_of(strategy: str, accum_steps: int) -> str:
-    """When the strategy reduces: DDP under ``no_sync`` but for the last micro-step when
-    accumulating; DataParallel and FSDP in every backward; one process never."""
+    """When the strategy reduces: DDP under ``no_sync`` and FSDP2 with
+    ``set_requires_gradient_sync(False)`` but for the last micro-step when accumulating;
+    DataParallel in every backward; one process never."""
     if strategy == "local":
         return "none"
-    if strategy == "ddp" and accum_steps > 1:
+    if strategy in ("ddp", "fsdp") and accum_steps > 1:
         return "no_sync"
     return "every-micro-step"
 

@@ -25,8 +25,9 @@ COLUMNS = (
            "mean / k; their sum; the sum / b (Goyal's \"normalize by n\"); the sum / the "
            "window's N*k*b samples (Goyal's \"normalize by kn\")"),
     Column("sync", "`every-micro-step`, `no_sync`, `none`",
-           "when gradients are reduced: in every backward; DDP under `no_sync()` for the "
-           "first k-1 micro-steps; never (one process)"),
+           "when gradients are reduced: in every backward; DDP under `no_sync()` (FSDP2: "
+           "`set_requires_gradient_sync(False)`) for the first k-1 micro-steps; never (one "
+           "process)"),
     Column("optimizer", "`sgd`, `sgd-momentum`, `sgd-nesterov`, `sgd-weight-decay`, "
            "`sgd-l2-in-loss`, `adam`, `adam-large-eps`, `adamw`, `adamw-large-eps`",
            "the optimizer (hyperparameters in `optimizer_settings`)"),
