@@ -282,6 +282,42 @@ def test_warm_up_lags_the_small_batch_run_by_what_its_ramp_leaves_out(frame):
     assert smallest.loc["no-warm-up", "verdict"] == "holds"
 
 
+def test_momentum_with_lr_inside_needs_goyals_correction_and_torchs_form_does_not(frame):
+    rows = select(frame, experiment="momentum-correction", status="ok").set_index("setting")
+    assert set(rows.world_size) == {WORLD} and set(rows.lr_multiplier) == {WORLD}
+    assert rows.loc["lr-inside-corrected", "update_error"] < TOL
+    assert rows.loc["lr-inside-corrected", "verdict"] == "matches"
+    assert rows.loc["lr-inside-uncorrected", "verdict"] == "differs"
+
+
+def test_momentum_forms_agree_step_by_step_by_hand():
+    """One parameter, gradient g = θ (loss θ²/2): torch's form and the corrected lr-inside
+    form give the same numbers; without the correction the first step at the new lr
+    carries m * lr_old * v instead of m * lr_new * v."""
+    m, lrs = 0.9, [0.1, 0.1, 0.3]
+    theta, v = 1.0, 0.0
+    for lr in lrs:  # torch.optim.SGD: v <- m v + g; θ <- θ - lr v
+        v = m * v + theta
+        theta -= lr * v
+    model = torch.nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=m)
+    for lr in lrs:
+        optimizer.param_groups[0]["lr"] = lr
+        optimizer.zero_grad()
+        (model.weight.square().sum() / 2).backward()
+        optimizer.step()
+    assert model.weight.item() == pytest.approx(theta, rel=1e-15)
+    for corrected, expect_equal in ((True, True), (False, False)):
+        w, u, previous = 1.0, 0.0, lrs[0]
+        for lr in lrs:  # Goyal's form: u <- m (lr / previous if corrected) u + lr g; w <- w - u
+            u = m * (lr / previous if corrected else 1.0) * u + lr * w
+            w -= u
+            previous = lr
+        assert (w == pytest.approx(theta, rel=1e-14)) is expect_equal
+
+
 def test_real_dataparallel_rows_say_why_they_are_skipped(frame):
     if torch.cuda.device_count() >= WORLD:
         pytest.skip("CUDA devices present: DataParallel is measured")

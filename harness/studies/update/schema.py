@@ -9,7 +9,7 @@ from harness.studies.base import Column
 
 COLUMNS = (
     Column("experiment", "`lr-factor`, `clipping`, `grad-scaler`, `non-finite`, "
-           "`bf16-accumulation`, `linear-scaling`",
+           "`bf16-accumulation`, `linear-scaling`, `momentum-correction`",
            "which question the row answers (see the study's description)"),
     Column("strategy", "`local`, `ddp`, `fsdp`, `dp-emulated`, `dp`",
            "one process; DistributedDataParallel; FSDP2's `fully_shard`; the CPU emulation of "
@@ -39,7 +39,9 @@ COLUMNS = (
     Column("setting", "text", "the experiment's variant: where clipping happens, the "
            "GradScaler recipe, where the non-finite value was put, the gradient dtype; "
            "linear-scaling: one step from the `initial` or `trained` weights, or 2W steps of "
-           "early training `no-warm-up` or with Goyal's `warm-up` over W = 5 steps"),
+           "early training `no-warm-up` or with Goyal's `warm-up` over W = 5 steps; "
+           "momentum-correction: the lr-inside momentum form `lr-inside-corrected` or "
+           "`lr-inside-uncorrected` at an lr change"),
     Column("dtype_used", "`float64`, `float32`, `bfloat16`",
            "dtype of the gradients the row measured (the run's, except bf16-accumulation)"),
     Column("grad_scale", "ratio", "s in `g ~ s * g_big`: the recipe's gradient of the first "

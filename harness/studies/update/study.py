@@ -17,7 +17,10 @@ sample of the step, mean loss), in the run's dtype (float64 by default):
 - ``bf16-accumulation``: the error of bf16 against fp32 gradients as k grows (amp.py);
 - ``linear-scaling``: Goyal's rule, one step at lr*N against N steps at lr,
   over a sweep of learning rates, at the start and later in training
-  (linear_scaling.py).
+  (linear_scaling.py);
+- ``momentum-correction``: momentum SGD with lr inside the velocity (Goyal's form),
+  with and without their correction at an lr change, against torch.optim.SGD,
+  which keeps lr outside (momentum.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from harness.errors import UsageError
 from harness.options import StudyOptions, option, parse_float_list, parse_int
 from harness.strategies import row_device, unavailable_reason
 from harness.studies.base import Case, Study
-from harness.studies.update import amp, clipping, linear_scaling, lr_factor
+from harness.studies.update import amp, clipping, linear_scaling, lr_factor, momentum
 from harness.studies.update.recipes import MICRO_BATCH
 from harness.studies.update.schema import COLUMNS, blank_row
 from harness.studies.update.training import ReferenceRuns
@@ -40,7 +43,7 @@ STRATEGIES = ("local", "ddp", "fsdp", "dp-emulated", "dp")
 #: Strategies whose cases run collectives on the subgroup of ranks 0..N-1.
 COLLECTIVE = ("ddp", "fsdp")
 EXPERIMENTS = ("lr-factor", "clipping", "grad-scaler", "non-finite", "bf16-accumulation",
-               "linear-scaling")
+               "linear-scaling", "momentum-correction")
 
 #: Small-batch learning rates of the linear-scaling sweep: from where the rule holds on
 #: this model (1e-3) to where one step overshoots (1).
@@ -119,6 +122,8 @@ class UpdateStudy(Study):
             ks = amp.BF16_STEPS["full" if full else "default"]
             cases.append(self._case("bf16-accumulation", "local", 1, f"{min(ks)}..{max(ks)}"))
             cases += [self._case("linear-scaling", "local", n, 1) for n in sizes if n >= 2]
+            if max(sizes) >= 2:
+                cases.append(self._case("momentum-correction", "local", max(sizes), 1))
         return cases
 
     def _case(self, experiment: str, strategy: str, world_size: int, accum_steps: int | str
@@ -154,6 +159,8 @@ class UpdateStudy(Study):
             # Early training over 2W windows is the costly part: the widest N alone by default.
             early = full or n == max(run.world_sizes)
             rows = linear_scaling.run(n, self.options.lrs, run, early)
+        elif experiment == "momentum-correction":
+            rows = momentum.run(n, steps, run)
         else:
             raise ValueError(f"unknown experiment {experiment!r}")
         if rows is None:
@@ -215,5 +222,6 @@ def _cost(experiment: str, strategy: str, world_size: int, accum_steps: int | st
     """Rough milliseconds, for spreading single-process cases over idle ranks."""
     micro_steps = accum_steps if isinstance(accum_steps, int) else 1
     per_experiment = {"lr-factor": 60.0, "clipping": 10.0, "grad-scaler": 10.0,
-                      "non-finite": 5.0, "bf16-accumulation": 60.0, "linear-scaling": 30.0}
+                      "non-finite": 5.0, "bf16-accumulation": 60.0, "linear-scaling": 30.0,
+                      "momentum-correction": 5.0}
     return per_experiment[experiment] * micro_steps * (1 + 0.25 * world_size)
