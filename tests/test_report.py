@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +18,7 @@ from filelock import FileLock
 from harness.report import REPORT_NAME, write_report
 from harness.report.cli import main as report_main
 from harness.report.text import small
+from harness.studies.base import named_multiple
 from tests.distributed import run_cli
 
 RUN_ARGS = ["--studies", "reduction,seed001", "--strategies", "ddp,dp-emulated",
@@ -92,10 +94,11 @@ def test_findings_quote_the_numbers_in_the_csv(reported_run):
     report = (reported_run / REPORT_NAME).read_text()
     frame = pd.read_csv(reported_run / "reduction.csv")
     ddp = ddp_multi_device(frame)
-    deviation = (ddp.reduce_weight - 1 / ddp.devices_used).abs().max()
     sentence = the_finding(report, "With two or more devices, DDP's collective averaged")
     assert f"in all {len(ddp)} cases" in sentence
-    assert f"reduce_weight = 1/k at k = 2; largest deviation {small(deviation)}" in sentence
+    # 1/k is the multiple the study's verdict names (every row says mean), not a re-judgment.
+    assert (ddp.reduce_op == "mean").all()
+    assert "reduce_weight = 1/k at k = 2" in sentence
     assert f"`reduction.csv`: strategy = ddp, status = ok, devices_used >= 2 ({len(ddp)} rows)" \
         in sentence, "the finding names its rows"
     batchnorm = ddp[(ddp.model == "mlp-batchnorm") & (ddp.loss_reduction == "mean")]
@@ -166,43 +169,29 @@ def make_empty(folder: Path) -> Path:
     return folder / "results"
 
 
-def make_csvs_without_manifest(folder: Path) -> Path:
-    write_run(folder / "results")
-    (folder / "results" / "run.json").unlink()
-    return folder / "results"
-
-
-def make_bad_json(folder: Path) -> Path:
-    write_run(folder / "results")
-    (folder / "results" / "run.json").write_text("{not json")
-    return folder / "results"
-
-
-def make_missing_columns(folder: Path) -> Path:
-    write_run(folder / "results")
-    return folder / "results"
-
-
-def make_missing_csv(folder: Path) -> Path:
-    write_run(folder / "results")
-    (folder / "results" / "reduction.csv").unlink()
-    return folder / "results"
-
-
-def make_empty_csv(folder: Path) -> Path:
-    write_run(folder / "results", csv_text="")
-    return folder / "results"
+def broken_run(change: Callable[[Path], object], csv_text: str = "study,case_id,status\n"
+               ) -> Callable[[Path], Path]:
+    """A maker of a run's folder (a manifest and a CSV without the study's columns) that
+    ``change`` then breaks further."""
+    def make(folder: Path) -> Path:
+        write_run(folder / "results", csv_text)
+        change(folder / "results")
+        return folder / "results"
+    return make
 
 
 BAD_FOLDERS = [
     (make_missing, "does not exist"),
     (make_file, "is not a folder"),
     (make_empty, "is empty"),
-    (make_csvs_without_manifest, "has no run.json"),
-    (make_bad_json, "run.json: not valid JSON"),
-    (make_missing_columns, "reduction.csv: missing column(s) strategy, world_size"),
-    (make_missing_csv, "reduction.csv: missing, although run.json lists it"),
-    (make_empty_csv, "reduction.csv: empty file"),
+    (broken_run(lambda run: (run / "run.json").unlink()), "has no run.json"),
+    (broken_run(lambda run: (run / "run.json").write_text("{not json")),
+     "run.json: not valid JSON"),
+    (broken_run(lambda run: None), "reduction.csv: missing column(s) strategy, emulated, "
+                                   "world_size"),
+    (broken_run(lambda run: (run / "reduction.csv").unlink()),
+     "reduction.csv: missing, although run.json lists it"),
+    (broken_run(lambda run: None, csv_text=""), "reduction.csv: empty file"),
 ]
 
 
@@ -212,7 +201,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-@pytest.mark.parametrize("make, message", BAD_FOLDERS, ids=[m.__name__ for m, _ in BAD_FOLDERS])
+@pytest.mark.parametrize("make, message", BAD_FOLDERS, ids=[m for _, m in BAD_FOLDERS])
 def test_a_bad_folder_is_one_line_exit_2_and_nothing_written(make, message, tmp_path, capsys):
     folder = make(tmp_path)
     before = snapshot(folder)
@@ -248,7 +237,10 @@ def accumulation_row(recipe, setting, k, verdict, scale, error):
             "loss_scaling": loss_scaling, "sync": "none", "norm": norm, "shards": shards,
             "loss_normalization": normalization, "allreduce_calls": None,
             "full_batch_scale": scale, "fit_residual": residual, "relative_error": error,
-            "cumulative_scale": 1.0, "cumulative_residual": 0.0, "verdict": verdict}
+            "cumulative_scale": 1.0, "cumulative_residual": 0.0, "verdict": verdict,
+            "full_batch_multiple": "" if verdict == "differs" else "k" if scale == "k"
+            else named_multiple(scale, k, 1e-9),
+            "cumulative_verdict": "matches", "cumulative_multiple": "1"}
 
 
 def test_accumulation_findings_name_the_recipes_the_rows_say_are_exact(tmp_path):

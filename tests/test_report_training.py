@@ -19,8 +19,12 @@ from harness.report import REPORT_NAME, ReportError, write_report
 from harness.report.figures import FigureWriter, style
 from harness.report.section import SectionInputs, SectionOutput
 from harness.report.text import number, small
+from harness.studies import study_columns
 from harness.studies.diagnostics import report as diagnostics
+from harness.studies.diagnostics.study import judged_row, with_zero_since
+from harness.studies.schema import names
 from harness.studies.seed004 import report as seed004
+from harness.studies.seed004.study import against_big_batch
 from harness.studies.training import report as training
 
 NAN = math.nan
@@ -92,6 +96,10 @@ def training_rows(**changes) -> list[dict]:
         for row in rows:
             if (row["strategy"], row["variant"], row["epoch"]) == (strategy, variant, int(epoch)):
                 row.update(values)
+    # The study's ratio and verdict on the numbers, as they now read.
+    for row in rows:
+        row.update(applied_to_fresh=row["applied_grad_norm"] / row["fresh_grad_norm"],
+                   ranks_in_step=row["rank_spread"] <= RTOL)
     return rows
 
 
@@ -190,8 +198,15 @@ def seed004_rows() -> list[dict]:
             row("big-batch", "step", None, "weight", 1.2, NAN)]
 
 
+def seed004_judged(rows: list[dict]) -> list[dict]:
+    """The rows with the study's comparison of every last call with the big batch's."""
+    reference = {r["quantity"]: r["measured"] for r in rows
+                 if (r["method"], r["event"]) == ("big-batch", "step")}
+    return [{**r, **against_big_batch(r, reference, RTOL)} for r in rows]
+
+
 def test_seed004_findings_compare_measured_predicted_printed_and_the_big_batch(tmp_path):
-    output = render(seed004.SECTION, seed004_rows(), tmp_path)
+    output = render(seed004.SECTION, seed004_judged(seed004_rows()), tmp_path)
     big = the_finding(output, "In seed 004's one-weight model")
     assert ("accumulation ([4.0] then [2.0], each loss divided by 2) and big-batch ([4.0, 2.0], "
             "the loss divided by 2) left the same w.grad = -20 and the same w = 1.2 after "
@@ -209,7 +224,7 @@ def test_seed004_findings_compare_measured_predicted_printed_and_the_big_batch(t
     rows = seed004_rows()
     rows[-1].update(measured=1.25, abs_error=0.05, matches=False)  # big batch's weight after step
     rows[2].update(seed_printed=-19.0, matches_seed=False)  # the seed "printed" another grad
-    output = render(seed004.SECTION, rows, tmp_path)
+    output = render(seed004.SECTION, seed004_judged(rows), tmp_path)
     assert "the same w.grad = -20 and a different w: 1.2 against 1.25" in \
         the_finding(output, "In seed 004's one-weight model")
     assert ("differed in 1 row (e.g. w after step of big-batch: 1.25 instead of 1.2; largest "
@@ -227,13 +242,13 @@ SWEEP_PARAMETERS = ("input.weight", "input.bias", "output.weight", "output.bias"
 
 def diagnostics_row(experiment: str, setting: str, parameter: str = "(all)", step: int = 1,
                     strategy: str = "local", **values) -> dict:
-    row = dict.fromkeys(diagnostics.COLUMNS, NAN)
+    row = dict.fromkeys(names(study_columns("diagnostics")), NAN)
     row.update(study="diagnostics", case_id=f"diagnostics/experiment={experiment}/{setting}",
                status="ok", experiment=experiment, strategy=strategy,
                world_size=2 if strategy == "ddp" else 1, setting=setting, step=step,
                parameter=parameter, requires_grad=True, grad_is_none=False, error=None)
     row.update(values)
-    return row
+    return {**row, **judged_row(row, RTOL)}
 
 
 def sweep_rows(dies_at: int) -> list[dict]:
@@ -253,7 +268,13 @@ def sweep_rows(dies_at: int) -> list[dict]:
                                         zero_grad_fraction=1.0 if dead else 0.4,
                                         update_ratio=0.0 if dead else 0.7,
                                         dead_relu_fraction=relu))
-    return rows
+    # The study judges each learning rate's run (a case) on its own.
+    settings: dict[str, list[dict]] = {}
+    for row in rows:
+        settings.setdefault(row["setting"], []).append(row)
+    judged = {id(row): done for part in settings.values()
+              for row, done in zip(part, with_zero_since(part), strict=True)}
+    return [judged[id(row)] for row in rows]
 
 
 def other_experiment_rows() -> list[dict]:
@@ -321,8 +342,13 @@ def test_diagnostics_findings_say_when_gradients_die_and_what_each_experiment_di
 # ------------------------------------------------------------ whole report
 @pytest.mark.parametrize("broken", [False, True])
 def test_the_report_has_the_three_sections_with_relative_figures(tmp_path, broken):
-    frames = {"training": pd.DataFrame(training_rows()), "seed004": pd.DataFrame(seed004_rows()),
+    frames = {"training": pd.DataFrame(training_rows()),
+              "seed004": pd.DataFrame(seed004_judged(seed004_rows())),
               "diagnostics": pd.DataFrame(sweep_rows(2) + other_experiment_rows())}
+    for study, frame in frames.items():
+        # Every column of the study's schema, as its CSV has: the ones the rows leave out empty.
+        schema = [c for c in names(study_columns(study)) if c not in frame]
+        frames[study] = frame.reindex(columns=[*frame.columns, *schema])
     if broken:  # a CSV without a column the section reads: refused before anything is written
         frames["seed004"] = frames["seed004"].drop(columns="seed_printed")
     for study, frame in frames.items():
@@ -346,9 +372,10 @@ def test_the_report_has_the_three_sections_with_relative_figures(tmp_path, broke
 
 @pytest.mark.parametrize("section", [training.SECTION, seed004.SECTION, diagnostics.SECTION],
                          ids=lambda section: section.study)
-def test_each_section_reads_only_columns_its_study_writes(section):
-    # The rows above are built by hand: this ties them, and the section, to the real schema.
+def test_each_section_reads_the_columns_its_study_writes(section):
+    # The rows above are built by hand: this ties the section, which reads its study's
+    # schema, to the columns the study really writes.
     from harness.studies import STUDIES
 
-    written = set(STUDIES[section.study].column_names())
-    assert set(section.columns) <= written, set(section.columns) - written
+    assert not section.columns, "the section reads the study's schema"
+    assert study_columns(section.study) == STUDIES[section.study].columns

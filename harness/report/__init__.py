@@ -32,9 +32,11 @@ def write_report(out: Path) -> Path:
     from harness.report.document import render_document
     from harness.report.figures import FigureWriter, style
     from harness.results import write_text_atomic
-    from harness.studies import STUDIES, report_section
+    from harness.studies import report_section
 
-    sections = {name: section for name in STUDIES if (section := report_section(name))}
+    # Only the run's studies: a section is imported without its study (nor torch).
+    sections = {name: section for name in manifest["studies"]
+                if (section := report_section(name))}
     results = load_results(out, manifest, sections)
     rtol = tolerance(results.dtype)
     figures = FigureWriter(out)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.errors import UsageError
+from harness.errors import UsageError, refuse
 
 PROG = "report.py"
 
@@ -47,10 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from harness.report import write_report
 
     try:
-        args = build_parser().parse_args(argv)
-        target = write_report(Path(args.folder))
+        target = write_report(Path(build_parser().parse_args(argv).folder))
     except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return refuse(error, rank=0, prog=PROG)
     print(f"{PROG}: wrote {target}")
     return 0

@@ -56,9 +56,13 @@ def style() -> Iterator[None]:
     """The report's look, for everything drawn and saved inside the block.
 
     matplotlib reads some settings when an artist is created and others when
-    the figure is saved, so a section builds *and* saves its figures inside.
+    the figure is saved, so a section builds *and* saves its figures inside. The
+    figure machinery is imported here, before the report forks: importing it takes
+    longer than drawing, and the child then inherits it instead of importing it again.
     """
     import matplotlib
+    import matplotlib.figure  # noqa: F401
+    from matplotlib.backends import backend_agg  # noqa: F401
 
     with matplotlib.rc_context(STYLE):
         yield

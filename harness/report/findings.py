@@ -4,8 +4,8 @@ The workhorse is a *tally*: the rows of one group (``per`` columns, after a
 ``where`` query) counted by the words of a verdict column, each word with the
 evidence for it (a :data:`Detail`). :class:`Verdicts` says it as a sentence,
 :class:`VerdictAnswer` as a row of the answer table. A verdict the rows do not
-carry can be derived by ``classify`` (e.g. :func:`within`: a spread below the
-tolerance), but a column the study wrote is read as written, never re-judged.
+carry can be combined from the ones it does by ``classify``, but a column the study
+wrote is read as written, never re-judged: every tolerance was applied by the study.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.report.rows import labels, named_ratio, ordered, split_by
+from harness.report.rows import labels, ordered, split_by
 from harness.report.section import Answer, Finding, Rows
 from harness.report.text import (
     capitalized,
@@ -35,19 +35,29 @@ if TYPE_CHECKING:
 
 #: Evidence for a verdict: (the rows that got it, the tolerance) -> words and numbers.
 Detail = Callable[["pd.DataFrame", float], str]
-#: A verdict derived from rows the study gave no verdict column for.
+#: A verdict combined from verdict columns the study wrote (never from raw numbers).
 Classify = Callable[["pd.DataFrame", float], "pd.Series"]
 
 
 # -------------------------------------------------------------------- details
-def ratio(column: str, k: str = "world_size") -> Detail:
-    """``reduce_weight = 1/k at k = 2, 3, 4; largest deviation 5.6e-17`` (1, 1/k or k), or the
-    values and the cases when no named ratio fits."""
+def one_multiple(rows: pd.DataFrame, multiple: str, k: str) -> str | None:
+    """The multiple of k the study named for every row (``multiple`` column), or None.
+
+    At k = 1, 1/k, 1 and k coincide and the study names it "1": such a row agrees with
+    any name the rows at k > 1 share.
+    """
+    above = rows[rows[k] != 1]
+    named = set(labels(above if len(above) else rows, multiple))
+    return named.pop() or None if len(named) == 1 else None
+
+
+def ratio(column: str, multiple: str, k: str = "world_size") -> Detail:
+    """``reduce_weight = 1/k at k = 2, 3, 4`` where the study named one multiple of k for every
+    row (its ``multiple`` column), else the values and the cases."""
     def detail(rows: pd.DataFrame, rtol: float) -> str:
-        name, deviation = named_ratio(rows[k], rows[column], rtol)
         at = f"at k = {integers(rows[k])}"
-        if name is not None:
-            return f"{column} = {name} {at}; largest deviation {small(deviation)}"
+        if named := one_multiple(rows, multiple, k):
+            return f"{column} = {named} {at}"
         values = ", ".join(dict.fromkeys(number(v) for v in rows[column]))
         return f"{column} = {values} {at}: {cite_cases(rows['case_id'].tolist())}"
     return detail
@@ -81,11 +91,6 @@ def yes_no(true: object, false: object) -> dict[str, object]:
 BIG_BATCH = {Equivalence.MATCHES: "equalled the big-batch gradient",
              Equivalence.SCALED: "was another multiple of the big-batch gradient",
              Equivalence.DIFFERS: "was no multiple of the big-batch gradient"}
-
-
-def within(column: str) -> Classify:
-    """``True`` where ``column`` (a spread or distance) is within the tolerance."""
-    return lambda rows, rtol: (rows[column] <= rtol).astype(str)
 
 
 # --------------------------------------------------------------------- tallies
@@ -198,24 +203,20 @@ class VerdictAnswer(Tallied):
 CORRECTIONS = {"1/k": "multiply the loss by k", "k": "divide the loss by k"}
 
 
-def ratios(rows: pd.DataFrame, value: str, k: str, rtol: float, by: str, split: str = ""
-           ) -> tuple[list[tuple[str, list[tuple[str | None, list[str]]]]], float]:
-    """Per ``by`` value, the named ratio (1, 1/k, k) of ``value`` to ``k``: [(ratio, [])]; where
-    none fits them all, per ``split`` value, the most common ratio first (without its values).
-    Also the largest deviation from a named ratio."""
-    found, deviations = [], [0.0]
+def multiples(rows: pd.DataFrame, multiple: str, k: str, by: str, split: str = ""
+              ) -> list[tuple[str, list[tuple[str | None, list[str]]]]]:
+    """Per ``by`` value, the multiple of k its rows' ``multiple`` column names: [(name, [])];
+    where they name more than one, per ``split`` value, the most common name first."""
+    found = []
     for name, group in rows.groupby(by, sort=False):
-        subsets = [(None, group)]
-        if named_ratio(group[k], group[value], rtol)[0] is None and split:
-            subsets = list(group.groupby(split, sort=False))
         parts: dict[str | None, list[str]] = {}
-        for part, subset in subsets:
-            named, deviation = named_ratio(subset[k], subset[value], rtol)
-            parts.setdefault(named, []).extend([] if part is None else [part])
-            deviations.append(0.0 if named is None else deviation)
+        whole = one_multiple(group, multiple, k) or not split
+        for part, subset in [(None, group)] if whole else group.groupby(split, sort=False):
+            parts.setdefault(one_multiple(subset, multiple, k), []).extend(
+                [] if part is None else [part])
         ordered_parts = sorted(parts.items(), key=lambda item: -len(item[1]))
         found.append((value_name(by, name), [(ordered_parts[0][0], []), *ordered_parts[1:]]))
-    return found, max(deviations)
+    return found
 
 
 def ratio_words(found: list[tuple[str, list]]) -> str:

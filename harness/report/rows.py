@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
-
-from harness.tolerances import close
 
 if TYPE_CHECKING:
     import pandas as pd
-
-#: Ratios a sentence can name instead of listing numbers, as functions of k.
-#: Checked in this order: at k = 1 all three coincide and "1" is the plain word for it.
-NAMED_RATIOS = {"1": lambda k: 1.0, "1/k": lambda k: 1.0 / k, "k": lambda k: float(k)}
 
 
 def is_true(values: pd.Series) -> pd.Series:
@@ -61,18 +54,3 @@ def groups(frame: pd.DataFrame, per: Sequence[str]) -> list[tuple[dict, pd.DataF
     grouped = frame.groupby(list(per), sort=False, dropna=False)
     return [(dict(zip(per, key if isinstance(key, tuple) else (key,), strict=True)), rows)
             for key, rows in grouped]
-
-
-def named_ratio(ks: Iterable[float], values: Iterable[float], rtol: float
-                ) -> tuple[str | None, float]:
-    """The name ("1", "1/k" or "k") every value equals within ``rtol``, and the largest deviation.
-
-    None (and NaN) when no single name fits every (k, value) pair.
-    """
-    pairs = list(zip(ks, values, strict=True))
-    for name, ratio in NAMED_RATIOS.items():
-        expected = [ratio(k) for k, _ in pairs]
-        if pairs and all(not math.isnan(v) and close(v, e, rtol)
-                         for (_, v), e in zip(pairs, expected, strict=True)):
-            return name, max(abs(v - e) for (_, v), e in zip(pairs, expected, strict=True))
-    return None, math.nan

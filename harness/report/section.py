@@ -2,7 +2,8 @@
 
 Every part is a callable ``part(rows: Rows)`` returning one item, a list, or
 None: :class:`Answer` rows for the table that opens the report, :class:`Finding`
-sentences, or Markdown blocks (tables, figures); see :mod:`harness.report.spec`.
+sentences, or Markdown blocks (tables, figures), each put where its kind belongs
+(a finding and the answer it rests on come from one part); see :mod:`harness.report.spec`.
 A section written as one function, ``render(frame, inputs) -> SectionOutput``,
 still works: its output comes first, the declared parts after it. Every sentence
 is assembled from the rows and names the rows it was built from.
@@ -69,6 +70,14 @@ class SectionOutput:
     blocks: list[str] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
 
+    def add(self, item: Answer | Finding | str) -> None:
+        if isinstance(item, Answer):
+            self.answers.append(item)
+        elif isinstance(item, Finding):
+            self.findings.append(item)
+        else:
+            self.blocks.append(item)
+
 
 @dataclass
 class Rows:
@@ -121,8 +130,9 @@ class Section:
     title: str
     #: One sentence under the heading: what the study measures.
     intro: str
-    #: Columns the section reads; a CSV without them is refused before anything is written.
-    columns: tuple[str, ...]
+    #: Columns the section reads; empty: every column of the study's schema. A CSV without
+    #: them is refused before anything is written.
+    columns: tuple[str, ...] = ()
     #: The escape hatch: one function building (part of) the section from every row.
     render: Callable[[pd.DataFrame, SectionInputs], SectionOutput] | None = None
     #: Columns computed once from the measured rows and the tolerance, for every part to read.
@@ -142,17 +152,11 @@ class Section:
         if self.derive is not None and not ok.empty:
             ok = self.derive(ok, inputs.rtol)
         rows = Rows(ok, frame, inputs, self.terms)
-        output.answers += _items(self.answers, rows)
-        output.findings += _items(self.findings, rows)
-        if not ok.empty:
-            output.blocks += _items([*self.tables, *self.figures], rows)
+        drawn = (*self.tables, *self.figures) if not ok.empty else ()
+        for part in (*self.answers, *self.findings, *drawn):
+            made = part(rows)
+            # A part gives one item, several (a finding and the answer it rests on), or None;
+            # each goes where its kind belongs.
+            for item in made if isinstance(made, list | tuple) else [] if made is None else [made]:
+                output.add(item)
         return output
-
-
-def _items(parts: Sequence[Part], rows: Rows) -> list:
-    """What the parts gave, flattened: a part returns one item, a list, or None."""
-    items = []
-    for part in parts:
-        made = part(rows)
-        items += made if isinstance(made, list) else [] if made is None else [made]
-    return items

@@ -22,12 +22,11 @@ from harness.report.findings import (
     corrections,
     joined,
     largest,
+    multiples,
     ratio,
     ratio_words,
-    ratios,
     skipped,
     spread,
-    within,
     yes_no,
 )
 from harness.report.section import Answer, Finding, Rows, Section
@@ -35,5 +34,5 @@ from harness.report.tables import Pivot, Records, column, numbers
 
 __all__ = ["BIG_BATCH", "Answer", "Finding", "Heatmap", "Lines", "PerRow", "Pivot", "Records",
            "Rows", "Section", "VerdictAnswer", "Verdicts", "column", "corrections", "joined",
-           "largest", "numbers", "ratio", "ratio_words", "ratios", "skipped", "spread", "within",
+           "largest", "multiples", "numbers", "ratio", "ratio_words", "skipped", "spread",
            "yes_no"]

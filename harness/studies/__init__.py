@@ -1,20 +1,25 @@
 """The studies, one package each; ``STUDY_PACKAGES`` lists them in the order a run executes them.
 
-Each package ``harness/studies/<name>/`` holds the study (``study.py``: schema,
-options, cases, measurement) and its report section (``report.py``: what the
-report reads and draws). Its ``__init__`` exports ``STUDY``, the study class.
-Adding a study: write its package, add its name here.
+Each package ``harness/studies/<name>/`` holds the study (``study.py``: options,
+cases, measurement), its CSV's columns (``schema.py``, free of torch) and its
+report section (``report.py``: what the report reads and draws). Its ``__init__``
+exports ``STUDY``, the study class. Adding a study: write its package, add its name here.
+
+Everything here is loaded on first use: the report reads schemas and sections
+without importing a study's measuring code, and with it torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from harness.studies.base import Case, Column, Study, StudyOptions
+from harness.studies.schema import Column
 
 if TYPE_CHECKING:
     from harness.report.section import Section
+    from harness.studies.base import Study
 
 STUDY_PACKAGES: tuple[str, ...] = (
     "reduction",
@@ -39,13 +44,38 @@ def _load() -> dict[str, type[Study]]:
     return studies
 
 
-#: Every study by name, in run order.
-STUDIES: dict[str, type[Study]] = _load()
+def __getattr__(name: str) -> Any:
+    """``STUDIES`` (every study by name, in run order) and the study base classes, loaded
+    when first asked for: they import the measuring code."""
+    if name == "STUDIES":
+        globals()["STUDIES"] = studies = _load()
+        return studies
+    if name in ("Case", "Study", "StudyOptions"):
+        return getattr(importlib.import_module("harness.studies.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def lazy_study(package: str, class_name: str) -> Callable[[str], Any]:
+    """A study package's module ``__getattr__``: ``STUDY`` imported on first use, so that its
+    schema and report section load without the measuring code (and torch)."""
+    def attribute(name: str) -> Any:
+        if name != "STUDY":
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.study"), class_name)
+    return attribute
+
+
+def study_columns(name: str) -> tuple[Column, ...]:
+    """The own columns of study ``name``: its ``schema.COLUMNS``, else its study class's."""
+    try:
+        return importlib.import_module(f"harness.studies.{name}.schema").COLUMNS
+    except ModuleNotFoundError:
+        return __getattr__("STUDIES")[name].columns
 
 
 def report_section(name: str) -> Section | None:
     """The report section of study ``name`` (its package's ``report.SECTION``), or None."""
-    if name not in STUDIES:
+    if name not in STUDY_PACKAGES:
         return None
     try:
         module = importlib.import_module(f"harness.studies.{name}.report")
@@ -54,5 +84,5 @@ def report_section(name: str) -> Section | None:
     return getattr(module, "SECTION", None)
 
 
-__all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",
-           "report_section"]
+__all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",  # noqa: F822
+           "report_section", "study_columns"]

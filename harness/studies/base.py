@@ -5,12 +5,15 @@ declared once, next to its measuring code, in its own package under
 ``harness/studies/<name>/``:
 
 - ``columns``: the CSV's own columns, each a :class:`Column` with its unit and
-  meaning (README tables and ``study.py --schema`` are printed from these);
+  meaning (README tables and ``study.py --schema`` are printed from these),
+  declared in the package's torch-free ``schema.py`` so that the registry and the
+  report read them without the measuring code;
 - ``Options``: a frozen dataclass of the study's own settings, each field an
   :func:`option` (flag, help, parser); it validates itself in ``__post_init__``
   and the command line registers its fields as flags;
 - ``cases`` / ``run_case``: the matrix and the measurement; the measuring code
-  writes every verdict column (words from :mod:`harness.verdicts`);
+  writes every verdict column (words from :mod:`harness.verdicts`, booleans, or
+  :func:`named_multiple`), judged with the tolerances of :mod:`harness.tolerances`;
 - ``report.py`` beside it: the report section, which only reads the rows.
 
 Adding a study = one package + one line in :data:`harness.studies.STUDY_PACKAGES`.
@@ -18,6 +21,7 @@ Adding a study = one package + one line in :data:`harness.studies.STUDY_PACKAGES
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +29,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness.context import CONTEXT_COLUMNS
 from harness.options import NoOptions, StudyOptions
+from harness.studies.schema import (  # noqa: F401 -- the schema, as studies import it
+    EMULATED,
+    LEADING_COLUMNS,
+    STRATEGY,
+    STRATEGY_OR_LOCAL,
+    TRAILING_COLUMNS,
+    WORLD_SIZE,
+    Column,
+)
+from harness.tolerances import close
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,46 +46,7 @@ if TYPE_CHECKING:
     from harness.context import RunContext
 
 
-@dataclass(frozen=True)
-class Column:
-    """One column of a study's CSV: its name, its unit (or allowed values), its meaning."""
-
-    name: str
-    unit: str
-    doc: str
-
-
-#: Columns every CSV starts with and ends with, around the study's own.
-LEADING_COLUMNS = (
-    Column("study", "", "the study's name"),
-    Column("case_id", "", "stable id of the case: `study/axis=value/...`; `--resume` and the "
-           "report refer to it"),
-)
-TRAILING_COLUMNS = (
-    Column("backend", "`gloo`, `nccl`", "collective backend of the run"),
-    Column("device", "`cpu`, `cuda`", "where the case computed"),
-    Column("dtype", "`float64`, `float32`", "floating-point type of models, data and gradients"),
-    Column("hosts", "hosts", "distinct hostnames among the launch's ranks"),
-    Column("nodes", "nodes", "torchrun agents (nodes) in the launch"),
-    Column("ranks_per_node", "ranks", "ranks each agent started"),
-    Column("launch_world_size", "ranks", "ranks in the whole launch (N)"),
-    Column("slurm_job_id", "", "`SLURM_JOB_ID` when run inside Slurm, else empty"),
-    Column("torch_version", "", "`torch.__version__`"),
-    Column("status", "", "`ok`, or why the case was not measured (e.g. `skipped: needs 2 CUDA "
-           "devices, has 0`)"),
-)
 assert tuple(c.name for c in TRAILING_COLUMNS[:-1]) == CONTEXT_COLUMNS
-
-#: Columns several studies share, documented once.
-STRATEGY = Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
-                  "how the model was wrapped: DistributedDataParallel, FSDP2's `fully_shard`, "
-                  "a CPU emulation of DataParallel, the real DataParallel (CUDA)")
-#: The same for a study whose cases include the one-process reference.
-STRATEGY_OR_LOCAL = Column("strategy", "`local`, " + STRATEGY.unit,
-                           "one process with nothing to reduce, or " + STRATEGY.doc)
-EMULATED = Column("emulated", "bool", "true for the emulation")
-WORLD_SIZE = Column("world_size", "devices",
-                    "k: ranks (DDP, FSDP) or devices asked for (DataParallel)")
 
 
 # -------------------------------------------------------------------- cases
@@ -168,3 +143,15 @@ class Study(ABC):
     def summary_table(self, frame: pd.DataFrame) -> str:
         """A few lines for the console at the end of the run."""
         return frame.drop(columns=["study", "case_id", *CONTEXT_COLUMNS]).head(20).to_string()
+
+
+def named_multiple(scale: float, k: int, rtol: float) -> str:
+    """Which of 1, 1/k and k ``scale`` equals within ``rtol``, or "" when none does.
+
+    A ratio column the report can name in words instead of listing numbers; at k = 1
+    the three coincide and "1", checked first, is the plain word for it.
+    """
+    for name, multiple in (("1", 1.0), ("1/k", 1.0 / k), ("k", float(k))):
+        if not math.isnan(scale) and close(scale, multiple, rtol):
+            return name
+    return ""

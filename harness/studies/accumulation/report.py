@@ -13,18 +13,15 @@ from __future__ import annotations
 from harness.report import spec
 from harness.report.rows import ordered
 from harness.report.text import cite_cases, count, integers, number, small, words
-from harness.studies.accumulation.study import default_scaling
+from harness.studies.accumulation.schema import default_scaling
 from harness.verdicts import Equivalence
 
-COLUMNS = (
-    "strategy", "world_size", "accum_steps", "zero_grad", "loss_scaling", "sync", "norm",
-    "shards", "loss_normalization", "allreduce_calls", "full_batch_scale", "fit_residual",
-    "relative_error", "cumulative_scale", "cumulative_residual", "verdict",
-)
 #: The study's plain setting, where it measures every recipe.
 PLAIN = "norm == 'none' and shards == 'even' and loss_normalization == 'micro-batch-mean'"
 RECIPE, SETTING = ("zero_grad", "loss_scaling"), ("norm", "shards", "loss_normalization")
 MATCHES, DIFFERS = Equivalence.MATCHES, Equivalence.DIFFERS
+SCALE = spec.ratio("full_batch_scale", "full_batch_multiple", "accum_steps")
+CUMULATIVE = spec.ratio("cumulative_scale", "cumulative_multiple", "accum_steps")
 
 
 def _derive(ok, rtol):
@@ -70,7 +67,7 @@ def _recipe_answer(rows) -> spec.Answer | None:
         exact=("verdict", lambda v: (v == MATCHES).all()),
         differs=("verdict", lambda v: (v == DIFFERS).any()))
     scaled = plain[plain["recipe"].isin(units.index[~units["exact"] & ~units["differs"]])]
-    found, _ = spec.ratios(scaled, "full_batch_scale", "accum_steps", rows.rtol, "recipe")
+    found = spec.multiples(scaled, "full_batch_multiple", "accum_steps", "recipe")
     exact = plain[plain["recipe"].isin(units.index[units["exact"]])]
     answer = "; ".join([words(ordered(exact, "recipe"), "or") or "none",
                         *(f"{name}: {r} × it" for name, ((r, _), *_) in found),
@@ -150,9 +147,9 @@ SECTION = spec.Section(
            "norm, even shards, micro-batch-mean loss); settings (`norm`, `shards`, "
            "`loss_normalization`) under the textbook recipe: zero_grad every step, the loss "
            "divided by k for a micro-batch-mean loss, not for a window-total one."),
-    columns=COLUMNS, derive=_derive,
+    derive=_derive,
     terms={"textbook": "the textbook recipe", "setting_matches": "matching at every k"},
-    answers=(_recipe_answer, _settings_answer, lambda rows: (_no_sync(rows) or [None] * 2)[1]),
+    answers=(_recipe_answer, _settings_answer),
     findings=(
         spec.Verdicts(column="verdict", per=RECIPE, where=PLAIN, qualify=("accum_steps",),
                       subject="With zero_grad = {zero_grad} and loss_scaling = {loss_scaling} "
@@ -160,22 +157,23 @@ SECTION = spec.Section(
                       phrases=spec.BIG_BATCH,
                       detail={MATCHES: spec.largest("fit_residual"),
                               DIFFERS: spec.spread("relative_error", "accum_steps"),
-                              Equivalence.SCALED: spec.ratio("full_batch_scale", "accum_steps")}),
-        spec.Verdicts(column="cumulative", classify=spec.within("cumulative_residual"),
-                      per=("loss_scaling",), where=f"{PLAIN} and zero_grad == 'never'",
+                              Equivalence.SCALED: SCALE}),
+        spec.Verdicts(column="cumulative_verdict", per=("loss_scaling",),
+                      where=f"{PLAIN} and zero_grad == 'never'",
                       subject="With zero_grad = never and loss_scaling = {loss_scaling}, the "
                               "gradient",
-                      phrases=spec.yes_no("was a multiple of the sum of every step's big-batch "
-                                          "gradient", "was no multiple of that sum"),
-                      detail=spec.yes_no(spec.ratio("cumulative_scale", "accum_steps"),
-                                         spec.spread("cumulative_residual", "accum_steps"))),
+                      phrases={MATCHES: "equalled the sum of every step's big-batch gradient",
+                               Equivalence.SCALED: "was another multiple of that sum",
+                               DIFFERS: "was no multiple of that sum"},
+                      detail={MATCHES: CUMULATIVE, Equivalence.SCALED: CUMULATIVE,
+                              DIFFERS: spec.spread("cumulative_residual", "accum_steps")}),
         spec.Verdicts(column="setting_matches", per=(), where="textbook", qualify=("setting",),
                       subject="Under the textbook recipe, a setting",
                       phrases=spec.yes_no("gave the big-batch gradient at every k",
                                           "missed it somewhere"),
                       detail=spec.yes_no(spec.largest("fit_residual"),
                                          spec.spread("relative_error", "setting", "setting"))),
-        lambda rows: (_no_sync(rows) or [None] * 2)[0],
+        _no_sync,
         spec.skipped(),
     ),
     tables=(

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
-from harness.fit import equivalence_verdict, fit_scale, relative_error
+from harness.fit import ScaleFit, equivalence_verdict, fit_scale, relative_error
 from harness.models import NORMS
 from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
 from harness.seeding import generator_for
@@ -52,8 +52,10 @@ from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
 from harness.strategies.local import local_gradient
-from harness.studies.base import EMULATED, STRATEGY_OR_LOCAL, WORLD_SIZE, Case, Column, Study
+from harness.studies.accumulation.schema import COLUMNS, default_scaling
+from harness.studies.base import Case, Study, named_multiple
 from harness.tasks import Batch, Task, task_by_name
+from harness.verdicts import Equivalence
 
 #: Optimizer steps per case; the gradient of the last one is measured.
 WINDOWS = 2
@@ -143,11 +145,6 @@ def _conditions(strategy: str) -> list[tuple[str, str, str]]:
     return sample_level + tokens
 
 
-def default_scaling(normalization: str) -> str:
-    """The scaling that completes a normalization: a window-total loss is already 1/window."""
-    return "1/k" if normalization == "micro-batch-mean" else "none"
-
-
 def matrix(strategy: str, world_size: int, k: int, full: bool) -> list[Recipe]:
     """The recipes measured for one (strategy, world size, k).
 
@@ -221,62 +218,7 @@ class AccumulationStudy(Study):
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies accumulation "
                "--accum-steps 1,4 --matrix full")
     Options = AccumulationOptions
-    columns = (
-        STRATEGY_OR_LOCAL,
-        EMULATED,
-        WORLD_SIZE,
-        Column("accum_steps", "micro-steps",
-               "k, micro-steps per optimizer step"),
-        Column("zero_grad", "`never`, `every-micro-step`, `every-step`",
-               "when `zero_grad` runs: never (seed 000/001's bug), before every backward (only "
-               "the last micro-batch survives), after every optimizer step (the textbook recipe)"),
-        Column("loss_scaling", "`none`, `1/k`",
-               "each micro-step's loss as is, or divided by k"),
-        Column("sync", "`every-micro-step`, `no_sync`, `none`",
-               "DDP all-reduces after every micro-step, or under `no_sync()` for the first k-1; "
-               "DataParallel reduce-adds in every backward (`every-micro-step`: it has no "
-               "`no_sync`); one process has nothing to reduce (`none`)"),
-        Column("norm", "`none`, `batchnorm`, `groupnorm`, `syncbatchnorm`",
-               "normalization after the MLP's first layer (SyncBatchNorm: DDP on CUDA only)"),
-        Column("shards", "`even`, `uneven`, `tokens`",
-               "4 samples per device per micro-step; 2..6 samples varying by device and "
-               "micro-step; 4 sequences of 1..6 tokens each (one loss term per real token)"),
-        Column("loss_normalization", "`micro-batch-mean`, `window-total`",
-               "each micro-batch's loss is the mean over its own elements; or its sum divided by"
-               " the element count of the whole window on all devices (times DDP's world size, "
-               "undoing DDP's average)"),
-        Column("optimizer_steps", "steps",
-               "windows trained (2); the last is measured"),
-        Column("window_elements", "samples or tokens",
-               "loss terms in the measured window, all devices"),
-        Column("allreduce_calls", "calls per optimizer step",
-               "gradient all-reduces DDP issued in the measured window, counted by a "
-               "communication hook wrapping DDP's default all-reduce (empty for other "
-               "strategies)"),
-        Column("allreduce_bytes", "bytes per optimizer step",
-               "bytes those all-reduces carried"),
-        Column("reduce_add_calls", "calls per optimizer step",
-               "DataParallel's reduce-adds of replica gradients into device 0 (one per "
-               "backward), counted in the backward"),
-        Column("reduce_add_bytes", "bytes per optimizer step",
-               "gradient bytes sent by the replicas other than device 0"),
-        Column("full_batch_scale", "ratio",
-               "s in `g ~ s * g_big_batch`"),
-        Column("fit_residual", "ratio",
-               "`‖g - s·g_big_batch‖ / ‖g‖`"),
-        Column("relative_error", "ratio",
-               "`‖g - g_big_batch‖ / ‖g_big_batch‖`: how far off, scale included"),
-        Column("cumulative_scale", "ratio",
-               "g fitted against the *sum* of the big-batch gradients of every window so far "
-               "(what a never-zeroed gradient grows into)"),
-        Column("cumulative_residual", "ratio",
-               "residual of that fit"),
-        Column("verdict", "`matches`, `scaled`, `differs`",
-               "equal to the big batch within the tolerance; a pure multiple of it (s ≠ 1); not "
-               "a multiple at all"),
-        Column("rank_spread", "ratio",
-               "largest `‖g_rank - g_rank0‖ / ‖g_rank0‖` over the ranks: 0 when all agree"),
-    )
+    columns = COLUMNS
 
     def __init__(self, options: AccumulationOptions | None = None) -> None:
         super().__init__(options)
@@ -309,7 +251,9 @@ class AccumulationStudy(Study):
                    for w, shards in enumerate(data)]
         if not reports:
             return None
-        return [self._row(recipe, self._measurements(windows, trainer, run.rtol))]
+        measured = self._measurements(windows, trainer, run.rtol)
+        return [self._row(recipe, {**measured, **multiples(measured, recipe.accum_steps,
+                                                           run.rtol)})]
 
     # ------------------------------------------------------------ set-up
     @staticmethod
@@ -425,7 +369,8 @@ class AccumulationStudy(Study):
                    "reduce_add_bytes", "full_batch_scale", "fit_residual", "relative_error",
                    "cumulative_scale", "cumulative_residual", "rank_spread")
         row = {**asdict(recipe), "emulated": STRATEGIES[recipe.strategy].emulated,
-               "optimizer_steps": WINDOWS, **dict.fromkeys(numbers, math.nan), "verdict": ""}
+               "optimizer_steps": WINDOWS, **dict.fromkeys(numbers, math.nan), "verdict": "",
+               "full_batch_multiple": "", "cumulative_verdict": "", "cumulative_multiple": ""}
         row.update(measured)
         row["device"] = row_device(recipe.strategy)
         return row
@@ -438,3 +383,18 @@ class AccumulationStudy(Study):
                                   aggfunc=lambda v: "/".join(sorted(set(v))))
         return ("verdicts of the plain recipes over all world sizes and k (matches = equals the "
                 "big batch):\n" + table.to_string())
+
+
+def multiples(measured: dict[str, Any], k: int, rtol: float) -> dict[str, Any]:
+    """The verdict on the cumulative fit, and the named multiples of k that the last step's
+    and the cumulative scale equal (where their fit holds), from the measured fits."""
+    cumulative = equivalence_verdict(ScaleFit(measured["cumulative_scale"],
+                                              measured["cumulative_residual"]), rtol)
+    return {"cumulative_verdict": cumulative,
+            "full_batch_multiple": _multiple(measured["full_batch_scale"], measured["verdict"],
+                                             k, rtol),
+            "cumulative_multiple": _multiple(measured["cumulative_scale"], cumulative, k, rtol)}
+
+
+def _multiple(scale: float, verdict: Equivalence, k: int, rtol: float) -> str:
+    return "" if verdict == Equivalence.DIFFERS else named_multiple(scale, k, rtol)

@@ -17,6 +17,7 @@ Times vary from run to run: the sentences quote them as measured, and only
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harness.report.figures import COLOURS, MARKERS, new_figure
@@ -96,27 +97,29 @@ def _ddp_answer(rows: Rows) -> Answer | None:
 
 
 # ----------------------------------------------------------------- findings
-def _correctness(rows: Rows) -> Finding | None:
-    checked = rows.select(COLLECTIVE_ROWS)
-    if checked.empty:
-        return None
+def _on_collectives(say: Callable[[pd.DataFrame], str]) -> Callable[[Rows], Finding | None]:
+    """A finding on the collective benchmark's rows, citing them all; ``say`` words it."""
+    def part(rows: Rows) -> Finding | None:
+        checked = rows.select(COLLECTIVE_ROWS)
+        if checked.empty:
+            return None
+        return Finding(say(checked), rows.cite({}, COLLECTIVE_ROWS, len(checked)))
+    return part
+
+
+def _correctness(checked: pd.DataFrame) -> str:
     wrong = checked[checked["wrong"] != 0]
     where = (f"{words(ordered(checked, 'operation'))} at {_ranks(checked)}, "
              f"{size(checked['message_bytes'].min())} to {size(checked['message_bytes'].max())}")
     if wrong.empty:
-        text = (f"Every collective returned exactly the expected values: wrong = 0 in all "
+        return (f"Every collective returned exactly the expected values: wrong = 0 in all "
                 f"{count(len(checked), 'checked call')} ({where}).")
-    else:
-        text = (f"{len(wrong)} of {count(len(checked), 'checked call')} returned wrong elements "
-                f"({int(wrong['wrong'].sum())} in all; {where}): "
-                f"{cite_cases(wrong['case_id'].tolist())}.")
-    return Finding(text, rows.cite({}, COLLECTIVE_ROWS, len(checked)))
+    return (f"{len(wrong)} of {count(len(checked), 'checked call')} returned wrong elements "
+            f"({int(wrong['wrong'].sum())} in all; {where}): "
+            f"{cite_cases(wrong['case_id'].tolist())}.")
 
 
-def _peaks(rows: Rows) -> Finding | None:
-    checked = rows.select(COLLECTIVE_ROWS)
-    if checked.empty:
-        return None
+def _peaks(checked: pd.DataFrame) -> str:
     parts = []
     for operation in ordered(checked, "operation"):
         own = checked[checked["operation"] == operation]
@@ -126,9 +129,8 @@ def _peaks(rows: Rows) -> Finding | None:
                      f"{duration(best['time_s'])} per call)")
     context = words([f"{b} on {d}" for b, d in
                      dict.fromkeys(zip(checked["backend"], checked["device"], strict=True))])
-    text = (f"The highest bus bandwidth each collective reached ({context}, messages up to "
+    return (f"The highest bus bandwidth each collective reached ({context}, messages up to "
             f"{size(checked['message_bytes'].max())}): {words(parts)}.")
-    return Finding(text, rows.cite({}, COLLECTIVE_ROWS, len(checked)))
 
 
 def _latency(rows: Rows) -> Finding | None:
@@ -312,7 +314,8 @@ SECTION = Section(
            "vary from run to run."),
     columns=COLUMNS,
     answers=(_correctness_answer, _ddp_answer),
-    findings=(_correctness, _peaks, _latency, _ddp_cost, _dataparallel, _skipped),
+    findings=(_on_collectives(_correctness), _on_collectives(_peaks), _latency, _ddp_cost,
+              _dataparallel, _skipped),
     tables=(_collective_table, _step_table),
     figures=(_bandwidth_figure,),
 )

@@ -13,26 +13,20 @@
 from __future__ import annotations
 
 from harness.report import spec
-from harness.report.rows import is_true, ordered
+from harness.report.rows import is_true, labels, ordered
 from harness.report.text import code, count, integers, number, small, words
 
-COLUMNS = (
-    "experiment", "strategy", "world_size", "setting", "step", "parameter", "requires_grad",
-    "grad_is_none", "grad_norm", "zero_grad_fraction", "update_ratio", "grad_rank_spread",
-    "dead_relu_fraction", "output_requires_grad", "output_grad_fn", "bn_batch_mean",
-    "bn_batch_std", "running_stats_change", "steps_completed", "error",
-)
 SWEEP = "experiment == 'lr-sweep'"
 FROZEN = "experiment == 'frozen-layer'"
 DDP_FROZEN = f"{FROZEN} and world_size > 1"
 
 
-def _outcome(rows, rtol) -> str:
+def _outcome(rows) -> str:
     """How a DDP setting ran: steps, the error that stopped it, whether the ranks averaged."""
     errors, steps = rows["error"].dropna(), count(int(rows["steps_completed"].max()), "step")
-    spread = rows["grad_rank_spread"].max()
-    averaged = ("no gradient to compare across the ranks" if spread != spread else
-                "every gradient averaged over the ranks" if spread <= rtol else
+    averaged = set(labels(rows, "grads_averaged")) - {""}
+    averaged = ("no gradient to compare across the ranks" if not averaged else
+                "every gradient averaged over the ranks" if averaged == {"True"} else
                 "the ranks' gradients of the last step not averaged")
     ran = f"stopped after {steps} with {errors.iloc[0]}" if len(errors) else f"completed {steps}"
     return f"{ran}, {averaged}"
@@ -40,22 +34,19 @@ def _outcome(rows, rtol) -> str:
 
 def _derive(ok, rtol):
     ddp = ok.query(DDP_FROZEN)
-    outcomes = {s: _outcome(r, rtol) for s, r in ddp.groupby("setting", sort=False)}
+    outcomes = {s: _outcome(r) for s, r in ddp.groupby("setting", sort=False)}
     return ok.assign(outcome=ok["setting"].map(outcomes).where(ok.index.isin(ddp.index), ""))
 
 
 def _collapses(sweep) -> list[dict]:
     """Per learning rate: the parameters whose gradient was exactly 0 from some step to the last
-    reported one, from which step (for all of them), and the first step with a dead ReLU layer."""
+    reported one (the study's ``zero_since``), from which step (for all of them), and the first
+    step with a dead ReLU layer."""
     found = []
     for setting, rows in sweep.groupby("setting", sort=False):
-        since = {}
-        for parameter, of in rows.sort_values("step").groupby("parameter", sort=False):
-            alive = of.loc[of["zero_grad_fraction"] < 1, "step"]
-            later = of.loc[of["step"] > (alive.max() if len(alive) else -1), "step"]
-            if len(later):
-                since[parameter] = int(later.min())
-        dead = rows[rows["dead_relu_fraction"] == 1].sort_values("step")
+        since = rows.dropna(subset=["zero_since"]).groupby("parameter", sort=False)["zero_since"]
+        since = {parameter: int(step) for parameter, step in since.first().items()}
+        dead = rows[is_true(rows["relu_dead"])].sort_values("step")
         found.append({"setting": setting, "rows": rows, "zeroed": tuple(since),
                       "from": max(since.values(), default=None),
                       "dead": f", the ReLU after {code(dead['parameter'].iloc[0].rsplit('.')[0])} "
@@ -63,7 +54,9 @@ def _collapses(sweep) -> list[dict]:
     return found
 
 
-def _sweep_findings(rows) -> list[spec.Finding]:
+def _sweep(rows) -> list:
+    """Per group of learning rates that killed the same gradients, when; the ones that did
+    not; and the answer they make."""
     sweep, findings = rows.select(SWEEP), []
     collapses, parameters = _collapses(sweep), ordered(sweep, "parameter")
     for zeroed in dict.fromkeys(c["zeroed"] for c in collapses if c["zeroed"]):
@@ -89,19 +82,11 @@ def _sweep_findings(rows) -> list[spec.Finding]:
             f"dead_relu_fraction {number(kept['dead_relu_fraction'].max())} over steps "
             f"{integers(kept['step'])}).", rows.cite({"setting": ", ".join(alive)}, SWEEP,
                                                      len(kept))))
-    return findings
-
-
-def _sweep_answer(rows) -> spec.Answer | None:
-    collapses = _collapses(rows.select(SWEEP))
-    if not collapses:
-        return None
     dead = [f"{c['setting']}: exactly 0 from step {c['from']}" for c in collapses if c["zeroed"]]
-    alive = [c["setting"] for c in collapses if not c["zeroed"]]
-    steps = integers(rows.select(SWEEP)["step"])
-    return spec.Answer("Which learning rates kill the ReLU MLP's gradients?",
-                       "; ".join(dead) or "none", f"{len(collapses)} learning rates, steps {steps}",
-                       f"{words(alive)} kept every gradient alive" if alive else "")
+    return findings + [spec.Answer(
+        "Which learning rates kill the ReLU MLP's gradients?", "; ".join(dead) or "none",
+        f"{len(collapses)} learning rates, steps {integers(sweep['step'])}",
+        f"{words(alive)} kept every gradient alive" if alive else "")] if collapses else []
 
 
 def _frozen_answer(rows) -> spec.Answer | None:
@@ -130,7 +115,7 @@ def _shade_dead(axis, rows) -> list:
     """Grey from the first reported step with a dead ReLU layer to the panel's right edge."""
     from matplotlib.patches import Patch
 
-    dead = rows.loc[rows["dead_relu_fraction"] == 1, "step"]
+    dead = rows.loc[is_true(rows["relu_dead"]), "step"]
     if len(dead):
         steps = sorted(rows["step"].unique())
         before = [s for s in steps if s < dead.min()]
@@ -141,8 +126,8 @@ def _shade_dead(axis, rows) -> list:
 
 
 def _modes(row) -> str:
-    change = row["running_stats_change"]
-    stats = "changed" if change > 0 else "stayed unchanged" if change == 0 else "not measured"
+    change, changed = row["running_stats_change"], str(row["running_stats_changed"])
+    stats = {"True": "changed", "False": "stayed unchanged"}.get(changed, "not measured")
     return (f"in {code(row['setting'])} its output had bn_batch_mean {small(row['bn_batch_mean'])}"
             f" and bn_batch_std {number(row['bn_batch_std'])}, its running statistics {stats} "
             f"(running_stats_change {small(change)}) and backward() {_backward(row)}")
@@ -173,14 +158,13 @@ SECTION = spec.Section(
            "layer (one process: `requires_grad=False`, yet given to the optimizer; DDP: frozen, "
            "or unused in `forward`), BatchNorm in `train()` and `eval()`, and "
            "`torch.no_grad()`."),
-    columns=COLUMNS, derive=_derive,
-    answers=(_sweep_answer, _frozen_answer),
+    derive=_derive,
+    answers=(_sweep, _frozen_answer),
     findings=(
-        _sweep_findings,
         spec.Verdicts(column="frozen", per=("strategy", "setting"), unit="row",
                       where=f"{FROZEN} and world_size == 1", qualify=("parameter",),
-                      classify=lambda r, rtol: (is_true(r["grad_is_none"])
-                                                & (r["update_ratio"] == 0)).astype(str),
+                      classify=lambda r, rtol: (is_true(r["grad_is_none"]) & (labels(
+                          r, "parameter_moved") == "False")).astype(str),
                       subject="With {strategy} and `{setting}`, a parameter",
                       phrases=spec.yes_no("kept .grad None and did not move (update_ratio 0)",
                                           "trained"),

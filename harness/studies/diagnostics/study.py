@@ -44,14 +44,11 @@ from harness.errors import first_sentence
 from harness.seeding import generator_for
 from harness.strategies import ddp
 from harness.strategies.common import flat_grad, relative_spread
-from harness.studies.base import Case, Column, Study
-from harness.studies.training.study import (
-    Digits,
-    TrainingSetup,
-    build_model,
-    ddp_world_sizes,
-    seeded_init,
-)
+from harness.studies.base import Case, Study
+from harness.studies.diagnostics.schema import COLUMNS
+from harness.studies.training.data import Digits
+from harness.studies.training.model import TrainingSetup, build_model, seeded_init
+from harness.studies.training.study import ddp_world_sizes
 
 STRATEGIES = ("local", "ddp")
 EXPERIMENTS = ("lr-sweep", "frozen-layer", "train-vs-eval", "no-grad")
@@ -134,8 +131,35 @@ def _blank_row(case: Case, setting: str) -> dict[str, Any]:
         "grad_rank_spread": math.nan, "dead_relu_fraction": math.nan, "loss": math.nan,
         "output_requires_grad": None, "output_grad_fn": "", "bn_batch_mean": math.nan,
         "bn_batch_std": math.nan, "running_stats_change": math.nan,
-        "steps_completed": None, "error": "", "status": "ok",
+        "steps_completed": None, "error": "", "parameter_moved": None, "relu_dead": None,
+        "zero_since": None, "grads_averaged": None, "running_stats_changed": None, "status": "ok",
     }
+
+
+def judged_row(row: dict[str, Any], rtol: float) -> dict[str, Any]:
+    """The verdicts on a row's numbers; each empty where its number was not measured."""
+    def judged(value: float, verdict) -> bool | None:
+        return None if value is None or math.isnan(value) else bool(verdict(value))
+
+    return {"parameter_moved": judged(row["update_ratio"], lambda v: v > 0),
+            "relu_dead": judged(row["dead_relu_fraction"], lambda v: v == 1),
+            "grads_averaged": judged(row["grad_rank_spread"], lambda v: v <= rtol),
+            "running_stats_changed": judged(row["running_stats_change"], lambda v: v > 0)}
+
+
+def with_zero_since(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each parameter's rows with ``zero_since``: the first reported step from which its
+    gradient was exactly 0 at every reported step to the last (None if not 0 at the last)."""
+    since: dict[str, int] = {}
+    alive: set[str] = set()
+    # Back from the last step: a parameter's run of exact zeros ends at its last live gradient.
+    for row in sorted(rows, key=lambda r: -r["step"]):
+        name = row["parameter"]
+        if name in alive or row["zero_grad_fraction"] != 1:
+            alive.add(name)
+        else:
+            since[name] = row["step"]
+    return [{**row, "zero_since": since.get(row["parameter"])} for row in rows]
 
 
 def _stats_columns(stats: GradientStats) -> dict[str, Any]:
@@ -153,58 +177,7 @@ class DiagnosticsStudy(Study):
     summary = ("seed 002's gradient debugging as measurements: a learning-rate sweep that "
                "kills ReLUs, frozen layers (also under DDP), train() vs eval(), no_grad()")
     example = "torchrun --standalone --nproc_per_node=2 scripts/study.py --studies diagnostics"
-    columns = (
-        Column("experiment", "`lr-sweep`, `frozen-layer`, `train-vs-eval`, `no-grad`",
-               "which question (above)"),
-        Column("strategy", "",
-               "`local` at 1, or `ddp` at k"),
-        Column("world_size", "",
-               "`local` at 1, or `ddp` at k"),
-        Column("setting", "text",
-               "the variant: `lr=10`, `middle frozen (requires_grad=False)`, `middle unused, "
-               "find_unused_parameters=False`, `train()`, `torch.no_grad()`, ..."),
-        Column("step", "optimizer steps",
-               "the step the row describes (DDP: the last completed step)"),
-        Column("parameter", "name",
-               "the parameter (`input.weight`, ...); `(all)`: all gradients as one vector"),
-        Column("requires_grad", "bool",
-               "the parameter's flag (`(all)`: every parameter's)"),
-        Column("grad_is_none", "bool",
-               "`.grad` is None: no backward reached it (`(all)`: none reached any)"),
-        Column("grad_norm", "gradient",
-               "`‖.grad‖` before the update; empty when None"),
-        Column("zero_grad_fraction", "fraction",
-               "entries of `.grad` exactly 0"),
-        Column("update_ratio", "ratio",
-               "`‖w_after - w_before‖ / ‖w_before‖` of that step's update (`local` only): 0 "
-               "means the weight did not move"),
-        Column("grad_rank_spread", "ratio",
-               "DDP: largest `‖grad_rank - grad_rank0‖ / ‖grad_rank0‖`: 0 after an all-reduce, >"
-               " 0 when the ranks' gradients were never averaged"),
-        Column("dead_relu_fraction", "fraction",
-               "units of the ReLU this parameter's layer feeds (`input` → first, `middle` → "
-               "second) that output 0 for every sample of the step's batch; empty for the output"
-               " layer"),
-        Column("loss", "cross-entropy",
-               "the step's loss (DDP: rank 0's shard)"),
-        Column("output_requires_grad", "bool",
-               "`no-grad`: whether the loss tensor requires grad"),
-        Column("output_grad_fn", "text",
-               "`no-grad`: class of the loss's `grad_fn` (e.g. `NllLossBackward0`); empty: no "
-               "graph"),
-        Column("bn_batch_mean", "activation",
-               "`train-vs-eval`: mean over channels of \\|channel mean\\| of the first BatchNorm's"
-               " output on the batch (0: normalized with batch statistics)"),
-        Column("bn_batch_std", "activation",
-               "the mean channel standard deviation of that output (1 in train mode at the "
-               "initial identity affine)"),
-        Column("running_stats_change", "ratio",
-               "relative change of that BatchNorm's running mean and variance during the forward"),
-        Column("steps_completed", "steps",
-               "steps that ran before an error (DDP) or in all"),
-        Column("error", "text",
-               "the exception a step raised (`Type: first sentence`); empty when none"),
-    )
+    columns = COLUMNS
 
     def __init__(self, options=None, setup: DiagnosticsSetup | None = None) -> None:
         super().__init__(options)
@@ -228,6 +201,10 @@ class DiagnosticsStudy(Study):
         return cases
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
+        rows = self._measure(case, run)
+        return None if rows is None else [{**row, **judged_row(row, run.rtol)} for row in rows]
+
+    def _measure(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         experiment = case["experiment"]
         if case["strategy"] == "ddp":
             return self._ddp_frozen_layer(case, run)
@@ -261,7 +238,7 @@ class DiagnosticsStudy(Study):
                 with recorder.step(step, loss=float(loss.detach()), dead=dict(dead)):
                     optimizer.step()
         reported = [r for r in recorder.rows if r["step"] in setup.reported_steps]
-        return [self._sweep_row(case, f"lr={lr:g}", r) for r in reported]
+        return with_zero_since([self._sweep_row(case, f"lr={lr:g}", r) for r in reported])
 
     @staticmethod
     def _sweep_row(case: Case, setting: str, recorded: dict[str, Any]) -> dict[str, Any]:

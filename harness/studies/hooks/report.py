@@ -10,14 +10,16 @@ here because every one of its rows is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from harness.report import spec
 from harness.report.figures import COLOURS
-from harness.report.rows import named_ratio, ordered
+from harness.report.rows import ordered
 from harness.report.text import count, integers, number, small, span, strategy_name, table, words
 from harness.studies.hooks.measure import HookVerdict
+from harness.tolerances import close
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,6 +41,27 @@ SCALE_FIXES = {"k": "divide by k once (as the exact variants do)",
                "1/k": "divide by k once, not twice"}
 #: Verdicts whose error is not a scale: the figure draws their variants.
 ERRING = (HookVerdict.COMPRESSED, HookVerdict.DIFFERS)
+
+
+#: Ratios a sentence can name instead of listing numbers, as functions of k.
+#: Checked in this order: at k = 1 all three coincide and "1" is the plain word for it.
+NAMED_RATIOS = {"1": lambda k: 1.0, "1/k": lambda k: 1.0 / k, "k": lambda k: float(k)}
+
+
+
+def named_ratio(ks: Iterable[float], values: Iterable[float], rtol: float
+                ) -> tuple[str | None, float]:
+    """The name ("1", "1/k" or "k") every value equals within ``rtol``, and the largest deviation.
+
+    None (and NaN) when no single name fits every (k, value) pair.
+    """
+    pairs = list(zip(ks, values, strict=True))
+    for name, ratio in NAMED_RATIOS.items():
+        expected = [ratio(k) for k, _ in pairs]
+        if pairs and all(not math.isnan(v) and close(v, e, rtol)
+                         for (_, v), e in zip(pairs, expected, strict=True)):
+            return name, max(abs(v - e) for (_, v), e in zip(pairs, expected, strict=True))
+    return None, math.nan
 
 
 # ------------------------------------------------------------------ grouping

@@ -1,5 +1,7 @@
-"""The reduction study: see study.py (measurement) and report.py (its report section)."""
+"""The reduction study: see study.py (measurement), schema.py (its columns) and
+report.py (its report section)."""
 
-from harness.studies.reduction.study import ReductionStudy as STUDY
+from harness.studies import lazy_study
 
-__all__ = ["STUDY"]
+__getattr__ = lazy_study(__name__, "ReductionStudy")
+__all__ = ["STUDY"]  # noqa: F822 -- lazy_study provides it

@@ -12,15 +12,18 @@ from harness.report import spec
 from harness.report.text import count, integers, small, words
 from harness.verdicts import Equivalence, Reduction
 
-COLUMNS = (
-    "strategy", "world_size", "model", "loss_reduction", "devices_used", "rank_weight",
-    "rank_weight_residual", "full_batch_scale", "full_batch_residual", "verdict",
-    "full_batch_verdict", "reduce_weight", "reduce_op", "rank_spread", "running_stats_vs_full",
-    "running_stats_vs_first_shard",
-)
 MULTI = "devices_used >= 2"
 DIFFERS = Equivalence.DIFFERS
-SCALE = spec.ratio("full_batch_scale", "devices_used")
+#: The weight of k devices' sum each reduction verdict names, as a multiple of k.
+MULTIPLE = {Reduction.MEAN: "1/k", Reduction.SUM: "1", Reduction.SUM_EQUALS_MEAN: "1"}
+SCALE = spec.ratio("full_batch_scale", "full_batch_multiple", "devices_used")
+REDUCE = spec.ratio("reduce_weight", "reduce_multiple", "devices_used")
+
+
+def _derive(ok, rtol):
+    """The multiples of k the reduction verdicts name, for sentences to say."""
+    return ok.assign(rank_multiple=ok["verdict"].map(MULTIPLE).fillna(""),
+                     reduce_multiple=ok["reduce_op"].map(MULTIPLE).fillna(""))
 
 
 def _scale_answers(rows) -> list[spec.Answer]:
@@ -28,11 +31,11 @@ def _scale_answers(rows) -> list[spec.Answer]:
     answers = []
     for values, group in rows.groups(("loss_reduction",), MULTI):
         misfit = group["full_batch_verdict"] == DIFFERS
-        found, deviation = spec.ratios(group[~misfit], "full_batch_scale", "devices_used",
-                                       rows.rtol, "strategy", "model")
+        found = spec.multiples(group[~misfit], "full_batch_multiple", "devices_used",
+                               "strategy", "model")
         answer, evidence = spec.ratio_words(found), (
             f"{count(len(group), 'case')}, k = {integers(group['devices_used'])}; largest "
-            f"deviation {small(deviation)}")
+            f"full_batch_residual {small(group.loc[~misfit, 'full_batch_residual'].max())}")
         if misfit.any():
             misfits = group[misfit]
             answer += f"; no multiple for {words(misfits['model'].unique().tolist())}"
@@ -44,7 +47,7 @@ def _scale_answers(rows) -> list[spec.Answer]:
 
 
 def _weights_title(data, rtol) -> str:
-    found, _ = spec.ratios(data.query(MULTI), "rank_weight", "devices_used", rtol, "strategy",
+    found = spec.multiples(data.query(MULTI), "rank_multiple", "devices_used", "strategy",
                            "loss_reduction")
     return f"rank_weight = param.grad / Σ own-shard gradients: {spec.ratio_words(found)}"
 
@@ -64,10 +67,10 @@ SECTION = spec.Section(
            "(`rank_weight`: 1/k averaged, 1 summed) and against one device's gradient of the "
            "whole batch (`full_batch_scale`: 1 = the big batch). k in the findings is the "
            "number of devices that computed (`devices_used`)."),
-    columns=COLUMNS,
+    derive=_derive,
     answers=(
         spec.VerdictAnswer(question="{strategy}: summed or averaged?", column="reduce_op",
-                           where=MULTI, evidence=spec.ratio("reduce_weight", "devices_used"),
+                           where=MULTI, evidence=REDUCE,
                            answers={Reduction.MEAN: "averaged (÷ k)", Reduction.SUM: "summed",
                                     Reduction.OTHER: "neither"}),
         _scale_answers,
@@ -79,27 +82,26 @@ SECTION = spec.Section(
                                Reduction.SUM: "summed what its devices fed it",
                                Reduction.OTHER: "neither summed nor averaged what its devices "
                                                 "fed it"},
-                      detail=spec.ratio("reduce_weight", "devices_used")),
+                      detail=REDUCE),
         spec.Verdicts(column="verdict", where=MULTI, qualify=("loss_reduction",),
                       subject="Against the sum of each device's gradient of its own shard with "
                               "the same loss, {strategy}'s param.grad was",
                       phrases={Reduction.MEAN: "their mean", Reduction.SUM: "their sum",
                                Reduction.OTHER: "neither their sum nor their mean"},
-                      detail=spec.ratio("rank_weight", "devices_used")),
+                      detail=spec.ratio("rank_weight", "rank_multiple", "devices_used")),
         spec.Verdicts(column="full_batch_verdict", per=("strategy", "loss_reduction"),
                       where=MULTI, qualify=("model",), phrases=spec.BIG_BATCH,
                       subject="With a {loss_reduction} loss, {strategy}'s param.grad",
                       detail={Equivalence.MATCHES: SCALE, Equivalence.SCALED: SCALE,
                               DIFFERS: spec.spread("full_batch_residual")}),
-        spec.Verdicts(column="stats", classify=spec.within("running_stats_vs_first_shard"),
+        spec.Verdicts(column="running_stats_from_first_shard",
                       where=f"{MULTI} and running_stats_vs_full.notna()",
                       subject="With BatchNorm, {strategy}'s running statistics after the step",
                       phrases=spec.yes_no("equalled one forward pass's over the first device's "
                                           "shard alone", "differed from the first shard's"),
                       detail=spec.joined(spec.largest("running_stats_vs_first_shard"),
                                          spec.spread("running_stats_vs_full"))),
-        spec.Verdicts(column="rank_spread", classify=spec.within("rank_spread"),
-                      where=f"{MULTI} and strategy in ['ddp', 'fsdp']",
+        spec.Verdicts(column="ranks_agree", where=f"{MULTI} and strategy in ['ddp', 'fsdp']",
                       subject="The ranks of {strategy}", detail=spec.largest("rank_spread"),
                       phrases=spec.yes_no("held the same param.grad after the step",
                                           "held different param.grad after the step")),

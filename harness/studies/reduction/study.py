@@ -36,7 +36,8 @@ from harness.strategies import (
 )
 from harness.strategies.common import StepMeasurement, StepSpec
 from harness.strategies.local import local_gradient, per_device_gradients, running_stats_after
-from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
+from harness.studies.base import Case, Study, named_multiple
+from harness.studies.reduction.schema import COLUMNS
 from harness.tasks import (
     LOSS_REDUCTIONS,
     Batch,
@@ -45,6 +46,7 @@ from harness.tasks import (
     make_shards,
     task_by_name,
 )
+from harness.verdicts import Equivalence
 
 #: The strategies this study runs, in row order.
 SUPPORTED = ("ddp", "fsdp", "dp-emulated", "dp")
@@ -79,55 +81,7 @@ class ReductionStudy(Study):
                "or the mean over devices, and does it equal the big-batch gradient?")
     example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"
     Options = ReductionOptions
-    columns = (
-        STRATEGY,
-        EMULATED,
-        WORLD_SIZE,
-        Column("model", "`toy`, `mlp`, `mlp-batchnorm`, `loss-in-forward`",
-               "seed 001's model (output x (device + 1)); a 4-8-2 MLP whose inputs come from a "
-               "different distribution on each device; the same with BatchNorm; the MLP "
-               "returning its own mean loss from `forward` (DataParallel only)"),
-        Column("loss_reduction", "`mean`, `sum`",
-               "reduction of the loss terms; for `loss-in-forward`, of the per-device loss "
-               "vector DataParallel gathers"),
-        Column("shard_sizes", "samples, `;`-separated",
-               "samples given to each device"),
-        Column("devices_used", "devices",
-               "devices that computed (DataParallel uses fewer than asked when the batch is "
-               "small)"),
-        Column("chunk_sizes", "samples, `;`-separated",
-               "samples each used device computed on"),
-        Column("rank_weight", "ratio",
-               "w in `g ~ w * sum_r g_r`"),
-        Column("rank_weight_residual", "ratio",
-               "`‖g - w·sum_r g_r‖ / ‖g‖`"),
-        Column("full_batch_scale", "ratio",
-               "s in `g ~ s * g_full`"),
-        Column("full_batch_residual", "ratio",
-               "`‖g - s·g_full‖ / ‖g‖`"),
-        Column("fit_residual", "ratio",
-               "the larger of the two residuals"),
-        Column("verdict", "`mean`, `sum`, `sum=mean`, `other`",
-               "what w says, within the tolerance: `mean` for w = 1/k, `sum` for w = 1, "
-               "`sum=mean` at k = 1 where the two coincide, `other` when no such w fits"),
-        Column("full_batch_verdict", "`matches`, `scaled`, `differs`",
-               "what s says, within the tolerance: `matches` for s = 1 (the big batch exactly), "
-               "`scaled` for another pure multiple, `differs` when no multiple fits"),
-        Column("reduce_weight", "ratio",
-               "g fitted against the sum of what each device *fed into the reduction* (DDP: each"
-               " rank's local gradient, taken under `no_sync`; FSDP: each rank's gradient of its"
-               " own shard, computed once more without FSDP, which keeps it internal; "
-               "DataParallel: each replica's gradient of the gathered loss)"),
-        Column("reduce_op", "as `verdict`",
-               "the collective's own operation, read from `reduce_weight`"),
-        Column("rank_spread", "ratio",
-               "largest `‖g_rank - g_rank0‖ / ‖g_rank0‖` over the ranks: 0 when all agree"),
-        Column("running_stats_vs_full", "ratio",
-               "BatchNorm running mean/var after the step vs after one forward of the whole "
-               "batch (relative distance; empty without BatchNorm)"),
-        Column("running_stats_vs_first_shard", "ratio",
-               "the same vs one forward of the first device's shard alone"),
-    )
+    columns = COLUMNS
 
     def cases(self, run: RunContext) -> list[Case]:
         cases = []
@@ -192,6 +146,7 @@ def _skipped_row(case: Case, shard_sizes: str, reason: str) -> dict[str, Any]:
                "running_stats_vs_full", "running_stats_vs_first_shard")
     return {**_identity(case, shard_sizes), **dict.fromkeys(numbers, math.nan),
             "chunk_sizes": "", "verdict": "", "full_batch_verdict": "", "reduce_op": "",
+            "full_batch_multiple": "", "ranks_agree": None, "running_stats_from_first_shard": None,
             "status": reason,
             "device": row_device(case["strategy"])}
 
@@ -236,18 +191,28 @@ def _analyse(spec: StepSpec, m: StepMeasurement, rtol: float) -> dict[str, Any]:
     scale = fit_scale(grad, full)
     reduce = fit_scale(grad, torch.stack(m.contributions).sum(0))
     vs_full, vs_first = _running_stats_errors(spec, m.buffers, chunks)
+    big_batch = equivalence_verdict(scale, rtol)
     return {
         "devices_used": m.devices_used, "chunk_sizes": _join(m.chunk_sizes),
         "rank_weight": weight.scale, "rank_weight_residual": weight.residual,
         "full_batch_scale": scale.scale, "full_batch_residual": scale.residual,
         "fit_residual": max(weight.residual, scale.residual),
         "verdict": reduction_verdict(weight, m.devices_used, rtol),
-        "full_batch_verdict": equivalence_verdict(scale, rtol),
+        "full_batch_verdict": big_batch,
         "reduce_weight": reduce.scale,
         "reduce_op": reduction_verdict(reduce, m.devices_used, rtol),
         "rank_spread": m.rank_spread,
         "running_stats_vs_full": vs_full, "running_stats_vs_first_shard": vs_first,
+        "full_batch_multiple": "" if big_batch == Equivalence.DIFFERS
+        else named_multiple(scale.scale, m.devices_used, rtol),
+        "ranks_agree": within_tolerance(m.rank_spread, rtol),
+        "running_stats_from_first_shard": within_tolerance(vs_first, rtol),
     }
+
+
+def within_tolerance(distance: float, rtol: float) -> bool | None:
+    """A distance judged against the tolerance; None (empty) where it was not measured."""
+    return None if math.isnan(distance) else distance <= rtol
 
 
 def _device_chunks(spec: StepSpec, m: StepMeasurement) -> list[Batch]:

@@ -21,6 +21,7 @@ times the first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,8 @@ from harness.strategies import (
     unavailable_reason,
 )
 from harness.strategies.common import StepMeasurement, StepSpec
-from harness.studies.base import EMULATED, STRATEGY, WORLD_SIZE, Case, Column, Study
+from harness.studies.base import Case, Study
+from harness.studies.seed001.schema import COLUMNS
 from harness.tasks import LOSS_REDUCTIONS, Batch, ToyTask
 from harness.tolerances import close
 
@@ -121,51 +123,27 @@ def seed_printed(case: Case, iteration: int) -> float | None:
     return SEED_PRINTED.get((case["experiment"], case["world_size"], iteration))
 
 
+def printed_explained(printed: float | None, measured: float, setup: SeedSetup, case: Case,
+                       iteration: int, rtol: float) -> dict[str, Any]:
+    """Where the seed printed a number: is it the other loss's w.grad, or n passes' worth?"""
+    if printed is None:
+        return {"printed_ratio": math.nan, "printed_other_loss": None, "printed_passes": None}
+    other = "sum" if case["loss_reduction"] == "mean" else "mean"
+    other_grad, _ = predict(setup, case["strategy"], case["world_size"], other, iteration)
+    passes = round(printed / measured) if measured else 0
+    return {"printed_ratio": printed / measured if measured else math.nan,
+            "printed_other_loss": close(printed, other_grad, rtol),
+            "printed_passes": passes if passes > 1 and close(printed, passes * measured, rtol)
+            else None}
+
+
 class Seed001Study(Study):
     name = "seed001"
     summary = ("seed 001's DataParallel experiments with its exact tensors: measured w.grad "
                "next to the first-principles value and its arithmetic")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies seed001 "
                "--strategies dp-emulated,ddp")
-    columns = (
-        STRATEGY,
-        EMULATED,
-        Column("experiment", "`1-per-device-factor`, `2-distinct-samples`, `3-no-zero-grad`",
-               "the seed's experiment"),
-        WORLD_SIZE,
-        Column("devices_used", "devices",
-               "devices that computed (DataParallel uses fewer than asked when the batch is "
-               "small)"),
-        Column("loss_reduction", "`mean`, `sum`",
-               "reduction of the loss terms; for `loss-in-forward`, of the per-device loss "
-               "vector DataParallel gathers"),
-        Column("iteration", "backward passes",
-               "passes so far without `zero_grad` (1 except in experiment 3)"),
-        Column("measured_grad", "gradient",
-               "the (common) entry of `w.grad`, measured"),
-        Column("measured_grad_spread", "gradient",
-               "max - min over the entries (0: all equal)"),
-        Column("predicted_grad", "gradient",
-               "the entry first principles predict"),
-        Column("formula", "text",
-               "the arithmetic of the prediction: `a*f` per sample (input value times device "
-               "factor), `/B` for a mean loss, `/k` for DDP's and FSDP's average"),
-        Column("abs_error", "gradient",
-               "`|measured - predicted|`"),
-        Column("matches", "bool",
-               "equal within the float tolerance"),
-        Column("contributions_combination", "`sum`, `mean`, `neither`, `unrecorded`",
-               "what `measured_grad` is of `device_contributions` (first pass), within the "
-               "tolerance, judged on the unrounded float64 values"),
-        Column("seed_printed", "gradient",
-               "the number the seed printed for this case (DataParallel, mean loss: experiment "
-               "1 at k = 2, experiments 2 and 3 at k = 1); empty where it printed nothing"),
-        Column("matches_seed", "bool",
-               "`measured_grad` equals `seed_printed` within the tolerance; empty where the "
-               "seed printed nothing"),
-        Column("device_contributions", "gradient, `;`-separated",
-               "what each device fed into the reduction during the first pass"),
-    )
+    columns = COLUMNS
 
     def cases(self, run: RunContext) -> list[Case]:
         return [Case.of(self.name, participants=STRATEGIES[strategy].participants(k),
@@ -202,6 +180,7 @@ class Seed001Study(Study):
                                      case["loss_reduction"], t + 1)
         measured = float(grad.mean())
         printed = seed_printed(case, t + 1)
+        first = float(m.grads[0].to(torch.float64).mean())
         return {
             **self._identity(case, t + 1), "devices_used": m.devices_used,
             "measured_grad": measured, "measured_grad_spread": float(grad.max() - grad.min()),
@@ -214,6 +193,9 @@ class Seed001Study(Study):
             "seed_printed": printed,
             "matches_seed": None if printed is None else close(measured, printed, run.rtol),
             "device_contributions": ";".join(f"{float(c.mean()):g}" for c in m.contributions),
+            "pass_ratio": measured / first,
+            "accumulates": close(measured / first, t + 1, run.rtol),
+            **printed_explained(printed, measured, setup, case, t + 1, run.rtol),
             "status": "ok", "device": row_device(case["strategy"]),
         }
 
@@ -229,7 +211,8 @@ class Seed001Study(Study):
                 "measured_grad_spread": nan, "predicted_grad": nan, "formula": "",
                 "abs_error": nan, "matches": False, "contributions_combination": "",
                 "seed_printed": seed_printed(case, iteration), "matches_seed": None,
-                "device_contributions": "",
+                "device_contributions": "", "pass_ratio": nan, "accumulates": None,
+                "printed_ratio": nan, "printed_other_loss": None, "printed_passes": None,
                 "status": reason, "device": row_device(case["strategy"])}
 
     def summary_table(self, frame) -> str:

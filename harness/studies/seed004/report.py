@@ -12,12 +12,6 @@ from __future__ import annotations
 from harness.report import spec
 from harness.report.rows import ordered
 from harness.report.text import code, number, small, words
-from harness.tolerances import close
-
-COLUMNS = (
-    "method", "event", "batch", "loss_divisor", "quantity", "measured", "predicted", "formula",
-    "abs_error", "matches", "seed_printed", "matches_seed",
-)
 
 
 def _derive(ok, rtol):
@@ -37,41 +31,28 @@ def _described(ok, method: str) -> str:
     return f"{method} ({' then '.join(passes['batch'].astype(str))}, {each} divided by {divisors})"
 
 
-def _compared(rows):
-    """The first two methods after their last call, quantity by quantity: the same value or
-    not, the calls, the largest difference."""
+def _big_batch(rows) -> tuple[spec.Finding, spec.Answer] | None:
+    """The first two methods after their last call, quantity by quantity: the same value as
+    the big batch's or not (the study's ``equals_big_batch``), and the largest difference."""
     methods = ordered(rows.ok, "method")[:2]
     last = rows.select("last_call")
     lasts = [last[last["method"] == method] for method in methods]
     if len(methods) < 2 or any(last.empty for last in lasts):
         return None
     paired = lasts[0].merge(lasts[1], on="quantity", suffixes=("", "_other"))
-    clauses = [f"the same {r['name']} = {number(r['measured'])}"
-               if close(r["measured"], r["measured_other"], rows.rtol) else
-               f"a different {r['name']}: {number(r['measured'])} against "
-               f"{number(r['measured_other'])}" for r in paired.to_dict("records")]
+    said = words([f"the same {r['name']} = {number(r['measured'])}"
+                  if str(r["equals_big_batch"]) == "True" else
+                  f"a different {r['name']}: {number(r['measured'])} against "
+                  f"{number(r['measured_other'])}" for r in paired.to_dict("records")])
     events = " / ".join(dict.fromkeys([paired["event"].iloc[0], paired["event_other"].iloc[0]]))
-    return methods, words(clauses), events, small((paired["measured"]
-                                                   - paired["measured_other"]).abs().max())
-
-
-def _big_batch_finding(rows) -> spec.Finding | None:
-    if (compared := _compared(rows)) is None:
-        return None
-    methods, said, events, gap = compared
+    gap = small(paired["big_batch_difference"].abs().max())
     text = (f"In seed 004's one-weight model, {_described(rows.ok, methods[0])} and "
             f"{_described(rows.ok, methods[1])} left {said} after {code(events)} (largest "
             f"difference {gap}).")
-    return spec.Finding(text, rows.cite({}, f"event == {events} and method in {methods}",
-                                        len(rows.select("last_call"))))
-
-
-def _answer(rows) -> spec.Answer | None:
-    if (compared := _compared(rows)) is None:
-        return None
-    methods, said, events, gap = compared
-    return spec.Answer(f"Seed 004: does {methods[0]} leave what {methods[1]} does?", said,
-                       f"after {events}; largest difference {gap}")
+    return (spec.Finding(text, rows.cite({}, f"event == {events} and method in {methods}",
+                                         len(last))),
+            spec.Answer(f"Seed 004: does {methods[0]} leave what {methods[1]} does?", said,
+                        f"after {events}; largest difference {gap}"))
 
 
 def _read_values(rows, rtol) -> str:
@@ -102,10 +83,9 @@ SECTION = spec.Section(
            "loss divided by 2, then one `step()` (`accumulation`, the seed's), against one "
            "backward of the mean loss over [4.0, 2.0] (`big-batch`). Predictions are exact "
            "rational arithmetic, rounded once."),
-    columns=COLUMNS, derive=_derive, terms={"last_call": "the last call of each method"},
-    answers=(_answer,),
+    derive=_derive, terms={"last_call": "the last call of each method"},
     findings=(
-        _big_batch_finding,
+        _big_batch,
         spec.Verdicts(column="matches", per=(), unit="row",
                       detail=spec.yes_no(spec.largest("abs_error"), spec.joined(
                           _off("predicted", "", " instead of "), spec.largest("abs_error"))),

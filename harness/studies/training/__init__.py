@@ -1,5 +1,7 @@
-"""The training study: see study.py (measurement) and report.py (its report section)."""
+"""The training study: see study.py (measurement), schema.py (its columns) and
+report.py (its report section)."""
 
-from harness.studies.training.study import TrainingStudy as STUDY
+from harness.studies import lazy_study
 
-__all__ = ["STUDY"]
+__getattr__ = lazy_study(__name__, "TrainingStudy")
+__all__ = ["STUDY"]  # noqa: F822 -- lazy_study provides it

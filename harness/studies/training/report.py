@@ -13,15 +13,8 @@ from __future__ import annotations
 from harness.report import spec
 from harness.report.rows import is_true
 from harness.report.text import number, small, span, value_name, words
-from harness.studies.training.study import RANK0_ALONE, REFERENCE
+from harness.studies.training.schema import NEVER_ZEROED, RANK0_ALONE, REFERENCE
 
-COLUMNS = (
-    "strategy", "world_size", "variant", "epoch", "train_loss", "heldout_accuracy",
-    "param_distance", "twin", "twin_distance", "identical_to_twin", "applied_grad_norm",
-    "fresh_grad_norm", "applied_is_fresh", "rank_spread",
-)
-#: The rule that never zeroes ``.grad`` (the seed's second loop): the one the study is about.
-NEVER_ZEROED = "backward-no-zero"
 TRAINED, PER = "epoch >= 1", ("strategy", "world_size")
 SUBJECT = "With {strategy} at k = {world_size}, "
 
@@ -60,8 +53,10 @@ def _against(last, other, versus: str) -> str:
             f"{number(other['heldout_accuracy'])}")
 
 
-def _never_zeroed(rows) -> list[spec.Finding]:
-    findings = []
+def _never_zeroed(rows) -> list:
+    """Per strategy, where the never-zeroed rule ended against the rule on the reference
+    trajectory; for the first strategy that ran it, also the answer and the fix."""
+    made = []
     for values, group in rows.groups(PER, TRAINED):
         never, kept, other = _ended(group)
         if never.empty:
@@ -80,18 +75,14 @@ def _never_zeroed(rows) -> list[spec.Finding]:
             text += (f"; its train loss had been lowest in epoch {int(lowest['epoch'])} "
                      f"({number(lowest['train_loss'])})")
         shown = [NEVER_ZEROED, *kept[:1]]
-        findings.append(spec.Finding(text + ".", rows.cite(
+        made.append(spec.Finding(text + ".", rows.cite(
             {**values, "variant": ", ".join(shown)}, TRAINED, group["variant"].isin(shown).sum())))
-    return findings
+        if len(made) == 1:
+            made.append(_never_zeroed_answer(never, kept, other))
+    return made
 
 
-def _never_zeroed_answer(rows) -> spec.Answer | None:
-    """From the first strategy that ran the never-zeroed rule: where it ended, and the fix."""
-    trained = rows.select(TRAINED)
-    strategies = trained.loc[trained["variant"] == NEVER_ZEROED, "strategy"]
-    if strategies.empty:
-        return None
-    never, kept, other = _ended(trained[trained["strategy"] == strategies.iloc[0]])
+def _never_zeroed_answer(never, kept: list[str], other) -> spec.Answer:
     last = never.iloc[-1]
     answer = (f"param_distance {small(last['param_distance'])} from the reference after epoch "
               f"{int(last['epoch'])} ({value_name('strategy', last['strategy'])})")
@@ -104,7 +95,7 @@ def _never_zeroed_answer(rows) -> spec.Answer | None:
 
 
 def _ratio(rows, rtol) -> str:
-    return span(rows["applied_grad_norm"] / rows["fresh_grad_norm"], number)
+    return span(rows["applied_to_fresh"], number)
 
 
 def _title(data, rtol) -> str:
@@ -127,18 +118,17 @@ SECTION = spec.Section(
            "is also measured from its *twin*, the one-process run it is mathematically "
            "identical to (`autograd.grad+running-sum`: applying the running sum of every "
            "gradient so far; `autograd.grad-rank0-shards`: trained on rank 0's shards alone)."),
-    columns=COLUMNS, derive=_derive, terms={"last": "the last epoch of each rule"},
+    derive=_derive, terms={"last": "the last epoch of each rule"},
     answers=(
-        _never_zeroed_answer,
+        _never_zeroed,
         spec.VerdictAnswer(question="Update rules under {strategy} at k = {world_size}: ranks "
-                                    "in step?", column="rank_spread", per=PER, unit="epoch",
-                           classify=spec.within("rank_spread"), qualify=("variant",),
+                                    "in step?", column="ranks_in_step", per=PER, unit="epoch",
+                           qualify=("variant",),
                            where=f"{TRAINED} and world_size > 1",
                            answers=spec.yes_no("in step", "drift apart"),
                            evidence=spec.largest("rank_spread")),
     ),
     findings=(
-        _never_zeroed,
         spec.Verdicts(column="identical_to_twin", per=PER, where=f"{TRAINED} and twin.notna()",
                       qualify=("variant",), unit="epoch", subject=SUBJECT + "a rule",
                       phrases=spec.yes_no("stayed on the trajectory of its twin",
@@ -151,7 +141,7 @@ SECTION = spec.Section(
                                           "applied a gradient other than its own loss's"),
                       detail={"False": lambda r, rtol: f"applied_grad_norm / fresh_grad_norm "
                                                        f"{_ratio(r, rtol)}"}),
-        spec.Verdicts(column="rank_spread", classify=spec.within("rank_spread"), per=PER,
+        spec.Verdicts(column="ranks_in_step", per=PER,
                       where=f"{TRAINED} and world_size > 1", qualify=("variant",), unit="epoch",
                       subject=SUBJECT + "the ranks",
                       phrases=spec.yes_no("held the same weights", "drifted apart"),

@@ -30,349 +30,42 @@ one process training on rank 0's shards alone, and the ranks drift apart
 
 from __future__ import annotations
 
-import copy
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from harness.context import RunContext
 from harness.errors import UsageError
 from harness.options import StudyOptions, option, parse_int
-from harness.seeding import generator_for
-from harness.strategies import ddp, step_cost
-from harness.strategies.common import relative_spread
-from harness.studies.base import Case, Column, Study
+from harness.strategies import step_cost
+from harness.studies.base import Case, Study
+from harness.studies.training.data import DIGITS_COUNT, Digits
+from harness.studies.training.model import TrainingSetup, build_model
+from harness.studies.training.schema import (
+    COLUMNS,
+    RANK0_ALONE,
+    REFERENCE,
+    RUNNING_SUM,
+    UPDATE_RULES,
+)
+from harness.studies.training.trainer import EpochRecord, Feed, RuleTrainer
 from harness.tolerances import close, relative_tolerance, trajectory_tolerance
 
 STRATEGIES = ("local", "ddp")
-UPDATE_RULES = ("autograd.grad", "backward-no-zero", "backward-zero-grad", "optim.SGD")
-
-#: Twin trajectories, computed in one process, that a rule is mathematically identical to.
-REFERENCE = "autograd.grad"
-RUNNING_SUM = "autograd.grad+running-sum"
-RANK0_ALONE = "autograd.grad-rank0-shards"
-
-#: scikit-learn's digits data set holds 1,797 images.
-DIGITS_COUNT = 1797
 #: Rough milliseconds of one training step of the CNN on 50 digits (float64, one CPU
 #: thread, measured on a 2-core machine): only for balancing cases across ranks.
 STEP_MS = 5.0
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """The experiment's fixed knobs (epochs come from ``--epochs``)."""
-
-    #: The seed's 300 would give 5 steps per epoch on 1,500 digits (MNIST gave it 200).
-    #: Never zeroing does more damage the more steps it accumulates, and at 5 steps it
-    #: even helps (a growing step size); 50 gives 30 steps per epoch, where it clearly
-    #: hurts, at a cost the time budget allows (30 gives 50 steps and wrecks the model).
-    batch_size: int = 50
-    #: The seed's learning rate.
-    learning_rate: float = 0.1
-    #: Digits held out for the accuracy; the other 1,500 of the 1,797 train.
-    held_out: int = 297
-    #: Training digits used; None: all that are not held out (tests use fewer).
-    train_samples: int | None = None
-    #: The seed's ``out_dims``: channels of the first convolution.
-    channels: int = 5
-
-
-# ------------------------------------------------------------------- data
-@lru_cache(maxsize=1)
-def _digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # imported here: only these studies need it
-
-    digits = load_digits()
-    # Pixel values are 0..16; scaled to 0..1 like torchvision's ToTensor scales MNIST.
-    images = torch.tensor(digits.images, dtype=torch.float64).unsqueeze(1) / 16.0
-    return images, torch.tensor(digits.target, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class Digits:
-    """scikit-learn's 1,797 8x8 digits, split once by a seeded permutation."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    heldout_x: torch.Tensor
-    heldout_y: torch.Tensor
-
-    @classmethod
-    def load(cls, seed: int, dtype: torch.dtype, device: torch.device, held_out: int,
-             train_samples: int | None = None, flat: bool = False) -> Digits:
-        images, labels = _digits_arrays()
-        order = torch.randperm(len(images), generator=generator_for(seed, "digits", "split"))
-        x, y = images[order].to(dtype), labels[order]
-        if flat:
-            x = x.reshape(len(x), -1)
-        end = len(x) - held_out if train_samples is None else train_samples
-        if end + held_out > len(x):
-            raise ValueError(f"{end} training + {held_out} held-out digits: only {len(x)} exist")
-        return cls(x[:end].to(device), y[:end].to(device),
-                   x[len(x) - held_out:].to(device), y[len(x) - held_out:].to(device))
-
-    def batches(self, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The seed's DataLoader without shuffling: the same batches, in order, every epoch."""
-        return list(zip(self.train_x.split(batch_size), self.train_y.split(batch_size),
-                        strict=True))
-
-
-# ------------------------------------------------------------------ model
-class DigitsCNN(nn.Module):
-    """Seed 000's model with its layer pattern, sized for 8x8 inputs instead of 28x28:
-    conv (8x8) -> conv+BatchNorm+ReLU (6x6) -> strided conv+BatchNorm+ReLU (3x3) -> linear."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        c = channels
-        self.conv1 = nn.Conv2d(1, c, 3, padding=1)
-        self.conv2 = nn.Sequential(nn.Conv2d(c, 2 * c, 3), nn.BatchNorm2d(2 * c), nn.ReLU())
-        self.conv3 = nn.Sequential(nn.Conv2d(2 * c, 4 * c, 4, stride=2, padding=1),
-                                   nn.BatchNorm2d(4 * c), nn.ReLU(), nn.Flatten())
-        self.fc = nn.Linear(4 * c * 3 * 3, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.conv3(self.conv2(self.conv1(x))))
-
-
-@torch.no_grad()
-def seeded_init(module: nn.Module, generator: torch.Generator) -> nn.Module:
-    """torch's default ranges (U(+-1/sqrt(fan_in)) for convolutions and linears, BatchNorm
-    at identity), drawn from ``generator``: the same weights on every rank and run."""
-    for layer in module.modules():
-        if isinstance(layer, (nn.Conv2d, nn.Linear)):
-            bound = 1.0 / math.sqrt(layer.weight[0].numel())
-            for param in (layer.weight, layer.bias):
-                draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
-                param.copy_((2 * draw - 1) * bound)
-    return module
-
-
-def build_model(seed: int, setup: TrainingSetup, dtype: torch.dtype) -> DigitsCNN:
-    """The initial weights every update rule and every strategy starts from."""
-    model = seeded_init(DigitsCNN(setup.channels).to(torch.float64),
-                        generator_for(seed, "training", "model"))
-    return model.to(dtype)
-
-
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-
-
-def heldout_accuracy(model: nn.Module, digits: Digits) -> float:
-    """Fraction of held-out digits classified right, in eval mode (running statistics)."""
-    model.eval()
-    with torch.no_grad():
-        correct = (model(digits.heldout_x).argmax(1) == digits.heldout_y).sum()
-    model.train()
-    return float(correct) / len(digits.heldout_y)
-
-
-# ------------------------------------------------------------------- feed
-@dataclass(frozen=True)
-class Feed:
-    """Which of the ``shards`` equal pieces of every global batch one process forwards.
-
-    The loss is the mean over the forwarded shards of each shard's mean
-    cross-entropy: with every shard, what DDP's averaged gradient differentiates
-    (BatchNorm sees one shard at a time, as on k ranks); with one shard, one rank.
-    """
-
-    shards: int = 1
-    own: tuple[int, ...] = (0,)
-
-    def loss(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        xs, ys = x.tensor_split(self.shards), y.tensor_split(self.shards)
-        losses = [F.cross_entropy(module(xs[i]), ys[i]) for i in self.own]
-        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-
-
-# ----------------------------------------------------------- update rules
-@torch.no_grad()
-def descend(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], lr: float) -> None:
-    """The seed's manual SGD step, ``p -= lr * g``."""
-    for p, g in zip(params, grads, strict=True):
-        p -= lr * g
-
-
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    return float(torch.cat([t.detach().reshape(-1) for t in tensors]).to(torch.float64).norm())
-
-
-@dataclass(frozen=True)
-class AppliedStep:
-    """Norms of the gradient a step applied, and of the gradient of that step's loss alone."""
-
-    applied_grad_norm: float
-    fresh_grad_norm: float
-
-
-class UpdateRule(ABC):
-    name: ClassVar[str]
-
-    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
-        self.params, self.lr = params, lr
-
-    @abstractmethod
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        """Differentiate ``loss`` and update the parameters."""
-
-
-class AutogradGrad(UpdateRule):
-    name = "autograd.grad"
-
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        grads = torch.autograd.grad(loss, self.params)
-        descend(self.params, grads, self.lr)
-        norm = _norm(grads)
-        return AppliedStep(norm, norm)
-
-
-class AutogradGradRunningSum(UpdateRule):
-    """What ``backward()`` without zeroing applies, spelled out: the sum of all gradients."""
-
-    name = RUNNING_SUM
-
-    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
-        super().__init__(params, lr)
-        self.total: list[torch.Tensor] | None = None
-
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        grads = torch.autograd.grad(loss, self.params)
-        if self.total is None:
-            self.total = [g.clone() for g in grads]
-        else:
-            for total, g in zip(self.total, grads, strict=True):
-                total.add_(g)
-        descend(self.params, self.total, self.lr)
-        return AppliedStep(_norm(self.total), _norm(grads))
-
-
-class BackwardNoZero(UpdateRule):
-    name = "backward-no-zero"
-
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                  for p in self.params]
-        loss.backward()
-        grads = [p.grad for p in self.params]
-        descend(self.params, grads, self.lr)
-        return AppliedStep(_norm(grads),
-                           _norm([g - b for g, b in zip(grads, before, strict=True)]))
-
-
-class BackwardZeroGrad(UpdateRule):
-    name = "backward-zero-grad"
-
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        for p in self.params:
-            p.grad = None  # what Module.zero_grad() does by default since torch 2.0
-        loss.backward()
-        grads = [p.grad for p in self.params]
-        descend(self.params, grads, self.lr)
-        norm = _norm(grads)
-        return AppliedStep(norm, norm)
-
-
-class OptimSGD(UpdateRule):
-    name = "optim.SGD"
-
-    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
-        super().__init__(params, lr)
-        self.optimizer = torch.optim.SGD(params, lr=lr)
-
-    def step(self, loss: torch.Tensor) -> AppliedStep:
-        self.optimizer.zero_grad()
-        loss.backward()
-        norm = _norm([p.grad for p in self.params])
-        self.optimizer.step()
-        return AppliedStep(norm, norm)
-
-
-RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (
-    AutogradGrad, BackwardNoZero, BackwardZeroGrad, OptimSGD, AutogradGradRunningSum)}
-
-
-# --------------------------------------------------------------- training
-@dataclass(frozen=True)
-class EpochRecord:
-    """The state of one trajectory at the end of an epoch (epoch 0: before training)."""
-
-    epoch: int
-    steps: int
-    params: torch.Tensor
-    train_loss: float
-    heldout_accuracy: float
-    applied_grad_norm: float
-    fresh_grad_norm: float
-    rank_spread: float
-
-
-@dataclass(frozen=True)
-class Trainer:
-    """Trains copies of one initial model, as one process or as one rank of a DDP group."""
-
-    digits: Digits
-    setup: TrainingSetup
-    epochs: int
-    device: torch.device
-
-    def train(self, initial: nn.Module, rule_name: str, feed: Feed = Feed(),
-              group: dist.ProcessGroup | None = None) -> list[EpochRecord]:
-        """Every epoch's record of ``rule_name`` from ``initial``; on rank 0 of ``group``
-        (or in one process) with accuracy and rank spread, elsewhere without."""
-        model = copy.deepcopy(initial).to(self.device)
-        module = ddp.wrap(model, group, self.device) if group is not None else model
-        rule = RULES[rule_name](list(model.parameters()), self.setup.learning_rate)
-        batches = self.digits.batches(self.setup.batch_size)
-        records = [self._record(model, 0, 0, math.nan, AppliedStep(math.nan, math.nan), group)]
-        for epoch in range(1, self.epochs + 1):
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for x, y in batches:
-                loss = feed.loss(module, x, y)
-                loss_sum += loss.detach()
-                applied = rule.step(loss)
-            mean_loss = self._mean_over_ranks(loss_sum / len(batches), group)
-            records.append(self._record(model, epoch, epoch * len(batches), mean_loss,
-                                        applied, group))
-        return records
-
-    def _record(self, model: nn.Module, epoch: int, steps: int, train_loss: float,
-                applied: AppliedStep, group: dist.ProcessGroup | None) -> EpochRecord:
-        params = flat_params(model)
-        spread = 0.0
-        if group is not None:
-            every_rank = ddp.gather_to_leader(params, group, self.device)
-            if every_rank is None:  # not rank 0: nothing to report
-                return EpochRecord(epoch, steps, params, train_loss, math.nan, math.nan,
-                                   math.nan, math.nan)
-            spread = relative_spread(params, every_rank)
-        return EpochRecord(epoch, steps, params, train_loss,
-                           heldout_accuracy(model, self.digits), applied.applied_grad_norm,
-                           applied.fresh_grad_norm, spread)
-
-    @staticmethod
-    def _mean_over_ranks(value: torch.Tensor, group: dist.ProcessGroup | None) -> float:
-        if group is not None:
-            dist.all_reduce(value, group=group)
-            value = value / dist.get_world_size(group)
-        return float(value)
 
 
 def _params_per_epoch(records: list[EpochRecord]) -> list[torch.Tensor]:
     return [record.params for record in records]
 
 
-def _shared_twins(trainer: Trainer, initial: nn.Module, k: int, rank: int,
+def _shared_twins(trainer: RuleTrainer, initial: nn.Module, k: int, rank: int,
                   group: dist.ProcessGroup) -> dict[str, list[torch.Tensor]] | None:
     """The DDP case's one-process twins, trained by the k ranks in turn (twin i on rank
     i mod k) instead of all on rank 0, and gathered on rank 0; None on the other ranks."""
@@ -433,54 +126,7 @@ class TrainingStudy(Study):
     example = ("torchrun --standalone --nproc_per_node=2 scripts/study.py --studies training "
                "--epochs 5")
     Options = TrainingOptions
-    columns = (
-        Column("strategy", "`local`, `ddp`",
-               "one process, or DistributedDataParallel over ranks 0..k-1"),
-        Column("world_size", "ranks",
-               "1 for `local`, k for `ddp`"),
-        Column("variant", "`autograd.grad`, `backward-no-zero`, `backward-zero-grad`, `optim.SGD`",
-               "the update rule (above)"),
-        Column("epoch", "epochs",
-               "epochs trained; 0 = the initial weights"),
-        Column("steps", "optimizer steps",
-               "steps taken so far"),
-        Column("batch_size", "samples",
-               "global batch (under DDP split into k equal shards)"),
-        Column("learning_rate", "",
-               "SGD learning rate"),
-        Column("train_samples", "samples",
-               "digits trained on / held out"),
-        Column("heldout_samples", "samples",
-               "digits trained on / held out"),
-        Column("train_loss", "cross-entropy",
-               "mean over the epoch's batches of the loss each step computed before its update "
-               "(DDP: averaged over ranks); empty at epoch 0"),
-        Column("heldout_accuracy", "fraction",
-               "held-out digits classified right, in eval mode (DDP: rank 0's model)"),
-        Column("param_distance", "ratio",
-               "`‖θ - θ_ref‖ / ‖θ_ref‖`, θ_ref the `autograd.grad` reference after the same "
-               "epoch (DDP: the one-process reference described above)"),
-        Column("twin",
-               "`autograd.grad`, `autograd.grad+running-sum`, `autograd.grad-rank0-shards`, empty",
-               "the one-process run this rule is mathematically identical to; empty for the "
-               "reference itself"),
-        Column("twin_distance", "ratio",
-               "`‖θ - θ_twin‖ / ‖θ_twin‖` after the same epoch"),
-        Column("identical_to_twin", "bool",
-               "`twin_distance` within the trajectory tolerance (1e-9 float64, 1e-4 float32)"),
-        Column("applied_grad_norm", "gradient",
-               "norm of the gradient the epoch's last step subtracted (times lr): for "
-               "`backward-no-zero`, the accumulated `.grad`"),
-        Column("fresh_grad_norm", "gradient",
-               "norm of the gradient of that step's loss alone; equal to the applied one for "
-               "every rule that zeroes"),
-        Column("applied_is_fresh", "bool",
-               "`applied_grad_norm` equals `fresh_grad_norm` within the tolerance: the step "
-               "applied the gradient of its own loss, nothing accumulated; empty at epoch 0"),
-        Column("rank_spread", "ratio",
-               "largest `‖θ_rank - θ_rank0‖ / ‖θ_rank0‖` over the ranks: 0 when DDP keeps them "
-               "in step"),
-    )
+    columns = COLUMNS
 
     def __init__(self, options: TrainingOptions | None = None,
                  setup: TrainingSetup | None = None) -> None:
@@ -510,7 +156,7 @@ class TrainingStudy(Study):
         setup = self.setup
         digits = Digits.load(run.seed, run.dtype, run.device, setup.held_out,
                              setup.train_samples)
-        trainer = Trainer(digits, setup, self.options.epochs, run.device)
+        trainer = RuleTrainer(digits, setup, self.options.epochs, run.device)
         initial = build_model(run.seed, setup, run.dtype)
         if strategy == "ddp":
             group = run.group(k)
@@ -549,6 +195,9 @@ class TrainingStudy(Study):
                                  close(record.applied_grad_norm, record.fresh_grad_norm,
                                        gradient_rtol)),
             "rank_spread": record.rank_spread,
+            "applied_to_fresh": (record.applied_grad_norm / record.fresh_grad_norm
+                                 if record.fresh_grad_norm else math.nan),
+            "ranks_in_step": None if math.isnan(record.rank_spread) else record.rank_spread <= rtol,
             "status": "ok",
         }
 

@@ -20,6 +20,9 @@ from harness.verdicts import Equivalence
 if TYPE_CHECKING:
     import pandas as pd
 
+#: linear-scaling settings of the early-training comparison (linear_scaling.SCHEDULES).
+WARM_UP_SCHEDULES = ("no-warm-up", "warm-up")
+
 COLUMNS = (
     "experiment", "strategy", "world_size", "accum_steps", "micro_batch", "loss", "sync",
     "optimizer", "learning_rate", "steps", "setting", "dtype_used", "grad_scale",
@@ -39,7 +42,8 @@ def render(frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
         output.blocks.append(_what_to_change(lr, inputs))
         output.answers += _lr_answers(lr, inputs)
         output.findings += _lr_findings(lr, inputs)
-    figure = _figure(parts.get("linear-scaling"), parts.get("bf16-accumulation"), inputs)
+    scaling, early = _split_scaling(parts.get("linear-scaling"))
+    figure = _figure(scaling, parts.get("bf16-accumulation"), inputs)
     if figure:
         output.blocks.append(figure)
     if (clipping := parts.get("clipping")) is not None:
@@ -56,9 +60,14 @@ def render(frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
         output.blocks.append(_scaler_table(scaler, non_finite, inputs))
     if (bf16 := parts.get("bf16-accumulation")) is not None:
         output.findings += _bf16_findings(bf16, inputs)
-    if (scaling := parts.get("linear-scaling")) is not None:
+    if scaling is not None:
         output.findings += _scaling_findings(scaling, inputs)
         output.answers += _scaling_answers(scaling, inputs)
+    if early is not None:
+        output.findings += _warm_up_findings(early, inputs)
+    if (momentum := parts.get("momentum-correction")) is not None:
+        output.findings += _momentum_findings(momentum, inputs)
+        output.answers += _momentum_answers(momentum, inputs)
     output.findings += _skipped_findings(frame, inputs)
     return output
 
@@ -327,10 +336,9 @@ def _clipping_table(rows: pd.DataFrame, inputs: SectionInputs) -> str:
     caption = (f"**Clipping**: the factor each `clip_grad_norm_` call applied at the first step "
                f"(per micro-step, or per rank), measured as ‖g after‖ / ‖g before‖, and the "
                f"update error after {integers(rows['steps'])} steps against the big batch "
-               f"clipped at the same max_norm. Rows of `{inputs.csv_name}` with experiment = "
-               f"clipping, status = ok ({len(rows)} rows).")
-    return caption + "\n\n" + table(headers, body, [False, True, True, False, True, True,
-                                                    False, True, False])
+               f"clipped at the same max_norm.")
+    return _table_of_rows(caption, inputs, "clipping", len(rows), headers, body,
+                          "-++-++-+-")
 
 
 # ----------------------------------------------------------------- GradScaler
@@ -419,13 +427,20 @@ def _scaler_table(scaler, non_finite, inputs: SectionInputs) -> str:
     headers = ["experiment", "strategy", "N", "setting", "window", "ranks skipped",
                "scale before", "scale after", "update_error", "verdict"]
     shown = sum(len(r) for r in (scaler, non_finite) if r is not None)
-    caption = (f"**GradScaler** with k-step accumulation (scale every micro-step, step once per "
-               f"window), against the big batch (clipped at the same max_norm where the recipe "
-               f"clips; leaving out the window with the non-finite input for non-finite). Rows "
-               f"of `{inputs.csv_name}` with experiment = grad-scaler or non-finite, status = "
-               f"ok ({shown} rows).")
-    return caption + "\n\n" + table(headers, body, [False, False, True, False, True, False,
-                                                    True, True, True, False])
+    caption = ("**GradScaler** with k-step accumulation (scale every micro-step, step once per "
+               "window), against the big batch (clipped at the same max_norm where the recipe "
+               "clips; leaving out the window with the non-finite input for non-finite).")
+    return _table_of_rows(caption, inputs, "grad-scaler or non-finite", shown, headers, body,
+                          "--+-+-+++-")
+
+
+def _table_of_rows(caption: str, inputs: SectionInputs, experiments: str, shown: int,
+                   headers: list[str], body: list[list[str]], numeric: str) -> str:
+    """``caption``, the rows it shows cited, and the table; ``numeric``: + per right-aligned
+    column, - per text column."""
+    cited = (f" Rows of `{inputs.csv_name}` with experiment = {experiments}, status = ok "
+             f"({shown} rows).")
+    return caption + cited + "\n\n" + table(headers, body, [c == "+" for c in numeric])
 
 
 # -------------------------------------------------------------- bf16, scaling
@@ -487,6 +502,67 @@ def _scaling_answers(rows: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
         "; ".join(limits) + " at every N",
         f"{count(len(rows), 'run')}, N = {integers(rows['world_size'])}, lr = "
         f"{', '.join(number(v) for v in sorted(rows['learning_rate'].unique()))}")]
+
+
+def _split_scaling(rows: pd.DataFrame | None) -> tuple[pd.DataFrame | None, ...]:
+    """(one-step rows, early-training rows with and without warm-up); None where empty."""
+    if rows is None:
+        return None, None
+    early = rows["setting"].isin(WARM_UP_SCHEDULES)
+    return tuple(part if len(part) else None for part in (rows[~early], rows[early]))
+
+
+def _warm_up_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
+    clauses = []
+    for n, group in rows.groupby("world_size", sort=False):
+        by = {schedule: g.set_index("learning_rate") for schedule, g in group.groupby("setting")}
+        plain, ramped = by.get("no-warm-up"), by.get("warm-up")
+        if plain is None or ramped is None:
+            continue
+        held, broke = _rule_limits(plain.reset_index())
+        text = (f"N = {int(n)} over {integers(group['steps'])} windows: lr × N from the first "
+                f"step " + (f"held up to lr = {number(held)}" if held is not None
+                            else "did not hold at any lr measured"))
+        lowest = min(plain.index)
+        lag = small(ramped.loc[lowest, "update_error"])
+        text += (f"; the warm-up's run lagged by update_error {lag} at lr = {number(lowest)} "
+                 f"(its first steps are smaller by design)")
+        if broke is not None:
+            text += "; where lr × N broke, update_error without / with warm-up: " + ", ".join(
+                f"{small(plain.loc[lr, 'update_error'])} / {small(ramped.loc[lr, 'update_error'])}"
+                f" at lr = {number(lr)}" for lr in sorted(plain.index) if lr >= broke)
+        clauses.append(text)
+    if not clauses:
+        return []
+    return [Finding(
+        "Early training, one big step per window against the small-batch run's N steps (the "
+        f"same batches): {'; '.join(clauses)}.",
+        inputs.source("experiment = linear-scaling, setting = no-warm-up or warm-up, status = "
+                      "ok", len(rows)))]
+
+
+def _momentum_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
+    clauses = [f"{row['setting']} {row['verdict']} (update_error {small(row['update_error'])})"
+               for _, row in rows.iterrows()]
+    first = rows.iloc[0]
+    return [Finding(
+        f"Momentum SGD written with lr inside the velocity (v ← m v + lr g), lr × "
+        f"{int(first['lr_multiplier'])} after {int(first['steps']) // 2} of "
+        f"{int(first['steps'])} steps, against torch.optim.SGD (v ← m v + g, θ ← θ − lr v): "
+        f"{'; '.join(clauses)}.",
+        inputs.source("experiment = momentum-correction, status = ok", len(rows)))]
+
+
+def _momentum_answers(rows: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
+    verdicts = dict(zip(rows["setting"], rows["verdict"], strict=True))
+    needed = (verdicts.get("lr-inside-corrected") == Equivalence.MATCHES
+              and verdicts.get("lr-inside-uncorrected") == Equivalence.DIFFERS)
+    return [Answer(
+        "Momentum after an lr change (Goyal's momentum correction): needed with torch.optim.SGD?",
+        "no: torch's form equals the corrected one" if needed else
+        "see the momentum-correction rows: " + ", ".join(f"{k} {v}" for k, v in verdicts.items()),
+        f"{count(len(rows), 'run')}, largest update_error {small(rows['update_error'].max())}",
+        "only a hand-written lr-inside momentum needs v × lr_new / lr_old" if needed else "")]
 
 
 # --------------------------------------------------------------------- figure
@@ -576,8 +652,9 @@ SECTION = Section(
            "(N devices, k micro-steps) crossed with optimizers and the learning-rate factor "
            "that makes them equal (`lr-factor`); where `clip_grad_norm_` runs (`clipping`); "
            "GradScaler with accumulation and a non-finite micro-batch (`grad-scaler`, "
-           "`non-finite`); bf16 accumulation (`bf16-accumulation`); and the linear scaling "
-           "rule over a sweep of learning rates (`linear-scaling`)."),
+           "`non-finite`); bf16 accumulation (`bf16-accumulation`); the linear scaling "
+           "rule over a sweep of learning rates, and early training with and without "
+           "warm-up (`linear-scaling`); momentum at an lr change (`momentum-correction`)."),
     columns=COLUMNS,
     render=render,
 )

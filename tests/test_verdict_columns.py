@@ -1,0 +1,172 @@
+"""The verdict columns the studies write for the report to read, on both sides of each tolerance.
+
+Each judgment the report used to make from raw numbers (a spread within the tolerance, a
+ratio named 1, 1/k or k, two methods compared, a DDP setting's outcome) is now a column
+the measuring code writes. Here each is fed a value just inside its tolerance, just
+outside, and far outside, and must say so; the last test keeps the report's copy of the
+tolerances equal to the studies'.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.config import DTYPES as DTYPE_NAMES
+from harness.studies.accumulation.study import multiples
+from harness.studies.base import Case, named_multiple
+from harness.studies.diagnostics.study import judged_row, with_zero_since
+from harness.studies.reduction.study import within_tolerance
+from harness.studies.seed001.study import SeedSetup, predict, printed_explained
+from harness.studies.seed004.study import against_big_batch
+from harness.studies.training.schema import REFERENCE, RUNNING_SUM
+from harness.studies.training.study import TrainingStudy
+from harness.studies.training.trainer import EpochRecord
+from harness.tolerances import RELATIVE_TOLERANCE, relative_tolerance, trajectory_tolerance
+from harness.verdicts import Equivalence
+from tests.test_verdicts import SIDES, nudged
+
+
+@pytest.fixture(params=[torch.float64, torch.float32], ids=["float64", "float32"])
+def rtol(request) -> float:
+    return relative_tolerance(request.param)
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+@pytest.mark.parametrize("k, name, multiple", [(3, "1", 1.0), (3, "1/k", 1 / 3), (4, "k", 4.0)])
+def test_a_scale_is_named_a_multiple_of_k_only_within_the_tolerance(rtol, factor, holds, k,
+                                                                    name, multiple):
+    assert named_multiple(nudged(multiple, factor, rtol), k, rtol) == (name if holds else "")
+
+
+def test_at_one_device_every_multiple_is_named_1(rtol):
+    assert named_multiple(1.0, 1, rtol) == "1"
+    assert named_multiple(math.nan, 2, rtol) == ""
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_reduction_ranks_and_running_stats_agree_within_the_tolerance(rtol, factor, holds):
+    # rank_spread and running_stats_vs_first_shard are distances from 0: absolute units.
+    assert within_tolerance(factor * rtol, rtol) is holds
+    assert within_tolerance(math.nan, rtol) is None
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_accumulation_names_the_cumulative_verdict_and_multiples(rtol, factor, holds):
+    k = 4
+    measured = {"full_batch_scale": nudged(float(k), factor, rtol),
+                "verdict": Equivalence.SCALED, "cumulative_scale": 1.0,
+                "cumulative_residual": factor * rtol}
+    judged = multiples(measured, k, rtol)
+    assert judged["full_batch_multiple"] == ("k" if holds else "")
+    assert judged["cumulative_verdict"] == (Equivalence.MATCHES if holds else Equivalence.DIFFERS)
+    assert judged["cumulative_multiple"] == ("1" if holds else "")
+    # A last step that fits no multiple names none, whatever its scale reads.
+    assert multiples({**measured, "verdict": Equivalence.DIFFERS}, k, rtol)[
+        "full_batch_multiple"] == ""
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_seed001_explains_a_printed_number_within_the_tolerance(rtol, factor, holds):
+    setup = SeedSetup("1-per-device-factor")
+    case = Case.of("seed001", strategy="dp-emulated", experiment=setup.experiment, world_size=2,
+                   loss_reduction="mean")
+    measured, _ = predict(setup, "dp-emulated", 2, "mean", 1)
+    other, _ = predict(setup, "dp-emulated", 2, "sum", 1)
+    found = printed_explained(nudged(other, factor, rtol), measured, setup, case, 1, rtol)
+    assert found["printed_other_loss"] is holds
+    found = printed_explained(nudged(3 * measured, factor, rtol), measured, setup, case, 1, rtol)
+    assert found["printed_passes"] == (3 if holds else None)
+    assert found["printed_ratio"] == nudged(3 * measured, factor, rtol) / measured
+    nothing = printed_explained(None, measured, setup, case, 1, rtol)
+    assert math.isnan(nothing.pop("printed_ratio"))
+    assert nothing == {"printed_other_loss": None, "printed_passes": None}
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_seed004_compares_the_last_call_with_the_big_batch(rtol, factor, holds):
+    reference = {"grad": -20.0, "weight": 1.2}
+    row = {"event": "step", "quantity": "weight", "measured": nudged(1.2, factor, rtol)}
+    judged = against_big_batch(row, reference, rtol)
+    assert judged["equals_big_batch"] is holds
+    assert judged["big_batch_difference"] == pytest.approx(row["measured"] - 1.2)
+    assert against_big_batch({**row, "event": "backward-1"}, reference, rtol) == {
+        "big_batch_difference": None, "equals_big_batch": None}
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_diagnostics_judges_ranks_updates_relus_and_running_stats(rtol, factor, holds):
+    measured = {"grad_rank_spread": factor * rtol, "update_ratio": 0.0,
+                "dead_relu_fraction": 1.0, "running_stats_change": 0.0}
+    judged = judged_row(measured, rtol)
+    assert judged["grads_averaged"] is holds
+    assert judged == {**judged, "parameter_moved": False, "relu_dead": True,
+                      "running_stats_changed": False}
+    # The smallest move, a ReLU short of one unit: exact comparisons, no tolerance.
+    nearly = judged_row({**measured, "update_ratio": 1e-300, "dead_relu_fraction": 1 - 2 ** -52,
+                         "running_stats_change": 1e-300}, rtol)
+    assert (nearly["parameter_moved"], nearly["relu_dead"], nearly["running_stats_changed"]) == (
+        True, False, True)
+    unmeasured = judged_row(dict.fromkeys(measured, math.nan), rtol)
+    assert set(unmeasured.values()) == {None}
+
+
+def test_diagnostics_names_the_step_from_which_a_gradient_stayed_zero():
+    fractions = {"a": (0.5, 1.0, 0.3, 1.0, 1.0), "b": (1.0, 1.0, 1.0, 1.0, 1.0),
+                 "c": (1.0, 1.0, 1.0, 1.0, 0.9)}
+    rows = [{"parameter": p, "step": step, "zero_grad_fraction": f}
+            for step, column in zip((1, 2, 5, 10, 20), zip(*fractions.values(), strict=True),
+                                    strict=True)
+            for p, f in zip(fractions, column, strict=True)]
+    since = {r["parameter"]: r["zero_since"] for r in with_zero_since(rows)}
+    assert since == {"a": 10, "b": 1, "c": None}
+
+
+def training_row(applied: float, fresh: float, rank_spread: float) -> dict:
+    """The training study's row of one DDP epoch with these norms and this rank spread."""
+    params = torch.linspace(-1.0, 2.0, 50, dtype=torch.float64)
+    record = EpochRecord(epoch=1, steps=30, params=params, train_loss=0.5, heldout_accuracy=0.9,
+                         applied_grad_norm=applied, fresh_grad_norm=fresh,
+                         rank_spread=rank_spread)
+    twins = {name: [params, params] for name in (REFERENCE, RUNNING_SUM)}
+    digits = SimpleNamespace(train_y=torch.zeros(3), heldout_y=torch.zeros(2))
+    return TrainingStudy()._row(Case.of("training", strategy="local", world_size=1),
+                                "optim.SGD", record, twins, trajectory_tolerance(torch.float64),
+                                relative_tolerance(torch.float64), digits)
+
+
+@pytest.mark.parametrize("factor, holds", SIDES)
+def test_training_ranks_in_step_and_applied_to_fresh(factor, holds):
+    row = training_row(3.0, 1.5, factor * trajectory_tolerance(torch.float64))
+    assert row["ranks_in_step"] is holds
+    assert row["applied_to_fresh"] == 2.0
+    unmeasured = training_row(math.nan, math.nan, math.nan)
+    assert math.isnan(unmeasured["applied_to_fresh"]) and unmeasured["ranks_in_step"] is None
+
+
+def test_the_report_draws_with_the_tolerances_the_studies_judged_with():
+    from harness.report.data import TOLERANCES
+
+    assert {name: RELATIVE_TOLERANCE[DTYPE_NAMES[name]] for name in TOLERANCES} == TOLERANCES
+    assert set(TOLERANCES) == set(DTYPE_NAMES)
+
+
+def test_rendering_a_report_never_imports_torch():
+    """The report path (the registry, every section of the six studies) loads without torch:
+    importing it is most of what a report used to cost."""
+    code = ("import sys\n"
+            "from harness.report import write_report\n"
+            "from harness.report import document, figures, spec\n"
+            "from harness.studies import report_section, study_columns\n"
+            "for name in ('reduction', 'seed001', 'accumulation', 'training', 'seed004', "
+            "'diagnostics'):\n"
+            "    assert report_section(name) is not None and study_columns(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout
