@@ -25,10 +25,13 @@ class RunContext:
     placement: Placement
     #: World sizes measured in this run (each <= launch.world_size).
     world_sizes: tuple[int, ...]
-    #: World size k -> the process group of ranks 0..k-1.
-    groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    #: (first rank, k) -> the process group of ranks first..first+k-1: every slot a
+    #: collective case may run on (harness/schedule.py).
+    groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     #: Distinct hostnames among the launch's ranks.
     hosts: int = 1
+    #: First rank of the slot the current collective case runs on (the runner sets it).
+    first_rank: int = 0
 
     @property
     def rank(self) -> int:
@@ -52,11 +55,12 @@ class RunContext:
 
     def reports(self, case) -> bool:
         """Whether this rank returns the rows of ``case``: the rank running a
-        single-process case, or rank 0 of a collective one."""
-        return not case.collective or self.rank == 0
+        single-process case, or the first rank of a collective one's slot."""
+        return not case.collective or self.rank == self.first_rank
 
     def group(self, world_size: int) -> dist.ProcessGroup:
-        return self.groups[world_size]
+        """The group of the current case's slot: ``world_size`` ranks from its first."""
+        return self.groups[(self.first_rank, world_size)]
 
     def strategies(self, supported: tuple[str, ...]) -> list[str]:
         """The strategies asked for on the command line that a study supports, in its order."""

@@ -1,10 +1,12 @@
 """Runs the selected studies inside one torchrun launch.
 
 Every rank builds the same case list and the same schedule (harness/schedule.py):
-a collective case of world size k runs on ranks 0..k-1 (a process subgroup
-created once, up front); single-process cases are spread over the ranks that
-are idle. The rank that finishes a case journals its rows; at the end of each
-study rank 0 gathers every row and writes the study's CSV atomically.
+a collective case of world size k runs on a slot of k ranks (a process subgroup
+created once, up front: ranks 0..k-1, or in studies that allow it any k ranks
+from a multiple of k, so that narrow cases run side by side); single-process
+cases are spread over the ranks that are idle. The rank that finishes a case
+journals its rows; at the end of each study rank 0 gathers every row and writes
+the study's CSV atomically, in case order.
 
 Waiting is split in two on purpose: collectives *inside* a case time out after
 ``--timeout`` (a rank that hangs fails the run instead of stalling it), while
@@ -33,7 +35,7 @@ from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
-from harness.schedule import make_schedule
+from harness.schedule import ANY_SLOT_STUDIES, make_schedule, slot_groups
 from harness.studies.base import Case, Study
 
 #: How long idle ranks wait for rank 0 between studies (a week: "no limit").
@@ -77,7 +79,8 @@ class Runner:
         # new_group is collective: every rank creates every group, in the same order.
         # The full-size one too, rather than reusing WORLD: then --timeout holds
         # however the default group was initialised.
-        groups = {k: dist.new_group(list(range(k)), timeout=timeout) for k in self.world_sizes}
+        groups = {(first, k): dist.new_group(list(range(first, first + k)), timeout=timeout)
+                  for first, k in slot_groups(self.world_sizes, self.launch.world_size)}
         self.idle_group = dist.new_group(backend="gloo", timeout=IDLE_WAIT)
         hostnames: list[str] = [""] * self.launch.world_size
         dist.all_gather_object(hostnames, self.launch.hostname, group=self.idle_group)
@@ -176,9 +179,11 @@ class Runner:
                    ) -> list[dict]:
         """Run this rank's share of ``study``; on rank 0, return every row in case order."""
         pending = [case for case in cases if case.id not in done]
-        schedule = make_schedule(pending, self.launch.world_size)
+        schedule = make_schedule(pending, self.launch.world_size,
+                                 any_slot=study.name in ANY_SLOT_STUDIES)
         finished: dict[str, list[dict]] = {}
         for case in schedule.runs(ctx.rank):
+            ctx.first_rank = schedule.first_rank.get(case.id, 0)
             rows = self._run_case(study, case, ctx)
             if schedule.owner[case.id] == ctx.rank:
                 finished[case.id] = rows

@@ -16,6 +16,6 @@ def make_run(study: str, world_size: int = 1, rank: int = 0,
     """The context of a one-study run on ``world_size`` ranks (the default group when > 1)."""
     config = RunConfig(studies=(study,), known_studies=tuple(STUDIES), dtype=dtype)
     launch = Launch(rank, world_size, rank, world_size, "test-host", "")
-    groups = {world_size: dist.group.WORLD} if world_size > 1 else {}
+    groups = {(0, world_size): dist.group.WORLD} if world_size > 1 else {}
     return RunContext(config, launch, Placement("gloo", torch.device("cpu")),
                       tuple(range(1, world_size + 1)), groups)

@@ -57,11 +57,13 @@ def count_allreduces(ddp: DistributedDataParallel, group: dist.ProcessGroup,
 
 def gather_to_leader(tensor: torch.Tensor, group: dist.ProcessGroup,
                      device: torch.device) -> list[torch.Tensor] | None:
-    """Every rank's ``tensor`` (same shape everywhere), on rank 0; None elsewhere."""
+    """Every rank's ``tensor`` (same shape everywhere), on the group's first rank; None
+    elsewhere."""
     local = tensor.to(device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
-    if dist.get_rank() != 0:
+    # The rank within the group: a case may run on ranks that do not start at 0.
+    if dist.get_rank(group) != 0:
         return None
     return [t.cpu() for t in gathered]
 
