@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 import uuid
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch._dynamo  # noqa: F401 -- DDP imports it on first use (~2 s); forked ranks inherit it
 import torch.distributed as dist
+from filelock import FileLock
 
 RANK_TIMEOUT_S = 120
 
@@ -90,8 +92,10 @@ def _cli(rank: int, world_size: int, argv: list[str]) -> int:
 
 
 def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], stderr: Path | None) -> None:
     """A rank that behaves like a torchrun worker: ``main``'s result is its exit code."""
+    if stderr is not None:
+        _append_stderr_to(stderr)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -110,17 +114,27 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
         os._exit(code)
 
 
+def _append_stderr_to(path: Path) -> None:
+    """Send this process's stderr, Python's and the C library's, to the end of ``path``."""
+    handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(handle, 2)
+    os.close(handle)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 -- lives as long as the rank
+
+
 def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str] | None = None,
-           wait_s: float = 90, grace_s: float = 10) -> list[int | None]:
+           wait_s: float = 90, grace_s: float = 10,
+           stderr: Path | None = None) -> list[int | None]:
     """Run the CLI on forked ranks that may fail, hang or die; each rank's exit code.
 
     Once one rank has exited, the others get ``grace_s`` to follow (as torchrun
     would stop them); a rank still running then is killed and reported as None.
+    The ranks' stderr goes where the test's goes, or to the end of file ``stderr``.
     """
     context = mp.get_context("fork")
     store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,
-                                 args=(r, world_size, store_path, argv, env or {}))
+                                 args=(r, world_size, store_path, argv, env or {}, stderr))
                  for r in range(world_size)]
     for process in processes:
         process.start()
@@ -138,3 +152,26 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
         else:
             codes.append(process.exitcode)
     return codes
+
+
+def shared_folder(tmp_path_factory) -> Path:
+    """A folder of this test session that every xdist worker sees.
+
+    Each worker has a base temp folder of its own; their common parent belongs to
+    this session alone. Without xdist, the base temp folder is the session's.
+    """
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_cli_run(tmp_path_factory, name: str, world_size: int, argv: list[str]) -> Path:
+    """The ``--out`` folder of ``scripts/study.py argv`` on ``world_size`` forked ranks,
+    run once per test session: the first test (on any worker) to ask runs it, behind a
+    lock; later ones read the same folder and must not change it."""
+    shared = shared_folder(tmp_path_factory)
+    out = shared / f"run-{name}"
+    with FileLock(str(shared / f"run-{name}.lock")):
+        if not (out / "run.json").exists():
+            codes = run_cli(world_size, [*argv, "--out", str(out)], store_dir=shared)
+            assert codes == [0] * world_size, f"the shared run {name!r} failed: {codes}"
+    return out

@@ -1,8 +1,17 @@
-"""Launch scripts/study.py under a real torchrun, as a user would."""
+"""Launch scripts/study.py under a real torchrun, as a user would.
+
+The command a user types (``python scripts/study.py ...``, ``python -m
+torch.distributed.run ...``) runs in a process forked from the test process
+rather than a fresh interpreter: the script, its flags, its output and its exit
+code are the same, without paying ``import torch`` (seconds of CPU) for each
+launcher. The ranks a launcher starts are fresh interpreters, as under a user.
+"""
 
 from __future__ import annotations
 
 import os
+import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +33,108 @@ def _environment(env: dict | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
 
 
+class ForkedPython:
+    """``python <argv>`` (a script or ``-m module``) in a child forked from this process.
+
+    Behaves like the ``subprocess.Popen`` of that command for what the tests use:
+    ``args``, ``poll``, ``wait``, ``terminate``, ``kill`` and ``returncode``.
+    stdout and stderr go to the given files.
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
+                 stderr: Path) -> None:
+        self.args, self.returncode = command, None
+        self.pid = os.fork()
+        if self.pid == 0:
+            _run_python_here(command[1:], env, stdout, stderr)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+
+def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
+    """In the forked child: become ``python argv``, then exit with its code (never returns)."""
+    code = 1
+    try:
+        for fd, path in ((1, stdout), (2, stderr)):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        # The test process's streams are pytest's captures; the child writes to its own files.
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(ROOT)
+        sys.argv = list(argv[2:] if argv[0] == "-m" else argv)
+        if argv[0] == "-m":
+            sys.argv.insert(0, argv[1])
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = _exit_code(done)
+    except BaseException:  # noqa: BLE001 -- as the interpreter would: traceback, exit code 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip the test process's exit handlers (pytest's, xdist's): they belong to the parent.
+        os._exit(code)
+
+
+def _exit_code(done: SystemExit) -> int:
+    """What the interpreter makes of ``sys.exit(x)``: None is 0, a message is printed and 1."""
+    if done.code is None or isinstance(done.code, int):
+        return done.code or 0
+    print(done.code, file=sys.stderr)
+    return 1
+
+
+def run_python(command: list[str], timeout: float = 240,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """``command`` (``[sys.executable, ...]``) run to completion as :class:`ForkedPython`,
+    in the repository root; its exit code and output, as ``subprocess.run`` gives them."""
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        process = ForkedPython(command, _environment(env), out, err)
+        try:
+            process.wait(timeout)
+        finally:
+            process.kill()
+        return subprocess.CompletedProcess(command, process.returncode, out.read_text(),
+                                           err.read_text())
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None,
              launcher_args: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
     """``torchrun <launcher_args> --nproc_per_node=nproc scripts/study.py <args>``."""
-    return subprocess.run(_command(launcher_args, nproc, args), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=_environment(env))
+    return run_python(_command(launcher_args, nproc, args), timeout, env)
 
 
 def free_port() -> int:
@@ -64,17 +170,14 @@ def torchrun_nodes(*args: str, nnodes: int = 2, nproc: int = 2, timeout: float =
 
 
 def _start_agent(command: list[str], env: dict | None,
-                 log: Path) -> tuple[subprocess.Popen, Path]:
+                 log: Path) -> tuple[ForkedPython, Path]:
     # Output goes to files, not pipes: reading one agent's pipe while another's
     # fills up would deadlock.
     log.mkdir()
-    with open(log / "stdout", "w") as stdout, open(log / "stderr", "w") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, cwd=ROOT,
-                                   env=_environment(env))
-    return process, log
+    return ForkedPython(command, _environment(env), log / "stdout", log / "stderr"), log
 
 
-def _wait_all(processes: list[subprocess.Popen], timeout: float) -> None:
+def _wait_all(processes: list[ForkedPython], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     try:
         for process in processes:
@@ -83,7 +186,7 @@ def _wait_all(processes: list[subprocess.Popen], timeout: float) -> None:
         _stop([process for process in processes if process.poll() is None])
 
 
-def _stop(agents: list[subprocess.Popen]) -> None:
+def _stop(agents: list[ForkedPython]) -> None:
     # SIGTERM first: torchrun then stops its ranks (each in a session of its own,
     # out of reach of a signal to the agent's group) before it exits.
     for agent in agents:

@@ -32,6 +32,9 @@ from tests.distributed import run_cli
 from tests.frames import rows as select
 from tests.runs import make_run
 
+#: Its module fixture runs the study on forked ranks: scheduled among the first.
+pytestmark = pytest.mark.launches(seconds=3)
+
 WORLD = 3
 CPU = torch.device("cpu")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

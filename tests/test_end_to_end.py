@@ -6,7 +6,8 @@ import pytest
 from harness.studies import STUDIES
 from tests.launch import torchrun
 
-pytestmark = pytest.mark.launches
+# Each test is a launch of its own.
+pytestmark = [pytest.mark.launches(seconds=8), pytest.mark.spread]
 
 
 def test_torchrun_runs_the_reduction_study_and_writes_a_tidy_csv_and_report(tmp_path):

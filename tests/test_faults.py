@@ -5,11 +5,19 @@ torchrun worker does; torchrun's own reaction to a failed worker (stop the rest,
 exit non-zero) is exercised in tests/test_end_to_end.py.
 """
 
+import json
+import shutil
+from pathlib import Path
+
 import pandas as pd
 import pytest
+from filelock import FileLock
 
 from harness.results import JOURNAL_DIR
-from tests.distributed import launch, run_cli
+from tests.distributed import launch, shared_cli_run, shared_folder
+
+# Each test is a launch of its own (the runs they share are made once per session).
+pytestmark = [pytest.mark.launches(seconds=2), pytest.mark.spread]
 
 WORLD = 2
 ARGS = ["--studies", "seed001,reduction", "--strategies", "ddp", "--quiet", "--no-report"]
@@ -25,15 +33,33 @@ def fault(mode: str, case: str = VICTIM, rank: int = 1) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
     """The same command without any fault: what every recovery must reproduce."""
-    out = tmp_path_factory.mktemp("clean")
-    assert run_cli(WORLD, [*ARGS, "--out", str(out)], store_dir=out.parent) == [0, 0]
-    return out
+    return shared_cli_run(tmp_path_factory, "faults-clean", WORLD, ARGS)
 
 
-def test_a_raising_rank_fails_the_run_naming_itself_and_the_case(tmp_path, capfd, clean_run):
-    out = tmp_path / "out"
-    codes = launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
-    err = capfd.readouterr().err
+@pytest.fixture(scope="module")
+def raised_run(tmp_path_factory):
+    """The command with rank 1 raising in VICTIM, launched once per session: its
+    ``--out`` folder (read only), each rank's exit code and what the ranks printed."""
+    shared = shared_folder(tmp_path_factory)
+    out, record = shared / "faults-raised", shared / "faults-raised.json"
+    with FileLock(str(shared / "faults-raised.lock")):
+        if not record.exists():
+            stderr = shared / "faults-raised.stderr"
+            codes = launch(WORLD, [*ARGS, "--out", str(out)], shared, env=fault("raise"),
+                           stderr=stderr)
+            record.write_text(json.dumps({"codes": codes, "err": stderr.read_text()}))
+    return out, json.loads(record.read_text())
+
+
+@pytest.fixture
+def raised_copy(raised_run, tmp_path):
+    """A private copy of the interrupted run's folder, for a test that resumes it."""
+    return Path(shutil.copytree(raised_run[0], tmp_path / "out"))
+
+
+def test_a_raising_rank_fails_the_run_naming_itself_and_the_case(raised_run, clean_run):
+    out, launched = raised_run
+    codes, err = launched["codes"], launched["err"]
     assert codes[1] == 1 and codes[0] != 0
     assert f"study.py: rank 1 failed in case {VICTIM}: RuntimeError: fault injected" in err
     # The study that finished before the fault is intact and complete ...
@@ -46,10 +72,8 @@ def test_a_raising_rank_fails_the_run_naming_itself_and_the_case(tmp_path, capfd
 
 
 def test_resume_completes_the_run_without_recomputing_finished_cases(tmp_path, capfd,
-                                                                     clean_run):
-    out = tmp_path / "out"
-    launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
-    capfd.readouterr()
+                                                                     clean_run, raised_copy):
+    out = raised_copy
     # A fault armed on a case that finished before: recomputing it would fail the run.
     codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume"], tmp_path,
                    env=fault("raise", case=FINISHED_BEFORE_VICTIM))
@@ -59,10 +83,8 @@ def test_resume_completes_the_run_without_recomputing_finished_cases(tmp_path, c
     assert not (out / JOURNAL_DIR).exists()
 
 
-def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd):
-    out = tmp_path / "out"
-    launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("raise"))
-    capfd.readouterr()
+def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd, raised_copy):
+    out = raised_copy
     for other in (["--seed", "7"], ["--shard-size", "3"]):  # a run-wide and a study setting
         codes = launch(WORLD, [*ARGS, "--out", str(out), "--resume", *other], tmp_path)
         err = capfd.readouterr().err

@@ -7,17 +7,15 @@ import pandas as pd
 import pytest
 
 from harness.launcher import strip_nproc
-from tests.launch import ROOT
+from tests.launch import ROOT, run_python
 
-pytestmark = pytest.mark.launches
+# Each test is a launch of its own.
+pytestmark = [pytest.mark.launches(seconds=6), pytest.mark.spread]
 
 
 def study(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "study.py"), *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    """``python scripts/study.py args`` (forked: tests/launch.py says why)."""
+    return run_python([sys.executable, str(ROOT / "scripts" / "study.py"), *args], env=env)
 
 
 def test_nproc_runs_the_ranks_itself(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from tests.distributed import run_cli
 from tests.launch import torchrun_nodes
 
-pytestmark = pytest.mark.launches
+pytestmark = pytest.mark.launches(seconds=10)
 
 ARGS = ["--studies", "reduction", "--strategies", "ddp", "--quiet", "--no-report"]
 #: One rank per agent: DDP at world size 2 then spans both nodes, at the least start-up cost.

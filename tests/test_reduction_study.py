@@ -12,6 +12,9 @@ from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows
 
+#: Its module fixture runs the study on forked ranks: scheduled among the first.
+pytestmark = pytest.mark.launches(seconds=6)
+
 RTOL = relative_tolerance(torch.float64)
 WORLD = 4
 

@@ -22,7 +22,7 @@ from harness.studies import STUDIES
 from tests.distributed import run_cli
 from tests.launch import ROOT, free_port
 
-pytestmark = pytest.mark.launches
+pytestmark = pytest.mark.launches(seconds=13)
 
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "study.sbatch"
 CLUSTER_SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"

@@ -33,6 +33,9 @@ from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE, update_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows as select
 
+#: Its module fixture runs the study on forked ranks: scheduled among the first.
+pytestmark = pytest.mark.launches(seconds=5)
+
 WORLD = 3
 K = 3
 STEPS = 3
@@ -316,6 +319,12 @@ def test_momentum_forms_agree_step_by_step_by_hand():
             w -= u
             previous = lr
         assert (w == pytest.approx(theta, rel=1e-14)) is expect_equal
+
+
+def test_the_report_knows_the_warm_up_schedules_the_study_writes():
+    from harness.studies.update import linear_scaling, report
+
+    assert report.WARM_UP_SCHEDULES == linear_scaling.SCHEDULES
 
 
 def test_real_dataparallel_rows_say_why_they_are_skipped(frame):
