@@ -63,8 +63,14 @@ def _first_error_line(error_dir: Path, rank: int) -> str:
     return ""
 
 
-def launch_ranks(nproc: int, argv: Sequence[str], prog: str) -> int:
-    """Run ``python -m harness argv`` on ``nproc`` local ranks; 0, 1 (a rank failed) or 2."""
+def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
+                 name_rank_of_bad_input: bool = True) -> int:
+    """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed) or 2.
+
+    ``name_rank_of_bad_input=False``: bad input that only the ranks can find (e.g. the
+    check's randomness in a user's loss) is reported as the launcher-side checks report
+    theirs, without a rank number: it is the input's fault, not the rank's.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -72,17 +78,20 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str) -> int:
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
         _rank_environment(error_dir)
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                              run_id=f"study-{os.getpid()}", rdzv_backend="c10d",
+                              run_id=f"{module}-{os.getpid()}", rdzv_backend="c10d",
                               rdzv_endpoint="localhost:0", max_restarts=0)
         try:
-            elastic_launch(config, sys.executable)("-m", "harness", *strip_nproc(argv))
+            elastic_launch(config, sys.executable)("-m", module, *strip_nproc(argv))
         except ChildFailedError as failed:
             rank, failure = failed.get_first_failure()
             cause = _first_error_line(Path(error_dir), rank)
-            code = USAGE_EXIT if failure.exitcode == USAGE_EXIT else 1
+            usage = failure.exitcode == USAGE_EXIT
+            if usage and cause and not name_rank_of_bad_input:
+                print(f"{prog}: error: {cause}", file=sys.stderr)
+                return USAGE_EXIT
             what = cause or _describe_exit(failure.exitcode)
             print(f"{prog}: error: rank {rank} failed: {what}", file=sys.stderr)
-            return code
+            return USAGE_EXIT if usage else 1
     return 0
 
 

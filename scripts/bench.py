@@ -1,7 +1,7 @@
 """Benchmarks of the harness itself (not of PyTorch): how much a study costs to run.
 
     python scripts/bench.py                 # everything, 3 repetitions, N = 4
-    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm
+    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm | check
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
@@ -17,6 +17,12 @@
    and their ratio. The study must not be the bottleneck it measures (ratio >= 0.9).
    Each launch sweeps the sizes 3 times (its median counts); the two launches
    alternate, ``--repeat`` times; medians per size.
+5. check: ``check.py`` on a model of 100M+ parameters (float32, N = 2 ranks, k = 2,
+   one step, DDP) against a bare hand-written DDP loop with the same model, batches
+   and k: wall time (from before the process group to after the last step, the
+   slowest rank) and peak RSS per rank. The two launches alternate, ``--repeat``
+   times; medians. Targets: time <= 1.5x the bare loop's, and peak memory within one
+   extra copy of the gradients plus the reference's parameters and gradients.
 
 Prints a Markdown table (the README's "Speed" section is this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -179,6 +185,113 @@ def bench_comm(nproc: int, repeat: int, scratch: Path) -> dict[str, dict[str, fl
     return results
 
 
+#: The check benchmark's setup, a module written next to the launches: 6 layers of
+#: 4096 x 4096 (+ bias) = 100.7M parameters, 8 samples per global batch (2 per micro-batch
+#: at N = 2, k = 2), mean squared error, plain SGD.
+CHECK_SETUP = """import torch
+from torch import nn
+from harness.check import Setup
+WIDTH, LAYERS, SAMPLES = 4096, 6, 8
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+def batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randn(SAMPLES, WIDTH, generator=generator),
+            torch.randn(SAMPLES, WIDTH, generator=generator))
+def loss(model, data):
+    x, y = data
+    return nn.functional.mse_loss(model(x), y)
+def make_setup():
+    return Setup(make_model=make_model, batch=batch, loss=loss, name="bench-100m")
+"""
+#: Every rank's seconds and peak RSS as a JSON file of its own in the folder argv[4]
+#: (a file, not stdout: the ranks' lines would interleave).
+RANK_REPORT = """
+import json, resource
+with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
+    json.dump({"rank": dist_rank, "seconds": seconds,
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+              report)
+"""
+#: The check, timed in each rank around its whole command line (process group included).
+CHECK_RANK = """import os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from harness.check.cli import main
+start = time.perf_counter()
+code = main(["bench_check_setup:make_setup", "--strategies", "ddp", "--world-sizes", "2",
+             "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])
+seconds = time.perf_counter() - start
+dist_rank = int(os.environ["RANK"])
+assert code == 0
+""" + RANK_REPORT
+#: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
+BARE_CHECK_RANK = """import os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from bench_check_setup import make_setup
+setup, accum_steps = make_setup(), 2
+start = time.perf_counter()
+dist.init_process_group("gloo")
+dist_rank, world_size = dist.get_rank(), dist.get_world_size()
+model = DistributedDataParallel(setup.make_model())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = setup.batch(0)
+per_piece = len(x) // (world_size * accum_steps)
+for micro in range(accum_steps):
+    first = (dist_rank * accum_steps + micro) * per_piece
+    piece = (x[first:first + per_piece], y[first:first + per_piece])
+    if micro < accum_steps - 1:
+        with model.no_sync():
+            (setup.loss(model, piece) / accum_steps).backward()
+    else:
+        (setup.loss(model, piece) / accum_steps).backward()
+optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+dist.destroy_process_group()
+seconds = time.perf_counter() - start
+""" + RANK_REPORT
+
+
+def rank_reports(folder: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
+
+
+def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
+    """Seconds (slowest rank) and peak RSS (largest rank) of the check and of the bare
+    loop, alternating launches, medians; plus the model's size for the memory budget."""
+    (scratch / "bench_check_setup.py").write_text(CHECK_SETUP)
+    scripts = {"bare": scratch / "bare_check.py", "check": scratch / "check_rank.py"}
+    scripts["bare"].write_text(BARE_CHECK_RANK)
+    scripts["check"].write_text(CHECK_RANK)
+    runs: dict[str, list[list[dict]]] = {"bare": [], "check": []}
+    for attempt in range(repeat):
+        for name, script in scripts.items():
+            reports = scratch / f"reports-{name}-{attempt}"
+            reports.mkdir()
+            completed(torchrun(2, str(script), str(scratch), str(ROOT), str(scratch / "out"),
+                               str(reports)))
+            runs[name].append(rank_reports(reports))
+    sys.path.insert(0, str(scratch))
+    from bench_check_setup import make_setup
+
+    parameters = sum(p.numel() for p in make_setup().make_model().parameters())
+    results = {name: {"seconds": statistics.median(max(r["seconds"] for r in run)
+                                                   for run in every),
+                      "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
+                                                       for run in every)}
+               for name, every in runs.items()}
+    copy_mb = parameters * 4 / 2**20
+    results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
+                        "time_ratio": results["check"]["seconds"] / results["bare"]["seconds"],
+                        "extra_mb": results["check"]["peak_rss_mb"]
+                        - results["bare"]["peak_rss_mb"],
+                        # One extra copy of the gradients + the reference's params and grads.
+                        "budget_mb": 3 * copy_mb}
+    return results
+
+
 def machine() -> str:
     cpus = os.cpu_count()
     import torch
@@ -210,6 +323,19 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
         for scale, entry in timings["scaling"].items():
             lines.append(f"| {scale} | {SCALES[scale]} | {entry['cases']} | "
                          f"{entry['study_s']:.1f} s | {entry['cases_per_s']:.0f} |")
+    if "check" in timings:
+        check = timings["check"]
+        model = check["model"]
+        lines += ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
+                  f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step",
+                  "", "| run | wall time (slowest rank) | peak RSS (largest rank) |",
+                  "|---|---:|---:|",
+                  f"| bare DDP loop | {check['bare']['seconds']:.2f} s | "
+                  f"{check['bare']['peak_rss_mb']:.0f} MB |",
+                  f"| `check.py --strategies ddp` | {check['check']['seconds']:.2f} s | "
+                  f"{check['check']['peak_rss_mb']:.0f} MB |",
+                  f"| check / bare | {model['time_ratio']:.2f}x (target <= 1.5x) | "
+                  f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB) |"]
     if "comm" in timings:
         lines += ["", "| all_reduce size | bare loop busbw | comm study busbw | study / bare |",
                   "|---:|---:|---:|---:|"]
@@ -226,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per launch (default: 4)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per measurement; the median is reported (default: 3)")
-    parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm"),
-                        help="run one benchmark instead of all four")
+    parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check"),
+                        help="run one benchmark instead of all five")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
@@ -240,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             timings["scaling"] = bench_scaling(args.nproc, args.repeat, Path(scratch))
         if args.only in (None, "comm"):
             timings["comm"] = bench_comm(args.nproc, args.repeat, Path(scratch))
+        if args.only in (None, "check"):
+            timings["check"] = bench_check(args.repeat, Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.repeat)
     print(markdown(args.nproc, args.repeat, timings))

@@ -1,0 +1,178 @@
+"""The command line of ``scripts/check.py`` and ``grad-check``.
+
+As in ``study.py``: every check of the input happens before any process group,
+folder or file exists (with ``--nproc``, before any rank starts); bad input is one
+line naming the bad value and what is allowed, exit code 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
+from harness.check.load import check_model, validated_setup
+from harness.check.setup import Setup
+from harness.cli import _launch_size, _Parser
+from harness.config import DTYPES
+from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.launch import (
+    Launch,
+    Placement,
+    choose_placement,
+    leader_from_environment,
+    under_torchrun,
+)
+from harness.options import parse_float, parse_int_list, parse_name_list
+
+PROG = "check.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            Does your multi-rank / accumulated training step equal one big-batch step?
+            TARGET names a function returning a harness.check.Setup (model, batches, loss,
+            optimizer). Every strategy x world size N x micro-steps k is compared with one
+            process stepping once on the whole global batch: param.grad before
+            optimizer.step() and the parameters after it."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              python scripts/check.py --nproc 2 examples.mlp:make_setup
+              torchrun --standalone --nproc_per_node=2 scripts/check.py \\
+                  examples.digits_cnn:make_setup --accum-steps 1,4
+              python scripts/check.py --nproc 2 examples.tiny_lm:make_setup --strategies ddp
+            """),
+    )
+    parser.add_argument("targets", metavar="TARGET", nargs="+",
+                        help="module.path:factory, e.g. examples.mlp:make_setup (imported "
+                             "from the current folder or the Python path); several are "
+                             "checked one after the other in the same launch")
+    parser.add_argument("--nproc", metavar="N", default=None,
+                        help="start N ranks on this machine after checking every flag, as "
+                             "study.py --nproc does; leave it out under torchrun")
+    parser.add_argument("--accum-steps", metavar="K[,K]", default="1,2",
+                        help="micro-steps per optimizer step to check (default: 1,2)")
+    parser.add_argument("--strategies", metavar="NAME[,NAME]", default=",".join(CHECK_STRATEGIES),
+                        help="; ".join(f"{k} = {v}" for k, v in CHECK_STRATEGIES.items())
+                             + " (default: all)")
+    parser.add_argument("--world-sizes", metavar="N[,N]", default="",
+                        help="world sizes, each on ranks 0..N-1 of this launch (default: 1..N "
+                             "for N launched ranks)")
+    parser.add_argument("--dtype", default="float64", metavar="|".join(DTYPES),
+                        help="model and batch type; float64 makes verdicts exact to ~1e-12 "
+                             "(default: float64)")
+    parser.add_argument("--out", default="check-results", metavar="DIR",
+                        help=f"folder for {CSV_NAME} (default: check-results)")
+    parser.add_argument("--drop-last", action="store_true",
+                        help="drop the samples of a global batch that do not split evenly "
+                             "into N x k pieces (default: refuse such a batch)")
+    parser.add_argument("--timeout", default="300", metavar="SECONDS",
+                        help="how long a collective may wait before the run fails instead of "
+                             "hanging (default: 300)")
+    parser.add_argument("--quiet", action="store_true", help="no table on the console")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> CheckConfig:
+    return CheckConfig(
+        targets=tuple(args.targets),
+        accum_steps=parse_int_list(args.accum_steps, "--accum-steps"),
+        strategies=parse_name_list(args.strategies, "--strategies"),
+        world_sizes=(parse_int_list(args.world_sizes, "--world-sizes")
+                     if args.world_sizes else ()),
+        dtype=args.dtype,
+        out=Path(args.out),
+        drop_last=args.drop_last,
+        quiet=args.quiet,
+        timeout=parse_float(args.timeout, "--timeout"),
+    )
+
+
+def _splits(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [(n, k) for n in world_sizes for k in config.accum_steps]
+
+
+def _launch_from_environment() -> Launch:
+    if not under_torchrun():
+        raise UsageError("check.py needs --nproc N or torchrun to start its ranks; run e.g. "
+                         "'python scripts/check.py --nproc 2 examples.mlp:make_setup'")
+    return Launch.from_environment()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    leader = leader_from_environment()
+    try:
+        args = build_parser().parse_args(argv)
+        config = config_from_args(args)
+        if args.nproc is not None:
+            nproc = _launch_size(args.nproc)
+            planned = Launch.planned(nproc)
+            world_sizes = config.resolved_world_sizes(nproc)
+            choose_placement("auto", "auto", planned)
+            for target, setup in _setups(config, world_sizes):
+                check_model(setup.make_model(), target)
+            from harness.launcher import launch_ranks
+
+            return launch_ranks(nproc, argv, PROG, module="harness.check",
+                                name_rank_of_bad_input=False)
+        launch = _launch_from_environment()
+        world_sizes = config.resolved_world_sizes(launch.world_size)
+        placement = choose_placement("auto", "auto", launch)
+        setups = _setups(config, world_sizes)
+    except UsageError as error:
+        return refuse(error, 0 if leader else 1, PROG)
+    return _run(config, setups, launch, placement, world_sizes)
+
+
+def _setups(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[str, Setup]]:
+    """Each target's validated Setup; their names tell their rows apart, so must differ."""
+    setups = [(target, validated_setup(target, _splits(config, world_sizes), config.drop_last))
+              for target in config.targets]
+    names = [setup.name for _, setup in setups]
+    for name in names:
+        if names.count(name) > 1:
+            raise UsageError(f"two targets give setups named {name!r}; allowed: setups with "
+                             "different names (Setup.name), each target once")
+    return setups
+
+
+def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
+         placement: Placement, world_sizes: tuple[int, ...]) -> int:
+    import torch.distributed as dist
+
+    from harness.check.run import CheckRun
+
+    run = CheckRun(config, setups, launch, placement, world_sizes)
+    if launch.is_leader and not config.quiet:
+        names = ", ".join(f"{setup.name} ({target})" for target, setup in setups)
+        print(f"{PROG}: {names} on {launch.world_size} rank(s), "
+              f"{placement.description} dtype={config.dtype}; world sizes "
+              f"{','.join(map(str, world_sizes))}, accum steps "
+              f"{','.join(map(str, config.accum_steps))}, strategies "
+              f"{','.join(config.strategies)}", flush=True)
+    try:
+        code = run.run()
+    except UsageError as error:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return refuse(error, launch.rank, PROG)
+    except Exception as error:
+        if launched_by_harness():  # the launcher prints the line once
+            record_error(launch.rank, f"{type(error).__name__}: {error}")
+            return 1
+        raise
+    if launch.is_leader and not config.quiet:
+        from harness.check.table import render
+
+        for _, setup in setups:
+            print(f"\n{setup.name}:\n" + render([row for row in run.rows
+                                                   if row["setup"] == setup.name], setup.steps))
+        print(f"{PROG}: {len(run.rows)} rows -> {config.out / CSV_NAME}")
+    return code

@@ -1,0 +1,72 @@
+"""The settings of one ``check.py`` run, as a dataclass that refuses bad values itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.config import DTYPES
+from harness.errors import UsageError
+from harness.options import check_known, check_positive_unique
+
+#: Strategies a check runs, in the order rows appear.
+CHECK_STRATEGIES = {
+    "local": "one process playing every rank in turn (N x k pieces, each rank's gradient "
+             "averaged over the N as DDP does): accumulation without communication",
+    "ddp": "DistributedDataParallel on ranks 0..N-1, no_sync for the first k-1 micro-steps",
+    "fsdp": "FSDP2 fully_shard on ranks 0..N-1; each rank compares its own shard",
+}
+#: Micro-steps beyond this would only make a check slow; no real recipe needs more.
+MAX_ACCUM_STEPS = 64
+CSV_NAME = "check.csv"
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    #: ``module.path:factory`` of each setup to check, in this order.
+    targets: tuple[str, ...]
+    accum_steps: tuple[int, ...] = (1, 2)
+    strategies: tuple[str, ...] = tuple(CHECK_STRATEGIES)
+    #: Empty: every world size 1..N of the launch.
+    world_sizes: tuple[int, ...] = ()
+    dtype: str = "float64"
+    out: Path = Path("check-results")
+    drop_last: bool = False
+    quiet: bool = False
+    #: Seconds a collective inside a case may wait before the run fails instead of hanging.
+    timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for target in self.targets:
+            if ":" not in target:
+                raise UsageError(f"{target!r} names no factory; allowed: module.path:factory, "
+                                 "e.g. examples.mlp:make_setup")
+        check_positive_unique("--accum-steps", self.accum_steps, MAX_ACCUM_STEPS)
+        if not self.strategies:
+            raise UsageError("--strategies is empty; allowed: "
+                             + ", ".join(CHECK_STRATEGIES))
+        check_known("--strategies", self.strategies, tuple(CHECK_STRATEGIES))
+        if len(set(self.strategies)) != len(self.strategies):
+            raise UsageError(f"--strategies: {','.join(self.strategies)} repeats a value; "
+                             "give each strategy once")
+        if self.world_sizes:
+            check_positive_unique("--world-sizes", self.world_sizes)
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout {self.timeout} is not allowed; allowed: seconds > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolved_world_sizes(self, launched: int) -> tuple[int, ...]:
+        """The world sizes to measure in a launch of ``launched`` ranks."""
+        sizes = self.world_sizes or tuple(range(1, launched + 1))
+        for size in sizes:
+            if size > launched:
+                raise UsageError(f"--world-sizes: {size} is more than the {launched} rank(s) "
+                                 f"launched; allowed: 1..{launched} (or launch more ranks)")
+        return tuple(sorted(sizes))

@@ -1,0 +1,145 @@
+"""The concrete fix a row suggests, read from what was measured.
+
+Nothing here knows the examples: the fix follows from the verdict, the fitted scale
+(named as k, N or N*k when it is one of them), the module types of the worst tensors,
+the parameters the reference left without gradient, and whether the user's loss of the
+whole batch is the same combination of its pieces' losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from torch import nn
+
+from harness.check.compare import Comparison
+from harness.tolerances import close
+from harness.verdicts import Equivalence
+
+NORM_MODULES = (nn.modules.batchnorm._BatchNorm,)
+
+
+class LossCombination(StrEnum):
+    """How the loss of the whole batch relates to the losses of its N x k pieces."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    #: Neither: the pieces weigh differently (a mean over a count that varies per piece).
+    NEITHER = "neither"
+
+
+@dataclass
+class Facts:
+    """What a fix is decided from, besides the comparison itself."""
+
+    strategy: str
+    world_size: int
+    accum_steps: int
+    #: Parameter and buffer names that belong to BatchNorm modules.
+    batchnorm: set[str] = field(default_factory=set)
+    #: Parameters without gradient in the reference.
+    unused: tuple[str, ...] = ()
+    #: DDP was told to look for unused parameters.
+    finds_unused: bool = False
+    #: Asked only when needed: it costs a forward of every piece.
+    loss_combination: Callable[[], LossCombination] | None = None
+    rtol: float = 1e-9
+
+
+def batchnorm_tensors(model: nn.Module) -> set[str]:
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, NORM_MODULES):
+            for name, _ in [*module.named_parameters(recurse=False),
+                            *module.named_buffers(recurse=False)]:
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def _factor_name(value: float, facts: Facts, rtol: float) -> str:
+    """``value`` as N, k or N*k where it is one of them (" = N*k"), else ''."""
+    n, k = facts.world_size, facts.accum_steps
+    for expression, number in (("k", k), ("N", n), ("N*k", n * k)):
+        if number > 1 and close(value, number, rtol):
+            return f" = {expression}"
+    return ""
+
+
+def _shown(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def scale_fix(point: str, scale: float, facts: Facts) -> str:
+    """A pure multiple s of the reference: undo it where it comes from."""
+    if point == "grad":
+        if scale > 1:
+            return (f"divide the loss by {_shown(scale)}"
+                    f"{_factor_name(scale, facts, facts.rtol)}")
+        inverse = 1 / scale
+        return f"multiply the loss by {_shown(inverse)}{_factor_name(inverse, facts, facts.rtol)}"
+    inverse = 1 / scale
+    return (f"multiply lr by 1/s = {_shown(inverse)}{_factor_name(inverse, facts, facts.rtol)}"
+            " (or fix the gradient's scale)")
+
+
+def _batchnorm_fix(facts: Facts) -> str:
+    if facts.accum_steps > 1:
+        return ("use GroupNorm (or LayerNorm): BatchNorm normalizes each micro-batch by its "
+                "own statistics, and SyncBatchNorm spans the N ranks but not the k micro-steps")
+    return ("use SyncBatchNorm (or GroupNorm): BatchNorm normalizes each rank's shard by its "
+            "own statistics")
+
+
+def differs_fix(comparison: Comparison, facts: Facts) -> str:
+    # BatchNorm first: where its tensors differ, it is a cause whatever else is.
+    if any(comparison.errors.get(name, 0.0) > facts.rtol for name in facts.batchnorm):
+        return _batchnorm_fix(facts)
+    if facts.strategy == "ddp" and facts.unused and not facts.finds_unused:
+        shown = ", ".join(facts.unused[:3]) + (", ..." if len(facts.unused) > 3 else "")
+        return (f"the unused parameters ({shown}) get no gradient, so DDP never all-reduces "
+                "the bucket that holds them: pass find_unused_parameters=True to DDP "
+                "(Setup.ddp_options)")
+    if facts.loss_combination is not None:
+        combination = facts.loss_combination()
+        if combination is LossCombination.NEITHER:
+            return ("normalize by the window's token count: the loss divides each "
+                    "micro-batch by its own count (e.g. a token mean), so pieces weigh "
+                    "unequally; sum the per-token losses, divide by the window's count "
+                    "(times N under DDP/FSDP)")
+    return ("no single scale explains it: something in the worst tensors' computation "
+            "depends on how the batch is split")
+
+
+def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
+    """The fix for one row; empty where nothing needs fixing."""
+    if comparison.verdict is Equivalence.MATCHES:
+        return ""
+    if comparison.verdict is Equivalence.SCALED and not math.isnan(comparison.scale):
+        return scale_fix(point, comparison.scale, facts)
+    return differs_fix(comparison, facts)
+
+
+def measure_loss_combination(setup, initial: dict, window, per_piece: int, pieces: int,
+                             dtype, device, rtol: float) -> LossCombination:
+    """The user's loss of the whole window against its pieces' losses, on a throwaway copy
+    of the model at ``initial`` (a training-mode forward may update buffers)."""
+    import torch
+
+    from harness.check import batches
+    from harness.check.load import prepared_model
+
+    model = prepared_model(setup, dtype, device)
+    model.load_state_dict(initial)
+    with torch.no_grad():
+        whole = float(setup.loss(model, window))
+        parts = [float(setup.loss(model, batches.take(window, i * per_piece,
+                                                       (i + 1) * per_piece)))
+                 for i in range(pieces)]
+    if close(whole, sum(parts) / len(parts), rtol):
+        return LossCombination.MEAN
+    if close(whole, sum(parts), rtol):
+        return LossCombination.SUM
+    return LossCombination.NEITHER

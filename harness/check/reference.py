@@ -1,0 +1,114 @@
+"""The single-process big-batch reference: one backward of the loss on the whole global
+batch, one optimizer step, per step of the setup.
+
+Every rank computes it itself (the ranks work at once, so it costs one big-batch step
+of wall time, not N), and each compares only what it owns: no gradient ever travels.
+It is computed once per step and shared by every case of the matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harness.check import batches
+from harness.check.load import prepared_model
+from harness.check.setup import Setup, default_optimizer
+from harness.errors import UsageError
+from harness.tolerances import close
+
+#: Seeds of the reference's forward and of the second forward that looks for randomness
+#: the module scan cannot see (e.g. ``F.dropout`` called inside ``forward``).
+FORWARD_SEED, PROBE_SEED = 0, 1
+
+
+@dataclass
+class ReferenceStep:
+    """What the big-batch reference held around one optimizer step."""
+
+    #: The whole state (parameters and buffers) before the step: every case starts its
+    #: first step from step 0's, and updates are measured from it.
+    before: dict[str, torch.Tensor]
+    #: ``param.grad`` right before ``optimizer.step()``; None where a parameter got none.
+    grads: dict[str, torch.Tensor | None]
+    #: Parameters and floating buffers right after the step.
+    after: dict[str, torch.Tensor]
+    #: The big-batch loss.
+    loss: float
+
+    @property
+    def unused(self) -> tuple[str, ...]:
+        """Parameters the loss does not reach: no gradient in the reference."""
+        return tuple(name for name, grad in self.grads.items() if grad is None)
+
+
+def state_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the trainable parameters and of the floating buffers, in module order."""
+    params = [name for name, p in model.named_parameters() if p.requires_grad]
+    buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
+    return params, buffers
+
+
+def make_optimizer(setup: Setup, params) -> torch.optim.Optimizer:
+    return (setup.make_optimizer or default_optimizer)(params)
+
+
+def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol: float,
+                      target: str) -> None:
+    """One more forward of the same batch under another seed; a different loss means the
+    model or the loss draws random numbers in training mode: refused (see load.py)."""
+    kept = {name: b.detach().clone() for name, b in model.named_buffers()}
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PROBE_SEED)
+        again = float(setup.loss(model, window))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(kept[name])
+    if not close(again, loss, rtol):
+        raise UsageError(f"{target}: the loss of the same batch changed with the random seed "
+                         f"({loss:.6g} vs {again:.6g}): the model or the loss is random in "
+                         "training mode (dropout?), so no comparison is fair; allowed: "
+                         "setups without train-mode randomness")
+
+
+def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
+                      used_samples: int | None, rtol: float, target: str
+                      ) -> list[ReferenceStep]:
+    """Every step of the reference on the first ``used_samples`` of each global batch
+    (all of them when None)."""
+    model = prepared_model(setup, dtype, device, target)
+    optimizer = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
+    param_names, buffer_names = state_names(model)
+    params = dict(model.named_parameters())
+    steps = []
+    for step in range(setup.steps):
+        window = window_of(setup, step, used_samples, dtype, device)
+        before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(FORWARD_SEED)
+            loss = setup.loss(model, window)
+        loss.backward()
+        if step == 0:
+            _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
+        # The reference keeps the gradient tensors themselves: optimizer.step() reads them,
+        # and zero_grad(set_to_none) below hands the model new ones.
+        grads = {name: params[name].grad for name in param_names}
+        optimizer.step()
+        last = step == setup.steps - 1
+        state = model.state_dict(keep_vars=True)
+        after = {name: (state[name].detach() if last else state[name].detach().clone())
+                 for name in [*param_names, *buffer_names]}
+        optimizer.zero_grad(set_to_none=True)
+        steps.append(ReferenceStep(before, grads, after, float(loss.detach())))
+    return steps
+
+
+def window_of(setup: Setup, step: int, used_samples: int | None, dtype: torch.dtype,
+              device: torch.device):
+    """Global batch ``step``, cut to ``used_samples`` (--drop-last), in dtype, on device."""
+    batch = setup.batch(step)
+    if used_samples is not None:
+        batch = batches.take(batch, 0, used_samples)
+    return batches.prepared(batch, dtype, device)

@@ -1,0 +1,229 @@
+"""One launch runs the whole matrix: strategy x world size N x micro-steps k.
+
+Process subgroups of ranks 0..N-1 are created once; a case of world size N runs on
+its subgroup (``local`` on rank 0 alone) while the other ranks go on to the next
+case. Rank 0 takes part in every case, holds every row, and writes ``check.csv``
+atomically at the end. The big-batch reference is computed once per step by every
+rank and shared by all cases.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.check import batches
+from harness.check.compare import Comparison, compare
+from harness.check.config import CSV_NAME, CheckConfig
+from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
+from harness.check.reference import ReferenceStep, compute_reference, window_of
+from harness.check.schema import COLUMN_NAMES
+from harness.check.setup import Setup
+from harness.check.strategies import CASE_MODELS, CaseModel
+from harness.errors import UsageError, first_sentence
+from harness.launch import Launch, Placement
+from harness.results import write_csv_atomic
+from harness.tolerances import check_tolerance
+
+POINTS = ("grad", "params")
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    world_size: int
+    accum_steps: int
+
+    @property
+    def participants(self) -> int:
+        return 1 if self.strategy == "local" else self.world_size
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} N={self.world_size} k={self.accum_steps}"
+
+
+def matrix(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[Case]:
+    return [Case(strategy, n, k) for strategy in config.strategies for n in world_sizes
+            for k in config.accum_steps]
+
+
+class CheckRun:
+    """Every setup named on the command line, one after the other, in one launch."""
+
+    def __init__(self, config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
+                 placement: Placement, world_sizes: tuple[int, ...]) -> None:
+        self.config, self.setups, self.launch = config, setups, launch
+        self.placement, self.world_sizes = placement, world_sizes
+        self.rows: list[dict[str, Any]] = []
+
+    def _init_distributed(self) -> dict[int, dist.ProcessGroup]:
+        if self.placement.device.type == "cuda":
+            torch.cuda.set_device(self.placement.device)
+        timeout = timedelta(seconds=self.config.timeout)
+        if not dist.is_initialized():
+            dist.init_process_group(self.placement.backend, timeout=timeout)
+        # new_group is collective: every rank creates every group, in the same order.
+        return {n: dist.new_group(list(range(n)), timeout=timeout) for n in self.world_sizes}
+
+    def run(self) -> int:
+        """Every setup's cases; rank 0 writes check.csv (rows of all setups). Exit code 0."""
+        groups = self._init_distributed()
+        for target, setup in self.setups:
+            self.rows += SetupCheck(self, target, setup, groups).run()
+        if self.launch.is_leader:
+            write_csv_atomic(self.config.out / CSV_NAME, self.rows, COLUMN_NAMES)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+
+
+class SetupCheck:
+    """One setup's matrix, sharing the big-batch reference between its cases."""
+
+    def __init__(self, run: CheckRun, target: str, setup: Setup,
+                 groups: dict[int, dist.ProcessGroup]) -> None:
+        self.config, self.launch, self.placement = run.config, run.launch, run.placement
+        self.world_sizes, self.target, self.setup, self.groups = (run.world_sizes, target,
+                                                                  setup, groups)
+        self.dtype, self.device = self.config.torch_dtype, self.placement.device
+        self.rtol = check_tolerance(self.dtype)
+        self.references: dict[int | None, list[ReferenceStep]] = {}
+
+    def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
+        """make_model() and batch(i) must give every rank the same numbers: compared as
+        two scalars per step (max and min over the ranks of a fingerprint)."""
+        values = [sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+                      for t in step.before.values() if t.is_floating_point()) + step.loss
+                  for step in reference]
+        values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
+        high = torch.tensor(values, dtype=torch.float64, device=self.device)
+        low = -high.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX)
+        if not torch.equal(high, -low):
+            raise UsageError(f"{self.target}: make_model() or batch(i) gave the ranks "
+                             "different numbers; allowed: deterministic functions (seed inside "
+                             "them, e.g. torch.manual_seed(0) in make_model)")
+
+    def used_samples(self, case: Case) -> int | None:
+        """Samples of each global batch the case uses: all, unless --drop-last cuts some."""
+        if not self.config.drop_last:
+            return None
+        samples = batches.sample_count(self.setup.batch(0), "batch(0)")
+        pieces = case.world_size * case.accum_steps
+        return samples // pieces * pieces
+
+    def reference(self, used: int | None) -> list[ReferenceStep]:
+        if used not in self.references:
+            self.references[used] = compute_reference(self.setup, self.dtype, self.device,
+                                                      used, self.rtol, self.target)
+        return self.references[used]
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> list[dict[str, Any]]:
+        """The rows of every case (on rank 0; [] elsewhere)."""
+        cases = matrix(self.config, self.world_sizes)
+        self._same_on_every_rank(self.reference(self.used_samples(cases[0])))
+        rows: list[dict[str, Any]] = []
+        for case in cases:
+            if self.launch.rank < case.participants:
+                rows += self.run_case(case)
+        return rows
+
+    def run_case(self, case: Case) -> list[dict[str, Any]]:
+        """The case's rows on rank 0 (one per step and point); [] on the other ranks."""
+        reason = self._unavailable(case)
+        if reason is not None:
+            return self._rows(case, [(step, point, None, "", f"skipped: {reason}", "")
+                                     for step in range(self.setup.steps) for point in POINTS])
+        try:
+            measured = self._measure(case)
+        except UsageError:
+            raise
+        except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
+            return self._rows(case, [(0, point, None, "", "error", first_sentence(error))
+                                     for point in POINTS])
+        return self._rows(case, measured)
+
+    def _unavailable(self, case: Case) -> str | None:
+        if case.strategy == "fsdp":
+            from harness.strategies.fsdp import unavailable_reason
+
+            return unavailable_reason(self.placement)
+        return None
+
+    def _group(self, case: Case) -> dist.ProcessGroup | None:
+        return None if case.strategy == "local" else self.groups[case.world_size]
+
+    def _measure(self, case: Case) -> list[tuple]:
+        """Train the case's steps; (step, point, comparison, fix, status, error) each."""
+        used = self.used_samples(case)
+        reference = self.reference(used)
+        group = self._group(case)
+        model = CASE_MODELS[case.strategy](self.setup, reference[0].before, case.world_size,
+                                           self.dtype, self.device, group)
+        facts = self._facts(case, model, reference)
+        results = []
+        for step, ref in enumerate(reference):
+            window = window_of(self.setup, step, used, self.dtype, self.device)
+            samples = batches.sample_count(window, f"batch({step})")
+            model.backward_window(window, samples, case.accum_steps)
+            grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
+                            self.rtol)
+            model.step()
+            update = compare(model.update_pairs(ref), model.state_names, group, self.device,
+                             self.rtol)
+            for point, comparison in zip(POINTS, (grads, update), strict=True):
+                results.append((step, point, comparison,
+                                self._fix(point, comparison, facts, ref, window, samples, case),
+                                "ok", ""))
+        return results
+
+    def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
+        return Facts(strategy=case.strategy, world_size=case.world_size,
+                     accum_steps=case.accum_steps, batchnorm=batchnorm_tensors(model.inner),
+                     unused=reference[0].unused,
+                     finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
+                     rtol=self.rtol)
+
+    def _fix(self, point: str, comparison: Comparison, facts: Facts, ref: ReferenceStep,
+             window, samples: int, case: Case) -> str:
+        """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
+        if not self.launch.is_leader:
+            return ""
+        pieces = case.world_size * case.accum_steps
+
+        @functools.cache
+        def combination():
+            return measure_loss_combination(self.setup, ref.before, window, samples // pieces,
+                                            pieces, self.dtype, self.device, self.rtol)
+
+        facts.loss_combination = combination
+        return suggest(point, comparison, facts)
+
+    def _rows(self, case: Case, results: list[tuple]) -> list[dict[str, Any]]:
+        if not self.launch.is_leader:
+            return []
+        rows = []
+        for step, point, comparison, fix, status, error in results:
+            rows.append({
+                "setup": self.setup.name, "strategy": case.strategy,
+                "world_size": case.world_size, "accum_steps": case.accum_steps,
+                "step": step, "point": point,
+                "verdict": str(comparison.verdict) if comparison else "",
+                "scale": comparison.scale if comparison else float("nan"),
+                "residual": comparison.residual if comparison else float("nan"),
+                "worst_tensors": format_worst(comparison) if comparison else "",
+                "fix": fix, "dtype": self.config.dtype, "status": status, "error": error,
+            })
+        return rows
+
+
+def format_worst(comparison: Comparison) -> str:
+    return ";".join(f"{name}={error:.3g}" for name, error in comparison.worst)

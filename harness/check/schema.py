@@ -1,0 +1,33 @@
+"""The columns of ``check.csv``, each declared once with its unit and meaning."""
+
+from __future__ import annotations
+
+from harness.studies.base import Column
+from harness.verdicts import Equivalence
+
+COLUMNS: tuple[Column, ...] = (
+    Column("setup", "", "the Setup's name (the factory's name when it gives none)"),
+    Column("strategy", "`local`, `ddp`, `fsdp`",
+           "one process playing the N ranks in turn, DistributedDataParallel, or FSDP2's "
+           "`fully_shard`"),
+    Column("world_size", "ranks", "N: ranks the global batch is split across"),
+    Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step"),
+    Column("step", "steps", "optimizer step compared, from 0 (each on its own global batch)"),
+    Column("point", "`grad`, `params`",
+           "what is compared: `param.grad` right before `optimizer.step()`, or the parameters "
+           "and floating buffers right after it, as updates from where the reference started "
+           "the step"),
+    Column("verdict", ", ".join(f"`{v}`" for v in Equivalence),
+           "against the single-process big-batch step: the same, a pure multiple s of it, or "
+           "no multiple"),
+    Column("scale", "ratio", "s in `measured ~ s * reference` (least squares over every tensor)"),
+    Column("residual", "ratio", "`||measured - s*reference|| / ||measured||`: 0 when a pure "
+           "scale explains it"),
+    Column("worst_tensors", "`name=error;...`",
+           "the three tensors with the largest `||m - s*r|| / ||s*r||`, worst first"),
+    Column("fix", "text", "what to change, read from the measurement; empty when it matches"),
+    Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
+    Column("status", "", "`ok`, `skipped: why`, or `error`"),
+    Column("error", "text", "the exception of a case that failed (`Type: first sentence`)"),
+)
+COLUMN_NAMES = tuple(column.name for column in COLUMNS)

@@ -1,0 +1,100 @@
+"""What a user hands the harness to check their own training step: a :class:`Setup`.
+
+``make_setup()`` in the user's module returns one. The harness builds the model
+on every rank (and once more for the single-process reference), takes global
+batch ``i`` from ``batch(i)``, splits it along the first dimension of every
+tensor the way each strategy would (ranks x micro-steps), runs the user's loss
+on each piece, and compares ``param.grad`` before the step and the parameters
+after it with one process stepping once on the whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+#: A batch: a tensor, or a tuple/list/dict of tensors (and of anything else, passed as
+#: is) whose tensors share their first dimension, the sample dimension that is split.
+Batch = Any
+#: ``loss(model, batch) -> scalar tensor``: the user's loss on a (micro-)batch,
+#: computed the way their training loop computes it (mean over the micro-batch, a
+#: token-level mean, ...).
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+#: ``make_optimizer(params) -> torch.optim.Optimizer``.
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """Where a micro-step sits: handed to a custom ``micro_step`` function."""
+
+    #: Index of the micro-step in the accumulation window, 0..accum_steps-1.
+    index: int
+    #: Micro-steps per optimizer step (k).
+    accum_steps: int
+    #: Ranks (devices) the global batch is split across (N).
+    world_size: int
+    #: Samples in the whole global batch (N x k micro-batches).
+    global_batch_size: int
+    #: The whole global batch of this optimizer step (every rank's every micro-batch),
+    #: already cast and placed like the micro-batch: what a real loop learns by
+    #: all-reducing its counts, e.g. the window's token count. None where not known.
+    window: Any = None
+
+
+#: ``micro_step(model, micro_batch, where) -> loss tensor`` on which the harness calls
+#: ``backward()``: the user's own recipe (e.g. dividing by k, or normalizing by the
+#: window's token count). Without one the harness backpropagates ``loss(...) / k``.
+MicroStepFn = Callable[[nn.Module, Batch, MicroStep], torch.Tensor]
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD: the update is then ``-lr * grad``, so a gradient error shows unchanged."""
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One user training step, as functions the harness can call on any rank.
+
+    ``make_model`` must build the same initial weights on every call (seed inside
+    it): the harness builds one copy per rank and one for the reference.
+    """
+
+    #: () -> nn.Module, identical weights on every call.
+    make_model: Callable[[], nn.Module]
+    #: i -> global batch i (the whole big batch of optimizer step i).
+    batch: Callable[[int], Batch]
+    #: The loss on a (micro-)batch: see :data:`LossFn`.
+    loss: LossFn
+    #: params -> optimizer; plain SGD(lr=0.1) when None.
+    make_optimizer: OptimizerFactory | None = None
+    #: A custom micro-step (see :data:`MicroStepFn`); None: ``loss / k``.
+    micro_step: MicroStepFn | None = None
+    #: Optimizer steps compared (each on its own global batch).
+    steps: int = 1
+    #: A name for the rows and the console table; the factory's name when empty.
+    name: str = ""
+    #: Keyword arguments for DistributedDataParallel under the ``ddp`` strategy (e.g.
+    #: ``{"find_unused_parameters": True}``), so that a fix can be checked as it will run.
+    ddp_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("make_model", "batch", "loss"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"Setup.{name} must be callable, got "
+                                f"{type(getattr(self, name)).__name__}")
+        for name in ("make_optimizer", "micro_step"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"Setup.{name} must be callable or None, got "
+                                f"{type(value).__name__}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"Setup.steps must be an integer >= 1, got {self.steps!r}")
+        if not isinstance(self.ddp_options, dict):
+            raise TypeError("Setup.ddp_options must be a dict of DistributedDataParallel "
+                            f"keyword arguments, got {type(self.ddp_options).__name__}")

@@ -1,0 +1,236 @@
+"""``check.py``: the examples' verdicts against first principles, bad input, the schema.
+
+One launch (``--nproc 2``) checks every example and a few setups of this module; the
+tests below read its CSV. Bad input is refused before any rank starts, so most of
+those tests call ``main`` in-process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from harness.check import Setup
+from harness.check.cli import main
+from harness.check.config import CSV_NAME
+from harness.check.schema import COLUMN_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = "tests.test_check"
+EXAMPLES = {
+    "mlp-mean": "examples.mlp:make_setup",
+    "mlp-sum": "examples.mlp:make_sum_setup",
+    "mlp-adam": "examples.mlp:make_adam_setup",
+    "digits-cnn-batchnorm": "examples.digits_cnn:make_setup",
+    "digits-cnn-groupnorm": "examples.digits_cnn:make_groupnorm_setup",
+    "tiny-lm-micro-token-mean": "examples.tiny_lm:make_setup",
+    "tiny-lm-window-token-mean": "examples.tiny_lm:make_window_setup",
+    "unused-branch": "examples.unused_branch:make_setup",
+    "unused-branch-find-unused": "examples.unused_branch:make_find_unused_setup",
+    "odd-batch": f"{HERE}:make_odd_setup",
+}
+BATCHNORM_TENSORS = {"1.weight", "1.bias", "1.running_mean", "1.running_var"}
+
+
+# ------------------------------------------------------ setups for the tests
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 1)
+
+
+def _mse(model: nn.Module, data) -> torch.Tensor:
+    x, y = data
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _samples(count: int):
+    def batch(step: int):
+        generator = torch.Generator().manual_seed(step)
+        return torch.randn(count, 3, generator=generator), torch.randn(count, 1,
+                                                                        generator=generator)
+    return batch
+
+
+def make_odd_setup() -> Setup:
+    """15 samples: 3 left over at N x k = 4, dropped with --drop-last."""
+    return Setup(make_model=_linear, batch=_samples(15), loss=_mse, name="odd-batch")
+
+
+def make_dropout_setup() -> Setup:
+    return Setup(make_model=lambda: nn.Sequential(nn.Linear(3, 1), nn.Dropout(0.5)),
+                 batch=_samples(8), loss=_mse)
+
+
+def make_functional_dropout_setup() -> Setup:
+    """Randomness the module scan cannot see: found by the reference's second forward."""
+    def loss(model: nn.Module, data) -> torch.Tensor:
+        x, y = data
+        return nn.functional.mse_loss(nn.functional.dropout(model(x), 0.5), y)
+
+    return Setup(make_model=_linear, batch=_samples(8), loss=loss)
+
+
+def make_meta_setup() -> Setup:
+    return Setup(make_model=lambda: nn.Linear(3, 1, device="meta"), batch=_samples(8),
+                 loss=_mse)
+
+
+def make_not_a_setup() -> dict:
+    return {"make_model": _linear}
+
+
+not_callable = 42
+
+
+# ---------------------------------------------------------------- the launch
+def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("check")
+    done = _check("--nproc", "2", *EXAMPLES.values(), "--drop-last", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    return done, out
+
+
+@pytest.fixture(scope="module")
+def rows(launched) -> pd.DataFrame:
+    return pd.read_csv(launched[1] / CSV_NAME, keep_default_na=False,
+                       dtype={"fix": str, "error": str})
+
+
+def _of(rows: pd.DataFrame, setup: str) -> pd.DataFrame:
+    selected = rows[rows.setup == setup]
+    assert len(selected) > 0, setup
+    return selected
+
+
+def _split(frame: pd.DataFrame) -> pd.Series:
+    return frame.world_size * frame.accum_steps > 1
+
+
+pytestmark = pytest.mark.launches
+
+
+def test_every_case_of_every_setup_is_a_row(rows):
+    # 3 strategies x N in 1,2 x k in 1,2, two points, one row per step.
+    for name in EXAMPLES:
+        steps = 2 if name == "mlp-adam" else 1
+        assert len(_of(rows, name)) == 3 * 2 * 2 * 2 * steps, name
+    assert set(rows.status) == {"ok"}
+
+
+def test_csv_schema_is_the_declared_columns(launched):
+    header = (launched[1] / CSV_NAME).read_text().splitlines()[0].split(",")
+    assert tuple(header) == COLUMN_NAMES
+
+
+@pytest.mark.parametrize("name", ["mlp-mean", "mlp-adam", "digits-cnn-groupnorm",
+                                  "tiny-lm-window-token-mean", "unused-branch-find-unused",
+                                  "odd-batch"])
+def test_recipes_equal_to_the_big_batch_match_everywhere(rows, name):
+    frame = _of(rows, name)
+    assert set(frame.verdict) == {"matches"}, frame[frame.verdict != "matches"]
+    assert (frame.residual < 1e-12).all()
+    assert set(frame.fix) == {""}
+
+
+def test_summed_loss_is_scaled_by_one_over_n_times_k(rows):
+    frame = _of(rows, "mlp-sum")
+    split = frame[_split(frame)]
+    assert set(split.verdict) == {"scaled"}
+    expected = 1.0 / (split.world_size * split.accum_steps)
+    assert ((split.scale - expected).abs() < 1e-12).all()
+    assert set(frame[~_split(frame)].verdict) == {"matches"}
+    grads = split[split.point == "grad"]
+    assert all("multiply the loss by" in fix for fix in grads.fix)
+    assert any(fix.endswith("= N*k") for fix in grads.fix)
+    assert all("multiply lr by 1/s" in fix for fix in split[split.point == "params"].fix)
+
+
+def test_batchnorm_differs_and_names_its_tensors_and_the_fix(rows):
+    frame = _of(rows, "digits-cnn-batchnorm")
+    split = frame[_split(frame)]
+    assert set(split.verdict) == {"differs"}
+    assert set(frame[~_split(frame)].verdict) == {"matches"}
+    for worst in split[split.point == "grad"].worst_tensors:
+        names = {item.split("=")[0] for item in worst.split(";")}
+        assert names & BATCHNORM_TENSORS, worst
+    assert all("SyncBatchNorm" in fix and "GroupNorm" in fix for fix in split.fix)
+
+
+def test_per_micro_batch_token_mean_differs_and_suggests_the_window_count(rows):
+    frame = _of(rows, "tiny-lm-micro-token-mean")
+    split = frame[_split(frame)]
+    assert set(split.verdict) == {"differs"}
+    assert (split.residual > 1e-3).all()
+    assert all("window's token count" in fix for fix in split.fix)
+
+
+def test_unused_branch_breaks_ddp_only(rows):
+    frame = _of(rows, "unused-branch")
+    ddp = frame[(frame.strategy == "ddp") & (frame.world_size == 2)]
+    assert set(ddp.verdict) == {"differs"}
+    assert all("find_unused_parameters=True" in fix for fix in ddp.fix)
+    assert set(frame.drop(ddp.index).verdict) == {"matches"}
+
+
+def test_console_table_has_every_setup(launched):
+    stdout = launched[0].stdout
+    for name in EXAMPLES:
+        assert f"\n{name}:\n" in stdout
+
+
+# ---------------------------------------------------------------- bad input
+def _refused(capsys, tmp_path, *args: str) -> str:
+    out = tmp_path / "out"
+    assert main(["--nproc", "2", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("check.py: error: ")
+    assert not out.exists()
+    return err
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["no_such_module:make_setup"], ["does not import", "ModuleNotFoundError"]),
+    (["examples.mlp"], ["names no factory", "module.path:factory"]),
+    (["examples.mlp:make_nothing"], ["has no 'make_nothing'"]),
+    ([f"{HERE}:not_callable"], ["is a int, not a function"]),
+    ([f"{HERE}:make_not_a_setup"], ["returned a dict, not a harness.check.Setup"]),
+    ([f"{HERE}:make_odd_setup"], ["15 samples", "1 sample(s) would be dropped",
+                                  "--drop-last"]),
+    ([f"{HERE}:make_dropout_setup"], ["Dropout(p=0.5)", "random in training mode"]),
+    ([f"{HERE}:make_meta_setup"], ["'weight' on meta", "allowed: the CPU"]),
+    (["examples.mlp:make_setup", "--accum-steps", "1,,2"], ["--accum-steps", "'' is not an"]),
+    (["examples.mlp:make_setup", "--accum-steps", "0"], ["--accum-steps: 0 is not allowed"]),
+    (["examples.mlp:make_setup", "--strategies", "ddp,dp"], ["'dp' is unknown",
+                                                            "local, ddp, fsdp"]),
+    (["examples.mlp:make_setup", "--world-sizes", "1,3"], ["3 is more than the 2 rank(s)"]),
+    (["examples.mlp:make_setup", "--world-sizes", "2,2"], ["repeats a value"]),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, args, words):
+    err = _refused(capsys, tmp_path, *args)
+    for word in words:
+        assert word in err, err
+
+
+def test_randomness_inside_the_loss_is_refused_by_the_ranks(tmp_path):
+    out = tmp_path / "out"
+    done = _check("--nproc", "2", f"{HERE}:make_functional_dropout_setup",
+                  "--strategies", "local", "--out", str(out))
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert "changed with the random seed" in line and "dropout" in line
+    assert not out.exists()
