@@ -31,6 +31,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
     "diagnostics",
     "hooks",
     "comm",
+    "frameworks",
 )
 
 

@@ -1,0 +1,6 @@
+"""The frameworks study: see study.py (measurement) and report.py (its report section)."""
+
+from harness.studies import lazy_study
+
+__getattr__ = lazy_study(__name__, "FrameworksStudy")
+__all__ = ["STUDY"]  # noqa: F822 -- lazy_study provides it

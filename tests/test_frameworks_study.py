@@ -1,0 +1,177 @@
+"""Real training frameworks at 2 ranks with gradient accumulation, against first principles.
+
+One torchrun launch of the study on 2 ranks (module-scoped: minutes of framework
+start-up paid once); the tests read what it wrote. A framework whose package is
+missing is skipped with the command that installs it. The expectations come from
+what each framework documents it does to the loss (divide by k, let DDP average
+over N), never from the study's own code:
+
+- a micro-batch's token mean, divided by k and averaged over N ranks, is the big
+  batch's token mean only when every micro-batch holds as many tokens (`mean`);
+  with padded sequences of random lengths (`token`) it is no multiple of it;
+- a loss normalized by the window's token count over all ranks, with the k and N
+  the framework divides by undone, is the big batch's mean whatever the lengths.
+"""
+
+import importlib.util
+
+import pandas as pd
+import pytest
+
+from harness.studies.frameworks.registry import INSTALL_HINT
+from harness.studies.frameworks.study import FRAMEWORKS, FrameworksStudy
+from tests.frames import rows
+from tests.launch import torchrun
+from tests.runs import make_run
+
+WORLD = 2
+KS = (1, 4)
+#: A verdict in the float64 frameworks is exact to ~1e-15; DeepSpeed's float32 to ~1e-6.
+#: "No multiple" must be far outside either: the token loss misses by 1e-2 and more.
+MISS = 1e-3
+
+#: The one launch (about a minute on 2 cores) is the module's cost: scheduled first.
+pytestmark = pytest.mark.launches(seconds=60)
+
+
+def installed(module: str) -> None:
+    pytest.importorskip(module, reason=f"{module} is not installed; {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory):
+    if not any(importlib.util.find_spec(f.module) for f in FRAMEWORKS.values()):
+        pytest.skip(f"no framework is installed; {INSTALL_HINT}")
+    out = tmp_path_factory.mktemp("frameworks")
+    done = torchrun("--studies", "frameworks", "--out", str(out), "--quiet", nproc=WORLD,
+                    timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "frameworks" in (out / "REPORT.md").read_text()
+    return pd.read_csv(out / "frameworks.csv")
+
+
+def grad(frame, **where):
+    return rows(frame, status="ok", point="grad", **where)
+
+
+def assert_matches(selected):
+    assert (selected.verdict == "matches").all(), selected[["setting", "accum_steps", "scale"]]
+    assert ((selected.scale - 1).abs() < MISS).all()
+
+
+def assert_differs(selected):
+    assert (selected.verdict == "differs").all(), selected[["setting", "accum_steps", "scale"]]
+    assert (selected.residual > MISS).all()
+
+
+# -------------------------------------------------------------------- schema
+def test_the_csv_has_the_declared_columns_and_a_row_per_point(frame):
+    assert list(frame.columns) == list(FrameworksStudy.column_names())
+    measured = frame[frame.status == "ok"]
+    points = measured.groupby("case_id").point.apply(lambda p: sorted(p) == ["grad", "params"])
+    assert points.all()
+    assert set(measured.world_size) == {WORLD}
+    assert (measured.optimizer_steps == 1).all(), "one window of k micro-steps, one step"
+
+
+def test_the_update_is_the_sgd_step_of_the_gradient_and_the_ranks_agree(frame):
+    measured = frame[frame.status == "ok"]
+    grads = measured[measured.point == "grad"].set_index("case_id")
+    params = measured[measured.point == "params"].set_index("case_id").loc[grads.index]
+    assert (params.verdict == grads.verdict).all()
+    assert ((params.scale - grads.scale).abs() < MISS).all()
+    assert (measured.rank_spread < MISS).all()
+
+
+# ---------------------------------------------------------------- frameworks
+def test_accelerate_gives_the_big_batch_for_equal_micro_batches_only(frame):
+    installed("accelerate")
+    for setting in ("default", "split_batches"):
+        assert_matches(grad(frame, framework="accelerate", setting=setting, loss="mean"))
+        assert_differs(grad(frame, framework="accelerate", setting=setting, loss="token"))
+    assert set(grad(frame, framework="accelerate", setting="default").accum_steps) == set(KS)
+    # Accelerate already divides by k: a user who divides too gets 1/k of the gradient.
+    twice = grad(frame, framework="accelerate", setting="loss/k", loss="mean", accum_steps=4)
+    assert (twice.verdict == "scaled").all() and ((twice.scale - 1 / 4).abs() < MISS).all()
+    assert_matches(grad(frame, framework="accelerate", setting="token-normalized"))
+
+
+def test_lightning_divides_by_k_and_reuses_the_launch(frame):
+    installed("lightning")
+    assert_matches(grad(frame, framework="lightning", setting="default", loss="mean"))
+    assert_differs(grad(frame, framework="lightning", setting="default", loss="token"))
+    assert_matches(grad(frame, framework="lightning", setting="token-normalized"))
+
+
+def test_transformers_normalizes_by_the_window_only_when_the_model_opts_in(frame):
+    installed("transformers")
+    trainer = {"framework": "transformers"}
+    for opted_in in ("forward(**kwargs)", "compute_loss_func"):
+        assert_matches(grad(frame, **trainer, setting=opted_in))
+    # Out: the Trainer divides a micro-batch mean by k (right for equal micro-batches). A
+    # named num_items_in_batch parameter without **kwargs does not opt in.
+    for opted_out in ("forward(labels)", "forward(num_items_in_batch)",
+                      "accepts_loss_kwargs=False"):
+        assert_matches(grad(frame, **trainer, setting=opted_out, loss="mean"))
+        assert_differs(grad(frame, **trainer, setting=opted_out, loss="token"))
+    # **kwargs taken but the count ignored: neither divided by k nor averaged over N.
+    ignored = grad(frame, **trainer, setting="forward(**kwargs) ignored", loss="mean")
+    assert (ignored.verdict == "scaled").all()
+    assert ((ignored.scale - WORLD * ignored.accum_steps).abs() < MISS).all()
+
+
+def test_transformers_counts_tokens_per_rank_without_averaging_across_devices(frame):
+    installed("transformers")
+    local = grad(frame, framework="transformers", setting="average_tokens_across_devices=False")
+    assert_matches(local[local.loss == "mean"])
+    token = local[local.loss == "token"]
+    # Each rank divides by its own count and DDP averages: the big batch only if counts agree.
+    counts = token.tokens_per_rank.str.split(";").apply(lambda c: len(set(c)))
+    assert (counts == 2).all()
+    assert_differs(token)
+
+
+@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2"])
+def test_deepspeed_zero_stages_divide_by_k_and_average(frame, stage):
+    installed("deepspeed")
+    assert_matches(grad(frame, framework="deepspeed", setting=stage, loss="mean"))
+    assert_differs(grad(frame, framework="deepspeed", setting=stage, loss="token"))
+    assert (grad(frame, framework="deepspeed", setting=stage).model_dtype == "float32").all()
+
+
+def test_deepspeed_settings_users_change(frame):
+    installed("deepspeed")
+    for setting in ("zero0 prescale_gradients", "zero0 gradient_predivide_factor=2"):
+        assert_matches(grad(frame, framework="deepspeed", setting=setting, loss="mean"))
+    # Clipping at 1.0 can only shrink the gradient, by one factor for every entry.
+    clipped = grad(frame, framework="deepspeed", setting="zero0 gradient_clipping=1.0",
+                   loss="mean")
+    assert clipped.verdict.isin(["matches", "scaled"]).all() and (clipped.scale <= 1 + MISS).all()
+    refused = rows(frame, framework="deepspeed", setting="zero2 gradient_predivide_factor=2")
+    assert (refused.status == "failed").all()
+    assert refused.error.str.contains("gradient_predivide_factor").all()
+
+
+# ------------------------------------------------------------- unavailable
+def test_a_missing_framework_gives_one_unavailable_row(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "deepspeed", None)
+    study, run = FrameworksStudy(), make_run("frameworks", world_size=WORLD)
+    cases = [c for c in study.cases(run) if c["framework"] == "deepspeed"]
+    assert len(cases) == 1 and not cases[0].collective
+    [row] = study.run_case(cases[0], run)
+    assert row["status"] == f"unavailable: deepspeed is not installed; {INSTALL_HINT}"
+
+
+def test_the_study_is_unavailable_without_any_framework(monkeypatch):
+    for framework in FRAMEWORKS.values():
+        monkeypatch.setitem(__import__("sys").modules, framework.module, None)
+    assert INSTALL_HINT in FrameworksStudy().unavailable()
+    assert not FrameworksStudy.in_default_run
+
+
+def test_a_launch_of_other_than_two_ranks_is_skipped_with_the_reason():
+    study, run = FrameworksStudy(), make_run("frameworks", world_size=1)
+    for case in study.cases(run):
+        [row] = study.run_case(case, run)
+        assert row["status"].startswith(("skipped: ", "unavailable: "))
+        assert "--nproc 2" in row["status"] or INSTALL_HINT in row["status"]
