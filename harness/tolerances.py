@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+# close() lives with the verdict words, torch-free for the report; the studies import it here.
+from harness.verdicts import close  # noqa: F401
+
 #: Relative tolerance on a fitted scale or weight, and on a fit's relative residual.
 #: float64: rounding ~1e-15, effects >= 1e-3; 1e-9 sits six orders from each.
 #: float32: rounding ~1e-7 (accumulated over a few hundred terms, ~1e-5); 1e-4
@@ -42,9 +45,6 @@ def relative_tolerance(dtype: torch.dtype) -> float:
     return _for_dtype(RELATIVE_TOLERANCE, dtype, "tolerance")
 
 
-def close(measured: float, expected: float, rtol: float) -> bool:
-    """True when ``measured`` equals ``expected`` up to the relative tolerance ``rtol``."""
-    return abs(measured - expected) <= rtol * max(abs(expected), 1.0)
 
 
 #: Relative parameter distance ||a - b|| / ||b|| below which two training runs count as

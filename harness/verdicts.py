@@ -40,3 +40,25 @@ class Combination(StrEnum):
     NEITHER = "neither"
     #: No contribution was recorded.
     UNRECORDED = "unrecorded"
+
+
+class HookVerdict(StrEnum):
+    """What a reduction variant did to the gradient, against the exact average ḡ."""
+
+    #: Equal to ḡ within the run's tolerance.
+    EXACT = "exact"
+    #: Off, but by no more than rounding in its (narrower) wire format allows.
+    COMPRESSED = "compressed"
+    #: A pure multiple k of ḡ: the sum of the ranks' gradients, never divided.
+    SUMMED = "summed"
+    #: A pure multiple 1/k of ḡ: divided by the world size twice.
+    OVER_AVERAGED = "over-averaged"
+    #: A pure multiple of ḡ that is none of the above.
+    SCALED = "scaled"
+    #: Neither ḡ up to rounding nor a multiple of it (e.g. a low-rank approximation).
+    DIFFERS = "differs"
+
+
+def close(measured: float, expected: float, rtol: float) -> bool:
+    """True when ``measured`` equals ``expected`` up to the relative tolerance ``rtol``."""
+    return abs(measured - expected) <= rtol * max(abs(expected), 1.0)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 COLUMNS = (
     "operation", "world_size", "size_bytes", "model", "sync", "message_bytes", "buckets",
     "iterations", "time_s", "forward_s", "backward_s", "reduction_s", "algbw_GBps",
-    "busbw_GBps", "wrong",
+    "busbw_GBps", "wrong", "backend", "device",
 )
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 #: Row selections (pandas queries; findings cite them).

@@ -17,7 +17,6 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from harness.fit import ScaleFit
 from harness.tolerances import close
+from harness.verdicts import HookVerdict
 
 #: The collectives a gradient reduction goes through, with the argument that holds
 #: what is sent: DDP's hooks all-reduce, FSDP2 reduce-scatters.
@@ -162,23 +162,6 @@ def magnitude_ratio(per_rank: list[torch.Tensor]) -> float:
 
 
 # ------------------------------------------------------------------- verdict
-class HookVerdict(StrEnum):
-    """What a reduction variant did to the gradient, against the exact average ḡ."""
-
-    #: Equal to ḡ within the run's tolerance.
-    EXACT = "exact"
-    #: Off, but by no more than rounding in its (narrower) wire format allows.
-    COMPRESSED = "compressed"
-    #: A pure multiple k of ḡ: the sum of the ranks' gradients, never divided.
-    SUMMED = "summed"
-    #: A pure multiple 1/k of ḡ: divided by the world size twice.
-    OVER_AVERAGED = "over-averaged"
-    #: A pure multiple of ḡ that is none of the above.
-    SCALED = "scaled"
-    #: Neither ḡ up to rounding nor a multiple of it (e.g. a low-rank approximation).
-    DIFFERS = "differs"
-
-
 def hook_verdict(fit: ScaleFit, error: float, bound: float, world_size: int,
                  rtol: float) -> HookVerdict:
     """Judge a gradient from its fit against ḡ (``fit``), its relative error ``error``

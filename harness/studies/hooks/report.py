@@ -18,8 +18,7 @@ from harness.report import spec
 from harness.report.figures import COLOURS
 from harness.report.rows import ordered
 from harness.report.text import count, integers, number, small, span, strategy_name, table, words
-from harness.studies.hooks.measure import HookVerdict
-from harness.tolerances import close
+from harness.verdicts import HookVerdict, close
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -1,5 +1,6 @@
 """The update study: see study.py (measurement) and report.py (its report section)."""
 
-from harness.studies.update.study import UpdateStudy as STUDY
+from harness.studies import lazy_study
 
-__all__ = ["STUDY"]
+__getattr__ = lazy_study(__name__, "UpdateStudy")
+__all__ = ["STUDY"]  # noqa: F822 -- lazy_study provides it

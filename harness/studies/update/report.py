@@ -14,8 +14,7 @@ from harness.report.rows import measured, ordered
 from harness.report.section import Answer, Finding, Section, SectionInputs, SectionOutput
 from harness.report.text import count, integers, number, small, strategy_name, table, words
 from harness.studies.update.verdicts import LrFactor, ScalingRule
-from harness.tolerances import close
-from harness.verdicts import Equivalence
+from harness.verdicts import Equivalence, close
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -561,7 +560,8 @@ def _momentum_answers(rows: pd.DataFrame, inputs: SectionInputs) -> list[Answer]
         "Momentum after an lr change (Goyal's momentum correction): needed with torch.optim.SGD?",
         "no: torch's form equals the corrected one" if needed else
         "see the momentum-correction rows: " + ", ".join(f"{k} {v}" for k, v in verdicts.items()),
-        f"{count(len(rows), 'run')}, largest update_error {small(rows['update_error'].max())}",
+        "; ".join(f"{setting}: update_error {small(error)}"
+                  for setting, error in zip(rows["setting"], rows["update_error"], strict=True)),
         "only a hand-written lr-inside momentum needs v × lr_new / lr_old" if needed else "")]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.studies.base import Column
+from harness.studies.schema import Column
 
 COLUMNS = (
     Column("experiment", "`lr-factor`, `clipping`, `grad-scaler`, `non-finite`, "
