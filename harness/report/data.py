@@ -81,13 +81,11 @@ def load_results(out: Path, manifest: dict[str, Any], sections: Mapping[str, Sec
 
 
 def _read_by(section: Section) -> tuple[str, ...]:
-    """The columns ``section`` reads: those it names, else its study's whole schema (the
-    run-context columns included: a section may say which backend and device it ran on)."""
+    """The columns ``section`` reads: those it names, else its study's whole schema."""
     from harness.studies import study_columns
-    from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, names
+    from harness.studies.schema import names
 
-    return section.columns or names(
-        (*LEADING_COLUMNS, *study_columns(section.study), *TRAILING_COLUMNS))
+    return section.columns or names(study_columns(section.study))
 
 
 def read_manifest(out: Path) -> dict[str, Any]:
