@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,16 @@ def flat_grad(module: nn.Module) -> torch.Tensor:
                                                                          device=p.device)
              for p in module.parameters() if p.requires_grad]
     return torch.cat(parts).detach().cpu()
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    """All parameters of ``module`` as one detached CPU vector, in ``parameters()`` order."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()
+
+
+def float64_vector(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Tensors as one detached float64 vector: what verdicts are judged on."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
 
 
 def clear_grad(module: nn.Module) -> None:

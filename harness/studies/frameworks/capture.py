@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from harness.studies.frameworks.setups import flat
+from harness.strategies.common import float64_vector
 
 
 @dataclass
@@ -48,9 +48,9 @@ def watch_step(optimizer: torch.optim.Optimizer, capture: StepCapture,
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        capture.grad = flat(grads())
+        capture.grad = float64_vector(grads())
         result = original(**kwargs)
-        capture.params = flat(params())
+        capture.params = float64_vector(params())
         capture.steps += 1
         return result
 

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
+from harness.check.reference import compute_reference
 from harness.check.setup import Setup, default_optimizer
 from harness.seeding import generator_for
+from harness.strategies.common import float64_vector
+from harness.tolerances import relative_tolerance
 
 LOSSES = ("mean", "token")
 VOCAB = 7
@@ -103,11 +105,6 @@ def samples(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
             for i in range(len(batch["input_ids"]))]
 
 
-def flat(tensors) -> torch.Tensor:
-    """Tensors as one float64 vector (gradients and weights are judged in float64)."""
-    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-
-
 @dataclass(frozen=True)
 class Reference:
     """One process, the whole global batch: its gradient, and its weights before and after
@@ -119,13 +116,11 @@ class Reference:
 
 
 def big_batch_reference(setup: Setup) -> Reference:
-    """One backward on the whole global batch, one step, in float64 whatever the model's
-    dtype, so that the reference adds no rounding of its own."""
-    model = setup.make_model().to(torch.float64)
-    optimizer = (setup.make_optimizer or default_optimizer)(model.parameters())
-    batch = setup.batch(0)
-    setup.loss(model, batch).backward()
-    before = parameters_to_vector(model.parameters()).detach().clone()
-    grad = flat(p.grad for p in model.parameters())
-    optimizer.step()
-    return Reference(grad, before, parameters_to_vector(model.parameters()).detach().clone())
+    """check.py's reference (one backward on the whole global batch, one step), in float64
+    whatever the model's dtype, so that the reference adds no rounding of its own."""
+    float64 = torch.float64
+    step = compute_reference(setup, float64, torch.device("cpu"), None,
+                             relative_tolerance(float64), setup.name)[0]
+    names = list(step.grads)  # the trainable parameters, in parameters() order
+    return Reference(*(float64_vector(state[name] for name in names)
+                       for state in (step.grads, step.before, step.after)))

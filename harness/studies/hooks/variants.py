@@ -34,7 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from harness.models import device_slot
 from harness.strategies import ddp
-from harness.strategies.common import flat_grad
+from harness.strategies.common import flat_grad, flat_params
 from harness.studies.hooks.measure import RecordingState, recording
 
 #: SGD steps per case.
@@ -266,8 +266,7 @@ class DDPReplica(Replica):
         return self.ddp
 
     def snapshot(self) -> torch.Tensor:
-        weights = torch.cat([p.detach().reshape(-1) for p in self.module.parameters()]).cpu()
-        return torch.cat([flat_grad(self.module), weights]).to(torch.float64)
+        return torch.cat([flat_grad(self.module), flat_params(self.module)]).to(torch.float64)
 
     def assemble(self, snapshots: list[torch.Tensor]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

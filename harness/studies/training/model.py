@@ -68,10 +68,6 @@ def build_model(seed: int, setup: TrainingSetup, dtype: torch.dtype) -> DigitsCN
     return model.to(dtype)
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-
-
 def heldout_accuracy(model: nn.Module, digits: Digits) -> float:
     """Fraction of held-out digits classified right, in eval mode (running statistics)."""
     model.eval()

@@ -40,6 +40,7 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.errors import UsageError
+from harness.fit import relative_error
 from harness.options import StudyOptions, option, parse_int
 from harness.strategies import step_cost
 from harness.studies.base import Case, Study
@@ -95,12 +96,6 @@ def ddp_world_sizes(run: RunContext) -> list[int]:
     """One DDP world size: the smallest k >= 2 of the run. Larger k add time, not insight:
     what autograd.grad and a forgotten zero_grad do under DDP does not depend on k."""
     return [k for k in run.world_sizes if k >= 2][:1]
-
-
-def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64."""
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    return float((a64 - b64).norm() / b64.norm())
 
 
 # ------------------------------------------------------------------ study
@@ -178,7 +173,7 @@ class TrainingStudy(Study):
              twins: dict[str, list[torch.Tensor]], rtol: float, gradient_rtol: float,
              digits: Digits) -> dict[str, Any]:
         twin = twin_of(case["strategy"], rule)
-        twin_distance = (relative_distance(record.params, twins[twin][record.epoch])
+        twin_distance = (relative_error(record.params, twins[twin][record.epoch])
                          if twin else math.nan)
         return {
             "strategy": case["strategy"], "world_size": case["world_size"], "variant": rule,
@@ -186,7 +181,7 @@ class TrainingStudy(Study):
             "batch_size": self.setup.batch_size, "learning_rate": self.setup.learning_rate,
             "train_samples": len(digits.train_y), "heldout_samples": len(digits.heldout_y),
             "train_loss": record.train_loss, "heldout_accuracy": record.heldout_accuracy,
-            "param_distance": relative_distance(record.params, twins[REFERENCE][record.epoch]),
+            "param_distance": relative_error(record.params, twins[REFERENCE][record.epoch]),
             "twin": twin or "", "twin_distance": twin_distance,
             "identical_to_twin": twin_distance <= rtol if twin else None,
             "applied_grad_norm": record.applied_grad_norm,

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.strategies import ddp
-from harness.strategies.common import relative_spread
+from harness.strategies.common import flat_params, relative_spread
 from harness.studies.training.data import Digits
-from harness.studies.training.model import TrainingSetup, flat_params, heldout_accuracy
+from harness.studies.training.model import TrainingSetup, heldout_accuracy
 from harness.studies.training.rules import RULES, AppliedStep
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
+from harness.fit import relative_error
 from harness.seeding import generator_for
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.clipping import (
@@ -50,7 +51,6 @@ from harness.studies.update.training import (
     big_batch_gradient,
     big_batch_run,
     flat_parameters,
-    relative_distance,
     update_error,
 )
 from harness.tolerances import update_tolerance
@@ -144,7 +144,7 @@ def grad_scaler(strategy: str, world_size: int, accum_steps: int, steps: int,
             "optimizer_settings": spec.settings, "learning_rate": spec.lr, "steps": steps,
             "setting": setting, "dtype_used": dtype_name(dtype), **clip_columns,
             "scale_before": scales[0], "scale_after": scales[-1],
-            "param_distance": relative_distance(final[i], reference), "update_error": error,
+            "param_distance": relative_error(final[i], reference), "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })
     return rows
@@ -206,7 +206,7 @@ def non_finite(strategy: str, world_size: int, accum_steps: int, run_context: Ru
             "ranks_skipped": int(sum(rank[w, 0] for rank in every_rank)),
             "scale_before": float(every_rank[0][w, 1]), "scale_after": after[0],
             "scale_spread": max(abs(a - after[0]) for a in after),
-            "param_distance": relative_distance(parameters[w], reference[w]),
+            "param_distance": relative_error(parameters[w], reference[w]),
             "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.context import RunContext
+from harness.fit import relative_error
 from harness.strategies.common import Trainer
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.fleet import (
@@ -53,7 +54,6 @@ from harness.studies.update.training import (
     big_batch_gradient,
     big_batch_run,
     flat_parameters,
-    relative_distance,
     update_error,
 )
 from harness.tolerances import update_tolerance
@@ -162,7 +162,7 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, run_contex
             "clip_coef_reference": reference_coefficient,
             "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
             "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients),
-            "param_distance": relative_distance(final[i], reference), "update_error": error,
+            "param_distance": relative_error(final[i], reference), "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })
     return rows

@@ -20,7 +20,7 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.strategies import fsdp
-from harness.strategies.common import Trainer
+from harness.strategies.common import Trainer, float64_vector
 from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
@@ -140,17 +140,13 @@ def full_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
             for i, t in enumerate(tensors)]
 
 
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]).to(torch.float64)
-
-
 def every_member_parameters(trainer: Trainer) -> list[torch.Tensor]:
     """Each copy's parameters as one float64 vector (a collective under FSDP)."""
     copies = members(trainer)
     params = [p for member in copies for p in member.parameters()]
     whole = full_tensors(params, getattr(trainer, "group", None))
     per_member = len(params) // len(copies)
-    return [flat(whole[i * per_member:(i + 1) * per_member]) for i in range(len(copies))]
+    return [float64_vector(whole[i * per_member:(i + 1) * per_member]) for i in range(len(copies))]
 
 
 def member_gradients(trainer: Trainer, indices: list[int]) -> list[torch.Tensor]:
@@ -160,4 +156,4 @@ def member_gradients(trainer: Trainer, indices: list[int]) -> list[torch.Tensor]
     grads = [p.grad for i in indices for p in copies[i].parameters()]
     whole = full_tensors(grads, getattr(trainer, "group", None))
     per_member = len(grads) // len(indices)
-    return [flat(whole[j * per_member:(j + 1) * per_member]) for j in range(len(indices))]
+    return [float64_vector(whole[j * per_member:(j + 1) * per_member]) for j in range(len(indices))]

@@ -32,9 +32,10 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
+from harness.fit import relative_error
 from harness.seeding import generator_for
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import flat_parameters, relative_distance, update_error
+from harness.studies.update.training import flat_parameters, update_error
 from harness.studies.update.verdicts import ScalingRule
 from harness.tasks import Batch
 from harness.tolerances import LINEAR_SCALING_TOLERANCE
@@ -116,7 +117,7 @@ def _row(lr: float, world_size: int, steps: int, setting: str, big: torch.Tensor
         "learning_rate": lr, "steps": steps, "setting": setting,
         "dtype_used": str(dtype).removeprefix("torch."),
         "lr_multiplier": world_size, "device": "cpu",
-        "param_distance": relative_distance(big, small), "update_error": error,
+        "param_distance": relative_error(big, small), "update_error": error,
         "verdict": (ScalingRule.HOLDS if error <= LINEAR_SCALING_TOLERANCE
                     else ScalingRule.BREAKS),
     }

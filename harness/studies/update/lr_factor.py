@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from harness.context import RunContext
-from harness.fit import fit_scale
+from harness.fit import fit_scale, relative_error
 from harness.studies.update.fleet import (
     Fleet,
     every_member_parameters,
@@ -42,7 +42,6 @@ from harness.studies.update.training import (
     big_batch_gradient,
     big_batch_run,
     flat_parameters,
-    relative_distance,
     update_error,
 )
 from harness.studies.update.verdicts import LrFactor
@@ -118,7 +117,7 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool
             "optimizer": member.optimizer.name, "optimizer_settings": member.optimizer.settings,
             "learning_rate": member.optimizer.lr, "steps": steps,
             "grad_scale": fit.scale, "grad_residual": fit.residual,
-            "param_distance": relative_distance(final[i], reference),
+            "param_distance": relative_error(final[i], reference),
             "update_error": errors[0],
             "verdict": Equivalence.MATCHES if errors[0] <= tolerance else Equivalence.DIFFERS,
             **lr_factor_columns(errors, fit.scale, tolerance),

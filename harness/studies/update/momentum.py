@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from harness.context import RunContext
+from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.studies.update.linear_scaling import descend
 from harness.studies.update.optimizers import MOMENTUM, SGD_LR
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import flat_parameters, relative_distance, update_error
+from harness.studies.update.training import flat_parameters, update_error
 from harness.tasks import Batch
 from harness.tolerances import update_tolerance
 from harness.verdicts import Equivalence
@@ -51,9 +53,7 @@ def torch_sgd(start: nn.Module, data: list[Batch], lrs: list[float]) -> nn.Modul
     optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0], momentum=MOMENTUM)
     for batch, lr in zip(data, lrs, strict=True):
         optimizer.param_groups[0]["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        TASK.loss(model(batch.x), batch, "mean").backward()
-        optimizer.step()
+        descend(model, optimizer, batch)
     return model
 
 
@@ -93,7 +93,7 @@ def run(world_size: int, steps: int, run_context: RunContext) -> list[dict[str, 
                                    f"for {steps} steps, then {SGD_LR * world_size:g}"),
             "learning_rate": SGD_LR, "steps": len(lrs), "setting": setting,
             "dtype_used": str(dtype).removeprefix("torch."), "lr_multiplier": world_size,
-            "device": "cpu", "param_distance": relative_distance(params, reference),
+            "device": "cpu", "param_distance": relative_error(params, reference),
             "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })

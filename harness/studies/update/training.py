@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from harness.strategies.common import Trainer
+from harness.strategies.common import Trainer, flat_params
 from harness.studies.update.fleet import members, micro_step_context
 from harness.studies.update.optimizers import OptimizerSpec
 from harness.studies.update.recipes import TASK, Shape, big_batch, l2_penalty, recipe_loss
@@ -115,7 +115,7 @@ class FleetOptimizers:
 
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu().to(torch.float64)
+    return flat_params(module).to(torch.float64)
 
 
 def flat_gradient(module: nn.Module) -> torch.Tensor:
@@ -157,11 +157,6 @@ def big_batch_run(initial: nn.Module, spec: OptimizerSpec, data: Sequence[Window
             step_all([optimizer])
         after.append(flat_parameters(model))
     return after
-
-
-def relative_distance(measured: torch.Tensor, reference: torch.Tensor) -> float:
-    """``||measured - reference|| / ||reference||``: the parameters' relative distance."""
-    return float((measured - reference).norm() / reference.norm())
 
 
 def update_error(measured: torch.Tensor, reference: torch.Tensor, start: torch.Tensor) -> float:
