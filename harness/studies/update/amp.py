@@ -34,6 +34,7 @@ from torch import nn
 from harness.context import RunContext
 from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.strategies.common import flat_grad
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.clipping import (
     clipped_reference,
@@ -254,5 +255,5 @@ def _accumulated_gradient(initial: nn.Module, window, k: int, setting: str) -> t
             output = model(x)
         loss = TASK.loss(output, type(piece)(x, y), "mean") / k
         loss.backward()
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return flat_grad(model)
 

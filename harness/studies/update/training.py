@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from harness.strategies.common import Trainer, flat_params
+from harness.strategies.common import Trainer, flat_grad, flat_params
 from harness.studies.update.fleet import members, micro_step_context
 from harness.studies.update.optimizers import OptimizerSpec
 from harness.studies.update.recipes import TASK, Shape, big_batch, l2_penalty, recipe_loss
@@ -118,10 +118,6 @@ def flat_parameters(module: nn.Module) -> torch.Tensor:
     return flat_params(module).to(torch.float64)
 
 
-def flat_gradient(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).cpu().to(torch.float64)
-
-
 # ------------------------------------------------------------------ reference
 def big_batch_loss(model: nn.Module, batch: Batch, spec: OptimizerSpec) -> torch.Tensor:
     """The reference's loss: the mean over the whole window, plus the L2 term once."""
@@ -136,7 +132,7 @@ def big_batch_gradient(initial: nn.Module, window: Window) -> torch.Tensor:
     model = copy.deepcopy(initial)
     batch = big_batch(window)
     TASK.loss(model(batch.x), batch, "mean").backward()
-    return flat_gradient(model)
+    return flat_grad(model).to(torch.float64)
 
 
 def big_batch_run(initial: nn.Module, spec: OptimizerSpec, data: Sequence[Window],
