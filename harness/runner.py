@@ -35,7 +35,7 @@ from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
-from harness.schedule import ANY_SLOT_STUDIES, make_schedule, slot_groups
+from harness.schedule import make_schedule, slot_groups
 from harness.studies.base import Case, Study
 
 #: How long idle ranks wait for rank 0 between studies (a week: "no limit").
@@ -180,7 +180,7 @@ class Runner:
         """Run this rank's share of ``study``; on rank 0, return every row in case order."""
         pending = [case for case in cases if case.id not in done]
         schedule = make_schedule(pending, self.launch.world_size,
-                                 any_slot=study.name in ANY_SLOT_STUDIES)
+                                 any_slot=study.any_slot)
         finished: dict[str, list[dict]] = {}
         for case in schedule.runs(ctx.rank):
             ctx.first_rank = schedule.first_rank.get(case.id, 0)

@@ -2,7 +2,7 @@
 
 A collective case of world size k runs on a *slot*: k consecutive ranks
 starting at a multiple of k (ranks 0..k-1, k..2k-1, ...), whose process group
-the runner creates up front. In a study that allows it (:data:`ANY_SLOT_STUDIES`)
+the runner creates up front. In a study that allows it (``Study.any_slot``)
 a case may take any slot, so at N ranks two cases of world size N/2 run at
 once, or N cases of world size 1; elsewhere every case of world size k takes
 ranks 0..k-1, as the study assumes.
@@ -27,14 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.studies.base import Case
-
-#: Studies whose collective cases may run on any slot: they address ranks only
-#: relative to the group the run gives them (``run.group(k)``, ``run.reports(case)``).
-#: Left out: ``comm`` (it times collectives: two at once would share the machine and
-#: skew both), ``training`` (it gathers rows to global rank 0), and any study not
-#: checked yet (the safe default is ranks 0..k-1).
-ANY_SLOT_STUDIES = frozenset({"reduction", "seed001", "accumulation", "update", "diagnostics",
-                              "hooks"})
 
 
 @dataclass(frozen=True)

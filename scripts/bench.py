@@ -126,12 +126,21 @@ def bench_launch(nproc: int, repeat: int, scratch: Path) -> dict[str, float]:
     bare.write_text(BARE)
     study = str(ROOT / "scripts" / "study.py")
     common = ["--quiet", "--no-report", "--out", str(scratch / "results")]
-    return {
+    timings = {
         "bare": median_of(repeat, torchrun(nproc, str(bare))),
         "three": median_of(repeat, torchrun(nproc, study, "--studies",
                                             "reduction,seed001,accumulation", *common)),
-        "all": median_of(repeat, torchrun(nproc, study, *common)),
     }
+    walls, per_study = [], {}
+    for _ in range(repeat):
+        walls.append(timed(torchrun(nproc, study, *common)))
+        # Each study's own seconds in that same run (run.json), for its share of the whole.
+        manifest = json.loads((scratch / "results" / "run.json").read_text())
+        for name, entry in manifest["studies"].items():
+            per_study.setdefault(name, []).append(entry["wall_time_s"])
+    timings["all"] = statistics.median(walls)
+    timings["studies"] = {name: statistics.median(v) for name, v in per_study.items()}
+    return timings
 
 
 def bench_suite(repeat: int) -> dict[str, float]:
@@ -314,6 +323,12 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
             f"| full default run (every study) | {launch['all']:.1f} s "
             f"| {launch['all'] / launch['bare']:.2f} |",
         ]
+        studies = launch["studies"]
+        rest = {name: launch["all"] - seconds for name, seconds in studies.items()}
+        lines += ["", "| study in the default run | its seconds | added to the run without it |",
+                  "|---|---:|---:|"]
+        lines += [f"| {name} | {seconds:.1f} s | {100 * seconds / rest[name]:.0f}% |"
+                  for name, seconds in studies.items()]
     if "suite" in timings:
         lines.append(f"| test suite, `python -m pytest -n auto` | {timings['suite']['suite']:.1f} s"
                      " | |")

@@ -15,7 +15,8 @@ import itertools
 import pandas as pd
 import pytest
 
-from harness.schedule import ANY_SLOT_STUDIES, make_schedule, slot_groups, slots
+from harness.schedule import make_schedule, slot_groups, slots
+from harness.studies import STUDIES
 from harness.studies.base import Case
 from tests.distributed import run_cli, shared_cli_run
 
@@ -144,9 +145,10 @@ ARGS = ["--studies", "reduction,seed001", "--strategies", "ddp,fsdp", "--world-s
 def test_rows_are_those_of_the_sequential_schedule(tmp_path_factory, tmp_path, monkeypatch):
     """At N = 4 the world-size-1 and -2 cases run on every slot; the CSVs must be the
     ones ranks 0..k-1 alone write, byte for byte."""
-    assert {"reduction", "seed001"} <= ANY_SLOT_STUDIES
+    assert STUDIES["reduction"].any_slot and STUDIES["seed001"].any_slot
     spread = shared_cli_run(tmp_path_factory, "schedule-any-slot", N, ARGS)
-    monkeypatch.setattr("harness.runner.ANY_SLOT_STUDIES", frozenset())
+    for name in ("reduction", "seed001"):
+        monkeypatch.setattr(STUDIES[name], "any_slot", False)
     sequential = tmp_path / "sequential"
     assert run_cli(N, [*ARGS, "--out", str(sequential)], store_dir=tmp_path) == [0] * N
     for name in ("reduction.csv", "seed001.csv"):

@@ -102,6 +102,12 @@ class Study(ABC):
     Options: ClassVar[type[StudyOptions]] = NoOptions
     #: Part of a run that names no ``--studies``.
     in_default_run: ClassVar[bool] = True
+    #: Its collective cases may run on any slot of k ranks (harness/schedule.py), side by
+    #: side: true for a study that addresses ranks only relative to the group the run gives
+    #: it (``run.group(k)``, ``run.reports(case)``). False, the safe default, keeps ranks
+    #: 0..k-1 (e.g. ``comm``, which times collectives; ``training``, which gathers rows to
+    #: global rank 0).
+    any_slot: ClassVar[bool] = False
 
     def __init__(self, options: StudyOptions | None = None) -> None:
         self.options = options if options is not None else self.Options()

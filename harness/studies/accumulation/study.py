@@ -213,6 +213,7 @@ class WindowResult:
 
 class AccumulationStudy(Study):
     name = "accumulation"
+    any_slot = True
     summary = ("accumulation recipes (zero_grad, loss/k, no_sync, norm layers, uneven and "
                "token batches) against the big-batch gradient, with all-reduce counts")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies accumulation "

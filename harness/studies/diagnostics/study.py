@@ -174,6 +174,7 @@ def _layer_of(parameter: str) -> str:
 
 class DiagnosticsStudy(Study):
     name = "diagnostics"
+    any_slot = True
     summary = ("seed 002's gradient debugging as measurements: a learning-rate sweep that "
                "kills ReLUs, frozen layers (also under DDP), train() vs eval(), no_grad()")
     example = "torchrun --standalone --nproc_per_node=2 scripts/study.py --studies diagnostics"

@@ -194,6 +194,7 @@ class Judge:
 
 class HooksStudy(Study):
     name = "hooks"
+    any_slot = True
     summary = ("DDP comm hooks (fp16/bf16 compression, PowerSGD, hand-written sum and "
                "double-divide hooks), DDP options, ZeRO and FSDP2 divide factors and reduce "
                "dtypes against the exact average, with collectives counted")

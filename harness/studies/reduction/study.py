@@ -77,6 +77,7 @@ def _join(values) -> str:
 
 class ReductionStudy(Study):
     name = "reduction"
+    any_slot = True
     summary = ("one step per strategy x world size x model x loss: is param.grad the sum "
                "or the mean over devices, and does it equal the big-batch gradient?")
     example = "torchrun --standalone --nproc_per_node=4 scripts/study.py --studies reduction"

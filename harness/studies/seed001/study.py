@@ -139,6 +139,7 @@ def printed_explained(printed: float | None, measured: float, setup: SeedSetup, 
 
 class Seed001Study(Study):
     name = "seed001"
+    any_slot = True
     summary = ("seed 001's DataParallel experiments with its exact tensors: measured w.grad "
                "next to the first-principles value and its arithmetic")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies seed001 "

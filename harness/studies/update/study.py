@@ -87,6 +87,7 @@ class UpdateOptions(StudyOptions):
 
 class UpdateStudy(Study):
     name = "update"
+    any_slot = True
     summary = ("parameters after the optimizer step vs the big batch: loss recipes x "
                "optimizers, the learning-rate factor that fixes them, clipping, GradScaler, "
                "bf16 accumulation, the linear scaling rule")
