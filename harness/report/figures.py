@@ -246,7 +246,6 @@ class Heatmap:
     within: Callable[[pd.DataFrame], bool]
     text: Callable[[pd.DataFrame, bool], str] | None = None
     left: float = 0.3
-    label: str = "k"
 
     def __call__(self, rows: Rows) -> str | None:
         panels = [(title, rows.select(where), columns) for title, where, columns in self.panels]
@@ -295,7 +294,7 @@ class Heatmap:
             axis.text(j, i, text, ha="center", va="center", fontsize=8,
                       color="white" if dark else "black")
         image = axis.imshow(grid, cmap="viridis", vmin=scale[0], vmax=scale[1], aspect="auto")
-        axis.set_xticks(range(len(ks)), [f"{self.label} = {k:g}" for k in ks])
+        axis.set_xticks(range(len(ks)), [f"k = {k:g}" for k in ks])
         # Line names as plain text: a tick per line would cost five artists each.
         axis.set_yticks([])
         for i, line in enumerate(lines):

@@ -175,12 +175,11 @@ class Verdicts(Tallied):
 
 @dataclass(frozen=True, kw_only=True)
 class VerdictAnswer(Tallied):
-    """One answer row per group: the verdict in a few ``answers`` words, the evidence, a fix."""
+    """One answer row per group: the verdict in a few ``answers`` words, and the evidence."""
 
     question: str
     answers: Mapping[str, str] = field(default_factory=dict)
     evidence: Detail | None = None
-    fix: Detail | None = None
     qualify: tuple[str, ...] = ()
 
     def __call__(self, rows: Rows) -> list[Answer]:
@@ -193,8 +192,7 @@ class VerdictAnswer(Tallied):
             evidence = count(len(group), self.unit)
             if self.evidence:
                 evidence += f"; {self.evidence(group, rows.rtol)}"
-            made.append(Answer(self.question.format(**names(values)), answer, evidence,
-                               self.fix(group, rows.rtol) if self.fix else ""))
+            made.append(Answer(self.question.format(**names(values)), answer, evidence))
         return made
 
 

@@ -28,7 +28,6 @@ class Pivot:
     cell: Callable[[pd.DataFrame, float], str]
     collapse: str = ""
     where: str = ""
-    label: str = "k"
 
     def __call__(self, rows: Rows) -> str | None:
         chosen = rows.select(self.where)
@@ -45,7 +44,7 @@ class Pivot:
             line.setdefault(cells, []).extend(key[len(self.index):])
         body = [[*index, *cells, *([", ".join(map(str, shared))] if self.collapse else [])]
                 for index, lines in by_line.items() for cells, shared in lines.items()]
-        headers = [*self.index, *(f"{self.label} = {k}" for k in ks)]
+        headers = [*self.index, *(f"k = {k}" for k in ks)]
         headers += [self.collapse] if self.collapse else []
         numeric = [False] * len(self.index) + [True] * len(ks) + [False] * bool(self.collapse)
         return rows.fill(self.caption, len(chosen)) + "\n\n" + table(headers, body, numeric)
