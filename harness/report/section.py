@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from harness.report.rows import filter_text, groups, measured, select
-from harness.report.text import code, count, small
+from harness.report.text import code, count, small, table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -106,6 +106,11 @@ class Rows:
     def fill(self, caption: str, shown: int) -> str:
         """A caption template filled in: ``{csv}``, ``{rows}`` (how many shown), ``{rtol}``."""
         return caption.format(csv=code(self.inputs.csv_name), rows=shown, rtol=small(self.rtol))
+
+    def table(self, caption: str, shown: int, headers: Sequence[str],
+              body: Sequence[Sequence[str]], numeric: Sequence[bool]) -> str:
+        """A Markdown table under its caption, filled in as :meth:`fill` does."""
+        return self.fill(caption, shown) + "\n\n" + table(headers, body, numeric)
 
     def cite(self, values: dict, where: str, rows: int) -> str:
         """``reduction.csv: strategy = ddp, status = ok, devices_used >= 2 (18 rows)``."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.report.section import Rows
-from harness.report.text import number, table
+from harness.report.text import number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,7 +47,7 @@ class Pivot:
         headers = [*self.index, *(f"k = {k}" for k in ks)]
         headers += [self.collapse] if self.collapse else []
         numeric = [False] * len(self.index) + [True] * len(ks) + [False] * bool(self.collapse)
-        return rows.fill(self.caption, len(chosen)) + "\n\n" + table(headers, body, numeric)
+        return rows.table(self.caption, len(chosen), headers, body, numeric)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +66,7 @@ class Records:
         body = [[cell(row) for _, cell in self.columns] for row in chosen.to_dict("records")]
         headers = [header for header, _ in self.columns]
         numeric = [*self.numeric, *[False] * (len(headers) - len(self.numeric))]
-        return rows.fill(self.caption, len(chosen)) + "\n\n" + table(headers, body, numeric)
+        return rows.table(self.caption, len(chosen), headers, body, numeric)
 
 
 def numbers(name: str, flag: Callable[[pd.DataFrame], pd.Series] | None = None,

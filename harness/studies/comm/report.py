@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from harness.report.figures import COLOURS, MARKERS, new_figure
 from harness.report.rows import ordered
 from harness.report.section import Answer, Finding, Rows, Section
-from harness.report.text import cite_cases, count, integers, table, words
+from harness.report.tables import Records, column
+from harness.report.text import cite_cases, count, integers, words
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -229,31 +230,28 @@ def _collective_table(rows: Rows) -> str | None:
             cells = [f"{duration(at.loc[k, 'time_s'])} · {bandwidth(at.loc[k, 'busbw_GBps'])}"
                      if k in at.index else "" for k in ks]
             body.append([operation, size(asked), *cells, str(int(at["wrong"].sum()))])
-    caption = (f"Median time per call and bus bandwidth of every collective row of "
-               f"{rows.fill('{csv} with status ok ({rows} rows)', len(checked))}; wrong: "
-               f"elements of the checked call that differ from the exact result, all ranks.")
-    return caption + "\n\n" + table(headers, body, [False, True, *([True] * len(ks)), True])
+    caption = ("Median time per call and bus bandwidth of every collective row of {csv} with "
+               "status ok ({rows} rows); wrong: elements of the checked call that differ from "
+               "the exact result, all ranks.")
+    return rows.table(caption, len(checked), headers, body,
+                      [False, True, *([True] * len(ks)), True])
 
 
-def _step_table(rows: Rows) -> str | None:
-    steps = rows.select(f"{DDP_ROWS} or {DP_ROWS}")
-    if steps.empty:
-        return None
-    headers = ["step", "model", "k", "sync", "forward", "backward", "reduction", "step time",
-               "buckets · bytes"]
-    body = []
-    for row in steps.to_dict("records"):
-        # DataParallel has no buckets and no separate reduction time: empty cells.
-        sent = ("" if math.isnan(row["buckets"])
-                else f"{int(row['buckets'])} · {size(row['message_bytes'])}")
-        body.append([row["operation"], row["model"], str(int(row["world_size"])), row["sync"],
-                     duration(row["forward_s"]), duration(row["backward_s"]),
-                     duration(row["reduction_s"]), duration(row["time_s"]), sent])
-    caption = rows.fill("Median times of a training step, every step row of {csv} with "
-                        "status ok ({rows} rows); reduction: DDP's bucket all-reduces, which "
-                        "overlap the backward.", len(steps))
-    return caption + "\n\n" + table(headers, body,
-                                    [False, False, True, False, True, True, True, True, True])
+def _seconds(column: str) -> Callable[[dict], str]:
+    return lambda row: duration(row[column])
+
+
+# DataParallel has no buckets and no separate reduction time: empty cells.
+_STEP_TABLE = Records(
+    caption="Median times of a training step, every step row of {csv} with status ok ({rows} "
+            "rows); reduction: DDP's bucket all-reduces, which overlap the backward.",
+    where=f"{DDP_ROWS} or {DP_ROWS}", numeric=(False, False, True, False, *[True] * 5),
+    columns=(("step", lambda row: row["operation"]), column("model"),
+             ("k", lambda row: str(int(row["world_size"]))), column("sync"),
+             ("forward", _seconds("forward_s")), ("backward", _seconds("backward_s")),
+             ("reduction", _seconds("reduction_s")), ("step time", _seconds("time_s")),
+             ("buckets · bytes", lambda row: "" if math.isnan(row["buckets"])
+              else f"{int(row['buckets'])} · {size(row['message_bytes'])}")))
 
 
 # ------------------------------------------------------------------- figure
@@ -316,6 +314,6 @@ SECTION = Section(
     answers=(_correctness_answer, _ddp_answer),
     findings=(_on_collectives(_correctness), _on_collectives(_peaks), _latency, _ddp_cost,
               _dataparallel, _skipped),
-    tables=(_collective_table, _step_table),
+    tables=(_collective_table, _STEP_TABLE),
     figures=(_bandwidth_figure,),
 )

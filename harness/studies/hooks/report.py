@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from harness.report import spec
 from harness.report.figures import COLOURS
 from harness.report.rows import ordered
-from harness.report.text import count, integers, number, small, span, strategy_name, table, words
+from harness.report.text import count, integers, number, small, span, strategy_name, words
 from harness.verdicts import HookVerdict, close
 
 if TYPE_CHECKING:
@@ -387,12 +387,11 @@ def variants_table(rows: spec.Rows) -> str:
     headers = ["variant", "k", "steps", "verdict", "scale (last step)", "largest relative_error",
                "largest error_bound", "calls / step", "bytes / step", "buckets / step",
                "param_distance (last step)"]
-    caption = rows.fill("**Variants by world size**, rows of {csv} with status ok ({rows}). A "
-                        "value that changes between steps is listed with its steps in "
-                        "parentheses; scale: `full_batch_scale` against the exact average; "
-                        "n/a: no buckets (FSDP).", len(rows.ok))
+    caption = ("**Variants by world size**, rows of {csv} with status ok ({rows}). A value that "
+               "changes between steps is listed with its steps in parentheses; scale: "
+               "`full_batch_scale` against the exact average; n/a: no buckets (FSDP).")
     numeric = [False, True, True, False, True, True, True, False, False, False, True]
-    return caption + "\n\n" + table(headers, body, numeric)
+    return rows.table(caption, len(rows.ok), headers, body, numeric)
 
 
 # ------------------------------------------------------------------- figure
