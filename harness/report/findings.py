@@ -24,7 +24,6 @@ from harness.report.text import (
     number,
     small,
     span,
-    strategy_name,
     value_name,
     words,
 )
@@ -256,24 +255,25 @@ class PerRow:
         return Finding(text + ".", rows.cite({}, self.where, len(chosen)))
 
 
-def skipped(unit: str = "case") -> Callable[[Rows], list[Finding]]:
-    """Per strategy, how many of its rows were not measured, and why (the ``status`` texts)."""
+def skipped(unit: str = "case", by: str = "strategy") -> Callable[[Rows], list[Finding]]:
+    """Per value of ``by``, how many of its rows were not measured, and why (the ``status``
+    texts)."""
     def part(rows: Rows) -> list[Finding]:
         frame = rows.all
         skipped_rows = frame[frame["status"] != "ok"]
-        if skipped_rows.empty or "strategy" not in frame:
+        if skipped_rows.empty or by not in frame:
             return []
         findings = []
-        for strategy in ordered(skipped_rows, "strategy"):
-            off = skipped_rows[skipped_rows["strategy"] == strategy]
-            total = int((frame["strategy"] == strategy).sum())
+        for value in ordered(skipped_rows, by):
+            off = skipped_rows[skipped_rows[by] == value]
+            total = int((frame[by] == value).sum())
             reasons = ordered(off, "status")
             shown = "; ".join(reasons[:2]) + ("; ..." if len(reasons) > 2 else "")
-            name = strategy_name(strategy)
+            name = value_name(by, value)
             text = (f"{name} was not measured: all {total} of its {unit}s were skipped ({shown})."
                     if len(off) == total else
                     f"{len(off)} of the {total} {unit}s of {name} were skipped ({shown}).")
-            source = rows.inputs.source(f"strategy = {strategy}, status != ok", len(off))
+            source = rows.inputs.source(f"{by} = {value}, status != ok", len(off))
             findings.append(Finding(text, source))
         return findings
     return part

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harness.report.figures import COLOURS, MARKERS, new_figure
+from harness.report.findings import skipped
 from harness.report.rows import ordered
 from harness.report.section import Answer, Finding, Rows, Section
 from harness.report.tables import Records, column
@@ -198,23 +199,6 @@ def _dataparallel(rows: Rows) -> Finding | None:
     return Finding(text, rows.cite({}, where, len(dp) + matched))
 
 
-def _skipped(rows: Rows) -> list[Finding]:
-    """Per operation, how many of its rows were not measured, and why (their status)."""
-    frame = rows.all
-    off = frame[frame["status"] != "ok"]
-    findings = []
-    for operation in ordered(off, "operation"):
-        own = off[off["operation"] == operation]
-        total = int((frame["operation"] == operation).sum())
-        reasons = "; ".join(ordered(own, "status"))
-        text = (f"{operation} was not measured: all {total} of its rows were skipped ({reasons})."
-                if len(own) == total else
-                f"{len(own)} of the {total} rows of {operation} were skipped ({reasons}).")
-        findings.append(Finding(text, rows.inputs.source(
-            f"operation = {operation}, status != ok", len(own))))
-    return findings
-
-
 # -------------------------------------------------------------------- tables
 def _collective_table(rows: Rows) -> str | None:
     checked = rows.select(COLLECTIVE_ROWS)
@@ -313,7 +297,7 @@ SECTION = Section(
     columns=COLUMNS,
     answers=(_correctness_answer, _ddp_answer),
     findings=(_on_collectives(_correctness), _on_collectives(_peaks), _latency, _ddp_cost,
-              _dataparallel, _skipped),
+              _dataparallel, skipped(unit="row", by="operation")),
     tables=(_collective_table, _STEP_TABLE),
     figures=(_bandwidth_figure,),
 )
