@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.report.rows import measured, ordered
+from harness.report.rows import is_true, measured, ordered
 from harness.report.section import Answer, Finding, Section, SectionInputs, SectionOutput
-from harness.report.text import count, integers, number, small, strategy_name, table, words
+from harness.report.text import (
+    capitalized,
+    count,
+    integers,
+    number,
+    small,
+    span,
+    strategy_name,
+    table,
+    words,
+)
 from harness.studies.update.verdicts import LrFactor, ScalingRule
 from harness.verdicts import Equivalence, close
 
@@ -91,16 +101,6 @@ def recipe_name(row) -> str:
 def _scaled(rows: pd.DataFrame, rtol: float) -> pd.Series:
     """Rows whose gradient is not the big batch's (s ≠ 1)."""
     return ~rows["grad_scale"].map(lambda s: close(s, 1.0, rtol))
-
-
-def _span(values: pd.Series, format=small) -> str:
-    """``2.4e-07 to 1.0e-04``, or the one value when both ends read the same."""
-    low, high = format(values.min()), format(values.max())
-    return low if low == high else f"{low} to {high}"
-
-
-def _sentence(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def _scale(value: float) -> str:
@@ -229,7 +229,7 @@ def _optimizer_finding(scaled: pd.DataFrame, inputs: SectionInputs) -> Finding:
 
     def residuals(optimizers: list[str]) -> str:
         rows = scaled[scaled["optimizer"].isin(optimizers)]
-        return f"lr_factor_residual {_span(rows['lr_factor_residual'])}"
+        return f"lr_factor_residual {span(rows['lr_factor_residual'])}"
 
     clauses = []
     if chosen := outcomes.get("exact-inverse"):
@@ -277,7 +277,7 @@ def _lr_answers(lr: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
             "which learning rate restores the update?", answer,
             f"{count(len(scaled), 'run')}, s = "
             f"{', '.join(dict.fromkeys(factor_text(s, inputs.rtol) for s in scaled['grad_scale']))}"
-            f"; residuals {_span(scaled['lr_factor_residual'])}", "; ".join(fix)))
+            f"; residuals {span(scaled['lr_factor_residual'])}", "; ".join(fix)))
     return answers
 
 
@@ -298,7 +298,7 @@ def _clipping_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Findin
                            f"{_verb(row['verdict'])} (update_error "
                            f"{small(row['update_error'])})")
         findings.append(Finding(
-            _sentence(f"{strategy_name(strategy)} clipping {setting} (N = "
+            capitalized(f"{strategy_name(strategy)} clipping {setting} (N = "
                       f"{integers(group['world_size'])}, k = {integers(group['accum_steps'])}): "
                       f"{'; '.join(clauses)}."),
             inputs.source(f"experiment = clipping, status = ok, strategy = {strategy}, "
@@ -349,30 +349,27 @@ def _scaler_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]
                           for s, g in group.groupby("strategy", sort=False))
         coefficient = ""
         if group["clip_coef_max"].notna().any():
-            coefficient = (f"; clipping applied {_span(group['clip_coef_max'], number)} where "
-                           f"the big batch applied {_span(group['clip_coef_reference'], number)}")
+            coefficient = (f"; clipping applied {span(group['clip_coef_max'], number)} where "
+                           f"the big batch applied {span(group['clip_coef_reference'], number)}")
         findings.append(Finding(
             f"GradScaler with k = {integers(group['accum_steps'])} micro-steps, {setting} "
             f"({where}): the update {' / '.join(_verb(v) for v in verdicts)} (update_error "
-            f"{_span(group['update_error'])}{coefficient}).",
+            f"{span(group['update_error'])}{coefficient}).",
             inputs.source(f"experiment = grad-scaler, status = ok, setting = {setting}",
                           len(group))))
     return findings
 
 
-def _injected(rows: pd.DataFrame) -> pd.Series:
-    return rows["injected"].astype(str).str.lower() == "true"
-
-
 def _non_finite_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
     findings = []
     for (strategy, n), group in rows.groupby(["strategy", "world_size"], sort=False):
-        hit, others = group[_injected(group)], group[~_injected(group)]
+        injected = is_true(group["injected"])
+        hit, others = group[injected], group[~injected]
         if hit.empty:
             continue
         row = hit.iloc[0]
         matched = (group["verdict"] == Equivalence.MATCHES).all()
-        where = _sentence(f"{strategy_name(strategy)} at N = {int(n)}, {row['setting']}")
+        where = capitalized(f"{strategy_name(strategy)} at N = {int(n)}, {row['setting']}")
         skipped = (f"in that window {int(row['ranks_skipped'])} of {int(n)} ranks skipped the "
                    f"step and the scale went from {_scale(row['scale_before'])} to "
                    f"{_scale(row['scale_after'])} (largest difference between ranks "
@@ -391,7 +388,8 @@ def _non_finite_findings(rows: pd.DataFrame, inputs: SectionInputs) -> list[Find
 
 def _non_finite_answers(rows: pd.DataFrame, scaler: pd.DataFrame | None,
                         inputs: SectionInputs) -> list[Answer]:
-    hit = rows[_injected(rows)]
+    injected = is_true(rows["injected"])
+    hit = rows[injected]
     if hit.empty:
         return []
     everywhere = (hit["ranks_skipped"] == hit["world_size"]).all()
@@ -400,8 +398,7 @@ def _non_finite_answers(rows: pd.DataFrame, scaler: pd.DataFrame | None,
     answer = (f"the whole step is skipped on {'every' if everywhere else 'not every'} rank; "
               f"scale {halved}")
     evidence = (f"{count(len(hit), 'injected window')} (N = {integers(hit['world_size'])}); "
-                f"other windows skipped on {int(rows[~_injected(rows)]['ranks_skipped'].sum())} "
-                f"ranks")
+                f"other windows skipped on {int(rows[~injected]['ranks_skipped'].sum())} ranks")
     fix = ""
     if scaler is not None:
         right = [s for s, g in scaler.groupby("setting", sort=False)
