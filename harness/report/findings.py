@@ -95,13 +95,16 @@ BIG_BATCH = {Equivalence.MATCHES: "equalled the big-batch gradient",
 # --------------------------------------------------------------------- tallies
 @dataclass(frozen=True, kw_only=True)
 class Tallied:
-    """Rows grouped by ``per`` (after ``where``), each group counted by verdict word."""
+    """Rows grouped by ``per`` (after ``where``), each group counted by verdict word;
+    ``qualify`` names the values of these columns a verdict holds for, when it holds for only
+    some of the group's."""
 
     column: str
     per: tuple[str, ...] = ("strategy",)
     where: str = ""
     classify: Classify | None = None
     unit: str = "case"
+    qualify: tuple[str, ...] = ()
 
     def tallies(self, rows: Rows):
         for values, group in rows.groups(self.per, self.where):
@@ -140,15 +143,12 @@ class Verdicts(Tallied):
 
     ``phrases`` maps a verdict word to what the subject did (a word missing from
     it is quoted as is); ``detail`` gives the evidence, one for every word or one
-    per word; ``qualify`` names the values of these columns a verdict holds for,
-    when it holds for only some of the group's; ``conclusion`` is added when every
-    row of the group has that verdict.
+    per word; ``conclusion`` is added when every row of the group has that verdict.
     """
 
     subject: str
     phrases: Mapping[str, str] = field(default_factory=dict)
     detail: Detail | Mapping[str, Detail] | None = None
-    qualify: tuple[str, ...] = ()
     conclusion: Mapping[str, str] = field(default_factory=dict)
 
     def __call__(self, rows: Rows) -> list[Finding]:
@@ -179,7 +179,6 @@ class VerdictAnswer(Tallied):
     question: str
     answers: Mapping[str, str] = field(default_factory=dict)
     evidence: Detail | None = None
-    qualify: tuple[str, ...] = ()
 
     def __call__(self, rows: Rows) -> list[Answer]:
         made = []
