@@ -1,12 +1,16 @@
 """Measured vs reference, tensor by tensor, with only scalars crossing ranks.
 
-Each rank hands in the pairs it owns (DDP: every N-th tensor; FSDP: its shard of every
-parameter and the matching slice of the reference) and the names of every tensor, in
-the same order on every rank. Per tensor it sums dot products in float64; one
-all-reduce of those scalars gives the least-squares scale ``measured ~ s * reference``
-over the whole model, a second (the residual needs ``s``) the part no scale explains.
+Each rank hands in the pairs it owns (DDP: whole tensors dealt out by size; FSDP: its
+shard of every parameter and the matching slice of the reference) and the names of
+every tensor, in the same order on every rank. Per tensor it sums dot products in
+float64, among them ``||m - r||^2`` and ``(m - r).r`` of the difference ``m - r``
+itself; one all-reduce of those scalars gives the least-squares scale ``measured ~ s *
+reference`` over the whole model and the part no scale explains,
+``||m - s r||^2 = ||m - r||^2 + 2(1 - s)(m - r).r + (1 - s)^2 ||r||^2``.
 Differences are computed directly, never as a difference of two norms, so that a
-1e-16 error is not buried under the rounding of 1.0 - 1.0.
+1e-16 error is not buried under the rounding of 1.0 - 1.0: where the terms for a scale
+other than 1 would bury it (a scale far from 1 that explains nearly everything), a
+second pass over the tensors computes ``m - s r`` itself.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ from harness.verdicts import Equivalence
 CHUNK = 1 << 20
 #: Tensors named in a row's ``worst_tensors``.
 WORST = 3
+#: A tensor's residual from the first pass's sums stands when its terms for a scale other
+#: than 1 are at most this many times the residual itself: it then carries about this
+#: many roundings of the residual (1e3 x 1e-16 in float64, far below any tolerance), not
+#: roundings of terms that could be far larger than it. Otherwise a second pass.
+CORRECTION_LIMIT = 1e3
+#: ... or at most this fraction of the tensor's ||r||^2: the rounding of terms that small
+#: (~1e-40 of ||r||^2) cannot move an error anybody reads.
+CORRECTION_FLOOR = 1e-24
 
 
 @dataclass(frozen=True)
@@ -84,22 +96,38 @@ def _chunks(pair: Pair) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield m, r
 
 
-def _dots(pair: Pair) -> list[float]:
-    """[m.r, r.r, m.m] of one pair."""
-    sums = [0.0, 0.0, 0.0]
+def _sums(pair: Pair) -> torch.Tensor:
+    """[m.r, r.r, m.m, d.d, d.r] of one pair, with d = m - r, in float64."""
+    sums = None
     for m, r in _chunks(pair):
-        sums[0] += float(m @ r)
-        sums[1] += float(r @ r)
-        sums[2] += float(m @ m)
-    return sums
+        d = m - r
+        chunk = torch.stack((m @ r, r @ r, m @ m, d @ d, d @ r))
+        sums = chunk if sums is None else sums + chunk
+    return sums.cpu() if sums is not None else torch.zeros(5, dtype=torch.float64)
 
 
 def _residual_sq(pair: Pair, scale: float) -> float:
-    """||m - s r||^2 of one pair."""
+    """||m - s r||^2 of one pair, the second pass."""
     total = 0.0
     for m, r in _chunks(pair):
         total += float((m - scale * r).square().sum())
     return total
+
+
+def _residuals(pairs: Sequence[Pair], index: dict[str, int], sums: torch.Tensor, scale: float,
+               group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """Each tensor's ||m - s r||^2, from the sums where they are precise enough for it."""
+    _, rr, _, dd, dr = sums.unbind(dim=1)
+    off = 1.0 - scale
+    correction = (2 * off * dr).abs() + off * off * rr
+    residuals = (dd + 2 * off * dr + off * off * rr).clamp(min=0.0)
+    if bool((correction <= CORRECTION_LIMIT * residuals + CORRECTION_FLOOR * rr).all()):
+        return residuals
+    residuals = torch.zeros(len(index), dtype=torch.float64)
+    for pair in pairs:
+        if pair.measured is not None or pair.reference is not None:
+            residuals[index[pair.name]] += _residual_sq(pair, scale)
+    return _summed(residuals, group, device)
 
 
 def _summed(rows: torch.Tensor, group: dist.ProcessGroup | None,
@@ -116,24 +144,20 @@ def compare(pairs: Sequence[Pair], names: Sequence[str], group: dist.ProcessGrou
             device: torch.device, rtol: float) -> Comparison:
     """Fit and judge; every rank of ``group`` calls it with its own pairs (a collective)."""
     index = {name: i for i, name in enumerate(names)}
-    dots = torch.zeros(len(names), 3, dtype=torch.float64)
+    sums = torch.zeros(len(names), 5, dtype=torch.float64)
     for pair in pairs:
         if pair.measured is not None or pair.reference is not None:
-            dots[index[pair.name]] += torch.tensor(_dots(pair), dtype=torch.float64)
-    dots = _summed(dots, group, device)
-    mr, rr, mm = (float(dots[:, i].sum()) for i in range(3))
+            sums[index[pair.name]] += _sums(pair)
+    sums = _summed(sums, group, device)
+    mr, rr, mm = (float(sums[:, i].sum()) for i in range(3))
     scale = mr / rr if rr > ZERO_NORM**2 else math.nan
-    residuals = torch.zeros(len(names), dtype=torch.float64)
-    if not math.isnan(scale):
-        for pair in pairs:
-            if pair.measured is not None or pair.reference is not None:
-                residuals[index[pair.name]] += _residual_sq(pair, scale)
-    residuals = _summed(residuals, group, device)
+    residuals = (_residuals(pairs, index, sums, scale, group, device)
+                 if not math.isnan(scale) else torch.zeros(len(names), dtype=torch.float64))
     norm = math.sqrt(mm)
     residual = (math.sqrt(float(residuals.sum())) / norm if norm > ZERO_NORM
                 else (0.0 if not math.isnan(scale) else math.nan))
     fit = ScaleFit(scale=scale, residual=residual)
-    errors = _tensor_errors(names, residuals, dots[:, 1], dots[:, 2], scale)
+    errors = _tensor_errors(names, residuals, sums[:, 1], sums[:, 2], scale)
     return Comparison(fit, equivalence_verdict(fit, rtol), errors)
 
 
