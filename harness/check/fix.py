@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import torch
 from torch import nn
 
+from harness.check import batches
 from harness.check.compare import Comparison
 from harness.tolerances import close
 from harness.verdicts import Equivalence
@@ -122,21 +124,14 @@ def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
     return differs_fix(comparison, facts)
 
 
-def measure_loss_combination(setup, initial: dict, window, per_piece: int, pieces: int,
-                             dtype, device, rtol: float) -> LossCombination:
-    """The user's loss of the whole window against its pieces' losses, on a throwaway copy
-    of the model at ``initial`` (a training-mode forward may update buffers)."""
-    import torch
-
-    from harness.check import batches
-    from harness.check.load import prepared_model
-
-    model = prepared_model(setup, dtype, device)
-    model.load_state_dict(initial)
+def measure_loss_combination(model: nn.Module, loss, window, per_piece: int, pieces: int,
+                             rtol: float) -> LossCombination:
+    """The user's loss of the whole window against its pieces' losses, on ``model``, a
+    throwaway copy at the initial weights (a training-mode forward may update buffers):
+    how a loss combines its pieces is the loss's own property, not the weights'."""
     with torch.no_grad():
-        whole = float(setup.loss(model, window))
-        parts = [float(setup.loss(model, batches.take(window, i * per_piece,
-                                                       (i + 1) * per_piece)))
+        whole = float(loss(model, window))
+        parts = [float(loss(model, batches.take(window, i * per_piece, (i + 1) * per_piece)))
                  for i in range(pieces)]
     if close(whole, sum(parts) / len(parts), rtol):
         return LossCombination.MEAN

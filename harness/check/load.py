@@ -6,6 +6,7 @@ so bad input is one line and exit code 2 whichever way the check was launched.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
 import traceback
@@ -118,3 +119,16 @@ def prepared_model(setup: Setup, dtype: torch.dtype, device: torch.device,
     model = setup.make_model()
     check_model(model, target)
     return model.to(device=device, dtype=dtype)
+
+
+def copy_of(template: nn.Module, setup: Setup, dtype: torch.dtype,
+            device: torch.device) -> nn.Module:
+    """A model at ``template``'s state, without building and initialising one more (a
+    100M-parameter ``make_model`` spends seconds drawing weights it would overwrite).
+    A model that cannot be deep-copied is built anew and loaded with the template's state."""
+    try:
+        return copy.deepcopy(template)
+    except Exception:  # noqa: BLE001 -- any module deepcopy refuses: the slower way
+        model = setup.make_model().to(device=device, dtype=dtype)
+        model.load_state_dict(template.state_dict())
+        return model

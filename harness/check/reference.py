@@ -3,18 +3,20 @@ batch, one optimizer step, per step of the setup.
 
 Every rank computes it itself (the ranks work at once, so it costs one big-batch step
 of wall time, not N), and each compares only what it owns: no gradient ever travels.
-It is computed once per step and shared by every case of the matrix.
+It is computed once per step and shared by every case of the matrix, and each rank keeps
+only the tensors its cases compare: at N = 2 half of the model, not all of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from harness.check import batches
-from harness.check.load import prepared_model
+from harness.check.load import copy_of, prepared_model
 from harness.check.setup import Setup, default_optimizer
 from harness.errors import UsageError
 from harness.tolerances import close
@@ -26,10 +28,9 @@ FORWARD_SEED, PROBE_SEED = 0, 1
 
 @dataclass
 class ReferenceStep:
-    """What the big-batch reference held around one optimizer step."""
+    """What the big-batch reference held around one optimizer step, for the kept tensors."""
 
-    #: The whole state (parameters and buffers) before the step: every case starts its
-    #: first step from step 0's, and updates are measured from it.
+    #: The state (parameters and buffers) before the step: updates are measured from it.
     before: dict[str, torch.Tensor]
     #: ``param.grad`` right before ``optimizer.step()``; None where a parameter got none.
     grads: dict[str, torch.Tensor | None]
@@ -37,11 +38,12 @@ class ReferenceStep:
     after: dict[str, torch.Tensor]
     #: The big-batch loss.
     loss: float
+    #: Parameters the loss does not reach (no gradient in the reference), kept or not.
+    unused: tuple[str, ...] = ()
 
-    @property
-    def unused(self) -> tuple[str, ...]:
-        """Parameters the loss does not reach: no gradient in the reference."""
-        return tuple(name for name, grad in self.grads.items() if grad is None)
+
+def keep_all(name: str) -> bool:
+    return True
 
 
 def state_names(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -74,35 +76,53 @@ def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol:
 
 
 def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
-                      used_samples: int | None, rtol: float, target: str
-                      ) -> list[ReferenceStep]:
+                      used_samples: int | None, rtol: float, target: str, *,
+                      initial: nn.Module | None = None,
+                      keeps: Callable[[str], bool] = keep_all) -> list[ReferenceStep]:
     """Every step of the reference on the first ``used_samples`` of each global batch
-    (all of them when None)."""
-    model = prepared_model(setup, dtype, device, target)
+    (all of them when None), from a copy of ``initial`` (left untouched: step 0's
+    ``before`` is its tensors) or else from a model of its own; only the tensors
+    ``keeps`` names are kept."""
+    model = (copy_of(initial, setup, dtype, device) if initial is not None
+             else prepared_model(setup, dtype, device, target))
     optimizer = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
     param_names, buffer_names = state_names(model)
+    kept_params = [name for name in param_names if keeps(name)]
+    kept_state = [*kept_params, *(name for name in buffer_names if keeps(name))]
     params = dict(model.named_parameters())
     steps = []
     for step in range(setup.steps):
         window = window_of(setup, step, used_samples, dtype, device)
-        before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        before = _before(model, initial if step == 0 else None, keeps)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(FORWARD_SEED)
             loss = setup.loss(model, window)
         loss.backward()
         if step == 0:
             _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
+        unused = tuple(name for name in param_names if params[name].grad is None)
         # The reference keeps the gradient tensors themselves: optimizer.step() reads them,
         # and zero_grad(set_to_none) below hands the model new ones.
-        grads = {name: params[name].grad for name in param_names}
+        grads = {name: params[name].grad for name in kept_params}
         optimizer.step()
         last = step == setup.steps - 1
         state = model.state_dict(keep_vars=True)
         after = {name: (state[name].detach() if last else state[name].detach().clone())
-                 for name in [*param_names, *buffer_names]}
+                 for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
-        steps.append(ReferenceStep(before, grads, after, float(loss.detach())))
+        steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused))
     return steps
+
+
+def _before(model: nn.Module, initial: nn.Module | None,
+            keeps: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The kept state before a step: ``initial``'s own tensors where it is given (the
+    model starts as its copy, and nobody trains it), else clones of the model's."""
+    if initial is not None:
+        return {name: t.detach() for name, t in initial.state_dict(keep_vars=True).items()
+                if keeps(name)}
+    return {name: t.detach().clone() for name, t in model.state_dict().items()
+            if keeps(name)}
 
 
 def window_of(setup: Setup, step: int, used_samples: int | None, dtype: torch.dtype,

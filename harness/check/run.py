@@ -21,6 +21,7 @@ from harness.check import batches
 from harness.check.compare import Comparison, compare
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
+from harness.check.load import copy_of, prepared_model
 from harness.check.reference import ReferenceStep, compute_reference, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
@@ -31,6 +32,10 @@ from harness.results import write_csv_atomic
 from harness.tolerances import check_tolerance
 
 POINTS = ("grad", "params")
+#: Elements per tensor in the fingerprint of the initial weights: weights that differ
+#: between ranks (an unseeded make_model) differ almost everywhere, so a strided sample
+#: finds them without a float64 pass over a large model.
+FINGERPRINT_SAMPLES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -94,13 +99,17 @@ class SetupCheck:
         self.dtype, self.device = self.config.torch_dtype, self.placement.device
         self.rtol = check_tolerance(self.dtype)
         self.references: dict[int | None, list[ReferenceStep]] = {}
+        #: The initial model: never trained, only copied.
+        self.initial = prepared_model(setup, self.dtype, self.device, target)
+        #: The tensors this rank compares in some case: all the reference needs to keep.
+        self.kept: set[str] = set()
 
     def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
         """make_model() and batch(i) must give every rank the same numbers: compared as
-        two scalars per step (max and min over the ranks of a fingerprint)."""
-        values = [sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
-                      for t in step.before.values() if t.is_floating_point()) + step.loss
-                  for step in reference]
+        scalars (max and min over the ranks of a fingerprint of the initial weights, of
+        each step's loss and of each batch)."""
+        values = [weights_fingerprint(self.initial)]
+        values += [step.loss for step in reference]
         values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
         high = torch.tensor(values, dtype=torch.float64, device=self.device)
         low = -high.clone()
@@ -121,14 +130,19 @@ class SetupCheck:
 
     def reference(self, used: int | None) -> list[ReferenceStep]:
         if used not in self.references:
-            self.references[used] = compute_reference(self.setup, self.dtype, self.device,
-                                                      used, self.rtol, self.target)
+            self.references[used] = compute_reference(
+                self.setup, self.dtype, self.device, used, self.rtol, self.target,
+                initial=self.initial, keeps=self.kept.__contains__)
         return self.references[used]
 
     # ------------------------------------------------------------------- run
     def run(self) -> list[dict[str, Any]]:
         """The rows of every case (on rank 0; [] elsewhere)."""
         cases = matrix(self.config, self.world_sizes)
+        for case in cases:
+            if self.launch.rank < case.participants:
+                self.kept |= CASE_MODELS[case.strategy].compared_names(
+                    self.initial, case.world_size, self.launch.rank)
         self._same_on_every_rank(self.reference(self.used_samples(cases[0])))
         rows: list[dict[str, Any]] = []
         for case in cases:
@@ -166,8 +180,9 @@ class SetupCheck:
         used = self.used_samples(case)
         reference = self.reference(used)
         group = self._group(case)
-        model = CASE_MODELS[case.strategy](self.setup, reference[0].before, case.world_size,
-                                           self.dtype, self.device, group)
+        model = CASE_MODELS[case.strategy](
+            self.setup, copy_of(self.initial, self.setup, self.dtype, self.device),
+            case.world_size, self.device, group)
         facts = self._facts(case, model, reference)
         results = []
         for step, ref in enumerate(reference):
@@ -181,7 +196,7 @@ class SetupCheck:
                              self.rtol)
             for point, comparison in zip(POINTS, (grads, update), strict=True):
                 results.append((step, point, comparison,
-                                self._fix(point, comparison, facts, ref, window, samples, case),
+                                self._fix(point, comparison, facts, window, samples, case),
                                 "ok", ""))
         return results
 
@@ -192,8 +207,8 @@ class SetupCheck:
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)
 
-    def _fix(self, point: str, comparison: Comparison, facts: Facts, ref: ReferenceStep,
-             window, samples: int, case: Case) -> str:
+    def _fix(self, point: str, comparison: Comparison, facts: Facts, window, samples: int,
+             case: Case) -> str:
         """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
         if not self.launch.is_leader:
             return ""
@@ -201,8 +216,9 @@ class SetupCheck:
 
         @functools.cache
         def combination():
-            return measure_loss_combination(self.setup, ref.before, window, samples // pieces,
-                                            pieces, self.dtype, self.device, self.rtol)
+            return measure_loss_combination(
+                copy_of(self.initial, self.setup, self.dtype, self.device), self.setup.loss,
+                window, samples // pieces, pieces, self.rtol)
 
         facts.loss_combination = combination
         return suggest(point, comparison, facts)
@@ -223,6 +239,17 @@ class SetupCheck:
                 "fix": fix, "dtype": self.config.dtype, "status": status, "error": error,
             })
         return rows
+
+
+def weights_fingerprint(model: torch.nn.Module) -> float:
+    """Sum of squares of a strided sample of every floating tensor, in float64."""
+    total = 0.0
+    for tensor in model.state_dict().values():
+        if tensor.is_floating_point():
+            flat = tensor.detach().reshape(-1)
+            sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)]
+            total += float(torch.linalg.vector_norm(sample, dtype=torch.float64)) ** 2
+    return total
 
 
 def format_worst(comparison: Comparison) -> str:

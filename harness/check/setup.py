@@ -1,7 +1,8 @@
 """What a user hands the harness to check their own training step: a :class:`Setup`.
 
 ``make_setup()`` in the user's module returns one. The harness builds the model
-on every rank (and once more for the single-process reference), takes global
+once on every rank (the single-process reference and each case start from copies
+of it), takes global
 batch ``i`` from ``batch(i)``, splits it along the first dimension of every
 tensor the way each strategy would (ranks x micro-steps), runs the user's loss
 on each piece, and compares ``param.grad`` before the step and the parameters
@@ -61,11 +62,11 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 class Setup:
     """One user training step, as functions the harness can call on any rank.
 
-    ``make_model`` must build the same initial weights on every call (seed inside
-    it): the harness builds one copy per rank and one for the reference.
+    ``make_model`` must build the same initial weights on every rank (seed inside
+    it): each rank builds one model, and its reference and cases start from copies.
     """
 
-    #: () -> nn.Module, identical weights on every call.
+    #: () -> nn.Module, identical weights on every rank.
     make_model: Callable[[], nn.Module]
     #: i -> global batch i (the whole big batch of optimizer step i).
     batch: Callable[[int], Batch]

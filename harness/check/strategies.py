@@ -1,14 +1,15 @@
 """The user's step under each strategy, and which tensors each rank compares.
 
-A :class:`CaseModel` starts from the reference's initial state (so an unseeded
-``make_model`` cannot make a false difference), feeds its micro-batches the way the
-strategy would, and lists the (measured, reference) pairs this rank owns.
+A :class:`CaseModel` starts from a copy of the model the reference started from (so an
+unseeded ``make_model`` cannot make a false difference), feeds its micro-batches the way
+the strategy would, and lists the (measured, reference) pairs this rank compares.
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.compare import Pair
-from harness.check.load import prepared_model
 from harness.check.reference import ReferenceStep, make_optimizer, state_names
 from harness.check.setup import MicroStep, Setup
 
@@ -30,17 +30,32 @@ def default_micro_step(setup: Setup):
     return setup.micro_step or micro_step
 
 
-class CaseModel(ABC):
-    """A fresh model under one strategy at world size ``world_size``."""
+def deal(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The rank that compares each tensor: the largest first, each to the least loaded rank,
+    so that every rank compares about 1/N of the elements (dealt in turn, one rank could
+    get every weight matrix and another every bias)."""
+    loads, owners = [0] * world_size, [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index], loads[rank] = rank, loads[rank] + sizes[index]
+    return owners
 
-    def __init__(self, setup: Setup, initial: dict[str, torch.Tensor], world_size: int,
-                 dtype: torch.dtype, device: torch.device,
+
+class CaseModel(ABC):
+    """A model under one strategy at world size ``world_size``, from the initial state."""
+
+    #: One process plays every rank, so it compares every tensor.
+    plays_every_rank = False
+    #: Every rank holds a shard of every parameter, so it compares its shard of each.
+    shards_parameters = False
+
+    def __init__(self, setup: Setup, model: nn.Module, world_size: int, device: torch.device,
                  group: dist.ProcessGroup | None) -> None:
         self.setup, self.world_size, self.device, self.group = setup, world_size, device, group
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.inner = prepared_model(setup, dtype, device)
-        self.inner.load_state_dict(initial)
+        self.inner = model
         self.param_names, self.buffer_names = state_names(self.inner)
+        self.compared = self.compared_names(model, world_size, self.rank)
         self.module = self.wrap(self.inner)
         self.optimizer = make_optimizer(
             setup, [p for p in self.module.parameters() if p.requires_grad])
@@ -76,9 +91,18 @@ class CaseModel(ABC):
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------- comparing
-    def owns(self, index: int) -> bool:
-        """Whole tensors are dealt out to the ranks in turn: each compares 1/N of them."""
-        return index % self.world_size == self.rank
+    @classmethod
+    def compared_names(cls, model: nn.Module, world_size: int, rank: int) -> set[str]:
+        """The tensors (parameters and floating buffers) rank ``rank`` compares: whole
+        tensors are dealt out to the ranks by size (:func:`deal`)."""
+        params, buffers = state_names(model)
+        names = [*params, *buffers]
+        if cls.plays_every_rank:
+            return set(names)
+        state = model.state_dict(keep_vars=True)
+        owners = deal([state[name].numel() for name in names], world_size)
+        return {name for name, owner in zip(names, owners, strict=True)
+                if owner == rank or (cls.shards_parameters and name in params)}
 
     def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's part of a (possibly sharded) tensor."""
@@ -96,16 +120,15 @@ class CaseModel(ABC):
         params = dict(self.inner.named_parameters())
         return [Pair(name, self.local(params[name].grad),
                      self.reference_part(ref.grads[name], name))
-                for i, name in enumerate(self.param_names)
-                if self.sharded(name) or self.owns(i)]
+                for name in self.param_names if name in self.compared]
 
     def update_pairs(self, ref: ReferenceStep) -> list[Pair]:
         """Parameters and floating buffers after the step, as updates from where the
         reference started it: the shared starting point would otherwise dominate."""
         state = self.inner.state_dict(keep_vars=True)
         pairs = []
-        for i, name in enumerate(self.state_names):
-            if not (self.sharded(name) or self.owns(i)):
+        for name in self.state_names:
+            if name not in self.compared:
                 continue
             pairs.append(Pair(name, self.local(state[name].detach()),
                               self.reference_part(ref.after[name], name),
@@ -121,6 +144,8 @@ class LocalCase(CaseModel):
     """One process playing the N ranks: their pieces in turn, each loss divided by N
     because DDP and FSDP average the N ranks' gradients."""
 
+    plays_every_rank = True
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -129,9 +154,6 @@ class LocalCase(CaseModel):
 
     def loss_for_backward(self, micro_batch: Any, where: MicroStep) -> torch.Tensor:
         return super().loss_for_backward(micro_batch, where) / self.world_size
-
-    def owns(self, index: int) -> bool:
-        return True
 
 
 class DDPCase(CaseModel):
@@ -147,6 +169,8 @@ class DDPCase(CaseModel):
 class FSDPCase(CaseModel):
     """Parameters and gradients are DTensors sharded along dim 0 as ``torch.chunk`` cuts
     it; each rank compares its shard with the same chunk of the reference."""
+
+    shards_parameters = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from harness.strategies.fsdp import shard
