@@ -16,6 +16,7 @@ gets one row saying so; the study itself is unavailable when none is installed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import math
@@ -86,6 +87,18 @@ def quietly():
             logging.getLogger(name).setLevel(level)
 
 
+def freeze_survivors() -> None:
+    """Collect the case's garbage, then exempt every object still alive (above all the
+    frameworks' modules, millions of objects) from later collections.
+
+    Accelerate (under transformers' Trainer) calls ``gc.collect()`` as every training
+    ends; scanning the imported frameworks made each call take 0.4 s, 7 s of a rank's
+    18 s run. Frozen objects are still freed when their last reference goes.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 class FrameworksStudy(Study):
     name = "frameworks"
     summary = ("HF Accelerate, Lightning, HF transformers' Trainer and DeepSpeed (ZeRO 0/1/2) "
@@ -132,6 +145,7 @@ class FrameworksStudy(Study):
                 framework.train(setup, setting, k, capture)
         except Exception as raised:  # a setting the framework refuses, alike on every rank
             error = first_sentence(raised)
+        freeze_survivors()
         captures = gather_captures((capture, error))
         if not run.reports(case):
             return None
