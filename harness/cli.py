@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from harness.config import DTYPES, MATRICES, STRATEGIES, RunConfig
+from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag
 from harness.errors import UsageError, launched_by_harness, refuse
 from harness.launch import (
     BACKENDS,
@@ -87,9 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", metavar="|".join(DEVICES),
                         help="device of models and batches; auto = cuda when present "
                              "(default: auto)")
-    parser.add_argument("--dtype", default="float64", metavar="|".join(DTYPES),
-                        help="floating-point type; float64 makes verdicts exact to ~1e-12 "
-                             "(default: float64)")
+    add_dtype_flag(parser, "floating-point type")
     parser.add_argument("--out", default="results", metavar="DIR",
                         help="folder for the CSVs, run.json and REPORT.md (default: results)")
     parser.add_argument("--seed", default="0", metavar="INT",

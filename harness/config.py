@@ -26,6 +26,14 @@ from harness.strategies import STRATEGIES as STRATEGY_SPECS
 
 DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
 
+
+def add_dtype_flag(parser, what: str) -> None:
+    """``--dtype``, as every entry point spells it: ``what`` says what takes the type."""
+    parser.add_argument("--dtype", default="float64", metavar="|".join(DTYPES),
+                        help=f"{what}; float64 makes verdicts exact to ~1e-12 "
+                             "(default: float64)")
+
+
 #: Strategies the harness can run (harness/strategies), each with its one-line description.
 STRATEGIES: dict[str, str] = {name: spec.description for name, spec in STRATEGY_SPECS.items()}
 

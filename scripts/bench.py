@@ -309,54 +309,57 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
+def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]:
+    """A Markdown table after a blank line, its last ``right`` columns aligned right."""
+    rule = ["---"] * (len(header) - right) + ["---:"] * right
+    return ["", *("| " + " | ".join(cells) + " |" for cells in (header, rule, *rows))]
+
+
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
     lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
-    if {"launch", "suite"} & set(timings):
-        lines += ["", "| benchmark | wall time | ratio |", "|---|---|---|"]
+    benchmarks = []
     if "launch" in timings:
         launch = timings["launch"]
-        lines += [
-            f"| bare `torchrun --nproc_per_node={nproc}` (init gloo, exit) "
-            f"| {launch['bare']:.1f} s | 1.00 |",
-            f"| `--studies reduction,seed001,accumulation` | {launch['three']:.1f} s "
-            f"| {launch['three'] / launch['bare']:.2f} |",
-            f"| full default run (every study) | {launch['all']:.1f} s "
-            f"| {launch['all'] / launch['bare']:.2f} |",
+        benchmarks += [
+            [f"bare `torchrun --nproc_per_node={nproc}` (init gloo, exit)",
+             f"{launch['bare']:.1f} s", "1.00"],
+            ["`--studies reduction,seed001,accumulation`", f"{launch['three']:.1f} s",
+             f"{launch['three'] / launch['bare']:.2f}"],
+            ["full default run (every study)", f"{launch['all']:.1f} s",
+             f"{launch['all'] / launch['bare']:.2f}"],
         ]
-        studies = launch["studies"]
-        rest = {name: launch["all"] - seconds for name, seconds in studies.items()}
-        lines += ["", "| study in the default run | its seconds | added to the run without it |",
-                  "|---|---:|---:|"]
-        lines += [f"| {name} | {seconds:.1f} s | {100 * seconds / rest[name]:.0f}% |"
-                  for name, seconds in studies.items()]
     if "suite" in timings:
-        lines.append(f"| test suite, `python -m pytest -n auto` | {timings['suite']['suite']:.1f} s"
-                     " | |")
+        benchmarks.append(["test suite, `python -m pytest -n auto`",
+                           f"{timings['suite']['suite']:.1f} s", ""])
+    if benchmarks:
+        lines += table(["benchmark", "wall time", "ratio"], benchmarks)
+    if "launch" in timings:
+        launch = timings["launch"]
+        rest = {name: launch["all"] - seconds for name, seconds in launch["studies"].items()}
+        lines += table(["study in the default run", "its seconds", "added to the run without it"],
+                       [[name, f"{seconds:.1f} s", f"{100 * seconds / rest[name]:.0f}%"]
+                        for name, seconds in launch["studies"].items()], right=2)
     if "scaling" in timings:
-        lines += ["", "| accumulation matrix | `--accum-steps` | cases | study time | cases/s |",
-                  "|---|---|---|---|---|"]
-        for scale, entry in timings["scaling"].items():
-            lines.append(f"| {scale} | {SCALES[scale]} | {entry['cases']} | "
-                         f"{entry['study_s']:.1f} s | {entry['cases_per_s']:.0f} |")
+        lines += table(["accumulation matrix", "`--accum-steps`", "cases", "study time", "cases/s"],
+                       [[scale, SCALES[scale], str(entry["cases"]), f"{entry['study_s']:.1f} s",
+                         f"{entry['cases_per_s']:.0f}"]
+                        for scale, entry in timings["scaling"].items()])
     if "check" in timings:
-        check = timings["check"]
-        model = check["model"]
+        check, model = timings["check"], timings["check"]["model"]
         lines += ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
-                  f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step",
-                  "", "| run | wall time (slowest rank) | peak RSS (largest rank) |",
-                  "|---|---:|---:|",
-                  f"| bare DDP loop | {check['bare']['seconds']:.2f} s | "
-                  f"{check['bare']['peak_rss_mb']:.0f} MB |",
-                  f"| `check.py --strategies ddp` | {check['check']['seconds']:.2f} s | "
-                  f"{check['check']['peak_rss_mb']:.0f} MB |",
-                  f"| check / bare | {model['time_ratio']:.2f}x (target <= 1.5x) | "
-                  f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB) |"]
+                  f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step"]
+        lines += table(["run", "wall time (slowest rank)", "peak RSS (largest rank)"], [
+            ["bare DDP loop", f"{check['bare']['seconds']:.2f} s",
+             f"{check['bare']['peak_rss_mb']:.0f} MB"],
+            ["`check.py --strategies ddp`", f"{check['check']['seconds']:.2f} s",
+             f"{check['check']['peak_rss_mb']:.0f} MB"],
+            ["check / bare", f"{model['time_ratio']:.2f}x (target <= 1.5x)",
+             f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"]], right=2)
     if "comm" in timings:
-        lines += ["", "| all_reduce size | bare loop busbw | comm study busbw | study / bare |",
-                  "|---:|---:|---:|---:|"]
-        for size, entry in timings["comm"].items():
-            lines.append(f"| {int(size):,} B | {entry['bare_busbw_GBps']:.4g} GB/s | "
-                         f"{entry['study_busbw_GBps']:.4g} GB/s | {entry['ratio']:.2f} |")
+        lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
+                       [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
+                         f"{entry['study_busbw_GBps']:.4g} GB/s", f"{entry['ratio']:.2f}"]
+                        for size, entry in timings["comm"].items()], right=4)
     return "\n".join(lines)
 
 

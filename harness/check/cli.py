@@ -17,7 +17,7 @@ from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.check.load import check_model, validated_setup
 from harness.check.setup import Setup
 from harness.cli import _launch_size, _Parser
-from harness.config import DTYPES
+from harness.config import add_dtype_flag
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.launch import (
     Launch,
@@ -64,9 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-sizes", metavar="N[,N]", default="",
                         help="world sizes, each on ranks 0..N-1 of this launch (default: 1..N "
                              "for N launched ranks)")
-    parser.add_argument("--dtype", default="float64", metavar="|".join(DTYPES),
-                        help="model and batch type; float64 makes verdicts exact to ~1e-12 "
-                             "(default: float64)")
+    add_dtype_flag(parser, "model and batch type")
     parser.add_argument("--out", default="check-results", metavar="DIR",
                         help=f"folder for {CSV_NAME} (default: check-results)")
     parser.add_argument("--drop-last", action="store_true",
