@@ -45,6 +45,13 @@ def direct(measured: dict, reference: dict, scale: float) -> tuple[float, dict[s
                           for name in reference}
 
 
+def assert_as_computed_directly(result, measured: dict, reference: dict, rel: float) -> None:
+    residual, errors = direct(measured, reference, result.scale)
+    assert result.residual == pytest.approx(residual, rel=rel)
+    for name, error in errors.items():
+        assert result.errors[name] == pytest.approx(error, rel=rel), name
+
+
 def test_identical_tensors_match_with_zero_residual():
     reference = tensors(0, *SHAPES)
     result = judged({k: v.clone() for k, v in reference.items()}, reference)
@@ -70,11 +77,7 @@ def test_a_near_match_residual_equals_the_direct_computation():
     reference = tensors(2, *SHAPES)
     noise = tensors(3, *SHAPES)
     measured = {k: v * (1 + 1e-12) + 1e-13 * noise[k] for k, v in reference.items()}
-    result = judged(measured, reference)
-    residual, errors = direct(measured, reference, result.scale)
-    assert result.residual == pytest.approx(residual, rel=1e-6)
-    for name, error in errors.items():
-        assert result.errors[name] == pytest.approx(error, rel=1e-6)
+    assert_as_computed_directly(judged(measured, reference), measured, reference, rel=1e-6)
 
 
 def test_one_differing_tensor_is_the_worst_and_the_verdict_differs():
@@ -84,10 +87,7 @@ def test_one_differing_tensor_is_the_worst_and_the_verdict_differs():
     result = judged(measured, reference)
     assert result.verdict is Equivalence.DIFFERS
     assert result.worst[0][0] == "t2"
-    residual, errors = direct(measured, reference, result.scale)
-    assert result.residual == pytest.approx(residual, rel=1e-9)
-    for name, error in errors.items():
-        assert result.errors[name] == pytest.approx(error, rel=1e-9)
+    assert_as_computed_directly(result, measured, reference, rel=1e-9)
 
 
 def test_updates_are_compared_from_the_origin():
