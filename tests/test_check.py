@@ -20,6 +20,7 @@ from harness.check import Setup
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
+from tests.launch import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = "tests.test_check"
@@ -90,9 +91,8 @@ not_callable = 42
 
 # ---------------------------------------------------------------- the launch
 def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    """``python scripts/check.py args`` (forked from this process: see tests/launch.py)."""
+    return run_python([sys.executable, str(ROOT / "scripts" / "check.py"), *args], timeout)
 
 
 @pytest.fixture(scope="module")
