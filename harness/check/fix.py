@@ -127,7 +127,7 @@ def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
 def measure_loss_combination(model: nn.Module, loss, window, per_piece: int, pieces: int,
                              rtol: float) -> LossCombination:
     """The user's loss of the whole window against its pieces' losses, on ``model``, a
-    throwaway copy at the initial weights (a training-mode forward may update buffers):
+    throwaway model fresh from make_model() (a training-mode forward may update buffers):
     how a loss combines its pieces is the loss's own property, not the weights'."""
     with torch.no_grad():
         whole = float(loss(model, window))

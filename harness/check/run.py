@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from harness.check import batches
 from harness.check.compare import Comparison, compare
@@ -99,8 +100,10 @@ class SetupCheck:
         self.dtype, self.device = self.config.torch_dtype, self.placement.device
         self.rtol = check_tolerance(self.dtype)
         self.references: dict[int | None, list[ReferenceStep]] = {}
-        #: The initial model: never trained, only copied.
-        self.initial = prepared_model(setup, self.dtype, self.device, target)
+        #: The initial model: copied for every case but this rank's last, which takes it.
+        self.initial: nn.Module | None = prepared_model(setup, self.dtype, self.device, target)
+        #: Cases this rank still has to measure.
+        self.cases_left = 0
         #: The tensors this rank compares in some case: all the reference needs to keep.
         self.kept: set[str] = set()
 
@@ -143,6 +146,7 @@ class SetupCheck:
             if self.launch.rank < case.participants:
                 self.kept |= CASE_MODELS[case.strategy].compared_names(
                     self.initial, case.world_size, self.launch.rank)
+                self.cases_left += self._unavailable(case) is None
         self._same_on_every_rank(self.reference(self.used_samples(cases[0])))
         rows: list[dict[str, Any]] = []
         for case in cases:
@@ -180,9 +184,8 @@ class SetupCheck:
         used = self.used_samples(case)
         reference = self.reference(used)
         group = self._group(case)
-        model = CASE_MODELS[case.strategy](
-            self.setup, copy_of(self.initial, self.setup, self.dtype, self.device),
-            case.world_size, self.device, group)
+        model = CASE_MODELS[case.strategy](self.setup, self._initial_model(), case.world_size,
+                                           self.device, group)
         facts = self._facts(case, model, reference)
         results = []
         for step, ref in enumerate(reference):
@@ -199,6 +202,18 @@ class SetupCheck:
                                 self._fix(point, comparison, facts, window, samples, case),
                                 "ok", ""))
         return results
+
+    def _initial_model(self) -> nn.Module:
+        """A model at the initial state: a copy, except for this rank's last case, which
+        takes the initial model itself (one model's memory less while it trains) once the
+        references' step-0 tensors, which are the initial model's own, are cloned."""
+        self.cases_left -= 1
+        if self.cases_left > 0:
+            return copy_of(self.initial, self.setup, self.dtype, self.device)
+        for reference in self.references.values():
+            reference[0].before = {name: t.clone() for name, t in reference[0].before.items()}
+        model, self.initial = self.initial, None
+        return model
 
     def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
         return Facts(strategy=case.strategy, world_size=case.world_size,
@@ -217,7 +232,7 @@ class SetupCheck:
         @functools.cache
         def combination():
             return measure_loss_combination(
-                copy_of(self.initial, self.setup, self.dtype, self.device), self.setup.loss,
+                prepared_model(self.setup, self.dtype, self.device), self.setup.loss,
                 window, samples // pieces, pieces, self.rtol)
 
         facts.loss_combination = combination
@@ -241,7 +256,7 @@ class SetupCheck:
         return rows
 
 
-def weights_fingerprint(model: torch.nn.Module) -> float:
+def weights_fingerprint(model: nn.Module) -> float:
     """Sum of squares of a strided sample of every floating tensor, in float64."""
     total = 0.0
     for tensor in model.state_dict().values():
