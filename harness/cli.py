@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag
-from harness.errors import UsageError, launched_by_harness, refuse
+from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.launch import (
     BACKENDS,
     DEVICES,
@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "full = every combination (default: default)")
     parser.add_argument("--timeout", default="300", metavar="SECONDS",
                         help="how long a collective inside a case may wait before the run "
-                             "fails instead of hanging (default: 300)")
+                             "fails instead of hanging (at most 86400, a day; "
+                             "default: 300)")
     parser.add_argument("--resume", action="store_true",
                         help="finish an interrupted run in --out, reusing its finished cases")
     parser.add_argument("--quiet", action="store_true",
@@ -235,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     studies = [_studies()[name](config.options_of(name)) for name in config.studies]
     try:
         return Runner(config, launch, placement, world_sizes, studies).run()
-    except Exception:
-        if launched_by_harness():  # the error line is recorded; the launcher prints it once
+    except Exception as error:
+        if launched_by_harness():  # the launcher prints the first line a rank recorded, once
+            record_error(launch.rank, f"{type(error).__name__}: {error}")
             return 1
         raise

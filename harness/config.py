@@ -20,7 +20,9 @@ from harness.launch import BACKENDS, DEVICES, Launch
 from harness.options import (
     StudyOptions,
     check_known,
+    check_out_folder,
     check_positive_unique,
+    check_timeout,
 )
 from harness.strategies import STRATEGIES as STRATEGY_SPECS
 
@@ -95,14 +97,10 @@ class RunConfig:
         check_known("--device", [self.device], DEVICES)
         check_known("--dtype", [self.dtype], tuple(DTYPES))
         check_known("--matrix", [self.matrix], MATRICES)
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout {self.timeout} is not allowed; "
-                             "allowed: seconds > 0")
+        check_timeout(self.timeout)
         if self.seed < 0:
             raise UsageError(f"--seed {self.seed} is not allowed; allowed: integers >= 0")
-        if self.out.exists() and not self.out.is_dir():
-            raise UsageError(f"--out {str(self.out)!r} is a file; allowed: a folder "
-                             "(it is created when missing)")
+        check_out_folder(self.out)
 
     def options_of(self, study: str) -> StudyOptions | None:
         return self.study_options.get(study)

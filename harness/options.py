@@ -10,11 +10,18 @@ flag, the value and what is allowed. Defaults live in the dataclass alone.
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
+
+#: The longest ``--timeout``: a collective still waiting after a day is hung, not slow,
+#: and far larger values overflow the timedelta handed to torch.distributed.
+MAX_TIMEOUT_S = 86_400.0
 
 
 def _parse_list(text: str, flag: str, convert: Callable[[str], Any], noun: str,
@@ -75,6 +82,27 @@ def check_known(flag: str, names: Iterable[str], allowed: Sequence[str]) -> None
     for name in names:
         if name not in allowed:
             raise UsageError(f"{flag}: {name!r} is unknown; allowed: {', '.join(allowed)}")
+
+
+def check_timeout(seconds: float) -> None:
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
+        raise UsageError(f"--timeout {seconds:g} is not allowed; allowed: 0 < seconds <= "
+                         f"{MAX_TIMEOUT_S:g} (a day)")
+
+
+def check_out_folder(out: Path) -> None:
+    """``--out``: a folder, or one that can be created, refused before anything runs rather
+    than when the first file is written. Creating (and removing) a probe folder in the
+    nearest existing one is the test: permission bits do not stop root, /proc does."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} is a file; allowed: a folder "
+                         "(it is created when missing)")
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".out-probe-", dir=existing))
+    except OSError as error:
+        raise UsageError(f"--out {str(out)!r} cannot be created or written: {error.strerror} "
+                         f"in {str(existing)!r}; allowed: a folder you can write") from None
 
 
 def check_positive_unique(flag: str, values: Sequence[int], upper: int | None = None) -> None:

@@ -218,11 +218,24 @@ def _refused(capsys, tmp_path, *args: str) -> str:
                                                             "local, ddp, fsdp"]),
     (["examples.mlp:make_setup", "--world-sizes", "1,3"], ["3 is more than the 2 rank(s)"]),
     (["examples.mlp:make_setup", "--world-sizes", "2,2"], ["repeats a value"]),
+    (["examples.mlp:make_setup", "--timeout", "inf"], ["--timeout inf is not allowed",
+                                                      "0 < seconds <= 86400"]),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(capsys, tmp_path, args, words):
     err = _refused(capsys, tmp_path, *args)
     for word in words:
         assert word in err, err
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_ranks_start(capsys,
+                                                                               tmp_path):
+    inside_a_file = tmp_path / "file.txt"
+    inside_a_file.write_text("keep me")
+    assert main(["--nproc", "2", "examples.mlp:make_setup", "--out",
+                 str(inside_a_file / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("check.py: error: --out ") and "Not a directory" in err, err
+    assert inside_a_file.read_text() == "keep me"
 
 
 def test_randomness_inside_the_loss_is_refused_by_the_ranks(tmp_path):

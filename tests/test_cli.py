@@ -26,7 +26,10 @@ BAD_INPUT = [
     (["--shard-size", "two"], "--shard-size 'two' is not an integer"),
     (["--accum-steps", "0,2"], "--accum-steps: 0 is not allowed"),
     (["--epochs", "0"], "--epochs 0 is not allowed"),
-    (["--timeout", "0"], "--timeout 0.0 is not allowed; allowed: seconds > 0"),
+    (["--timeout", "0"], "--timeout 0 is not allowed; allowed: 0 < seconds <= 86400 (a day)"),
+    (["--timeout", "1e15"], "--timeout 1e+15 is not allowed; allowed: 0 < seconds <= 86400"),
+    (["--timeout", "inf"], "--timeout inf is not allowed"),
+    (["--timeout", "nan"], "--timeout nan is not allowed"),
     (["--timeout", "soon"], "--timeout 'soon' is not a number"),
     (["--seed", "-3"], "--seed -3 is not allowed"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -106,6 +109,20 @@ def test_out_that_is_a_file_is_refused(monkeypatch, capsys, tmp_path):
     assert main(["--out", str(target)]) == 2
     assert "is a file" in capsys.readouterr().err
     assert target.read_text() == "keep me"
+
+
+def test_out_that_cannot_be_created_is_refused_before_anything_runs(monkeypatch, capsys,
+                                                                    tmp_path):
+    inside_a_file = tmp_path / "file.txt"
+    inside_a_file.write_text("keep me")
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--out", str(inside_a_file / "results")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"study.py: error: --out '{inside_a_file / 'results'}' cannot be created or "
+                   f"written: Not a directory in '{inside_a_file}'; allowed: a folder you can "
+                   "write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"], "the probe is gone"
 
 
 def test_list_names_every_study(capsys):

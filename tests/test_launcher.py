@@ -55,6 +55,19 @@ def test_a_failed_rank_is_the_last_line_naming_rank_and_cause_without_traceback(
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
 
 
+def test_a_rank_failing_outside_any_case_still_says_why(tmp_path):
+    # The journal cannot be started: a file stands where its folder goes.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".partial").write_text("not a folder")
+    done = study("--nproc", "1", "--studies", "seed004", "--out", str(out), "--quiet",
+                 "--no-report")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("study.py: error: rank 0 failed: FileExistsError: "), last
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("nproc, message", [
     ("0", "--nproc 0 is not allowed; allowed: 1..256"),
     ("two", "--nproc 'two' is not an integer"),

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "into N x k pieces (default: refuse such a batch)")
     parser.add_argument("--timeout", default="300", metavar="SECONDS",
                         help="how long a collective may wait before the run fails instead of "
-                             "hanging (default: 300)")
+                             "hanging (at most 86400, a day; "
+                             "default: 300)")
     parser.add_argument("--quiet", action="store_true", help="no table on the console")
     return parser
 

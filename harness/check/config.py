@@ -9,7 +9,7 @@ import torch
 
 from harness.config import DTYPES
 from harness.errors import UsageError
-from harness.options import check_known, check_positive_unique
+from harness.options import check_known, check_out_folder, check_positive_unique, check_timeout
 
 #: Strategies a check runs, in the order rows appear.
 CHECK_STRATEGIES = {
@@ -55,8 +55,8 @@ class CheckConfig:
             check_positive_unique("--world-sizes", self.world_sizes)
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-        if not self.timeout > 0:
-            raise UsageError(f"--timeout {self.timeout} is not allowed; allowed: seconds > 0")
+        check_timeout(self.timeout)
+        check_out_folder(self.out)
 
     @property
     def torch_dtype(self) -> torch.dtype:
