@@ -181,6 +181,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         resume=args.resume,
         quiet=args.quiet,
         report=args.report,
+        studies_named=args.studies is not None,
     )
     return replace(config, study_options=study_options_from_args(args, config.studies))
 

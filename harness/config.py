@@ -79,6 +79,9 @@ class RunConfig:
     quiet: bool = field(default=False, metadata=NOT_RESULTS)
     #: Write REPORT.md and its plots at the end of the run.
     report: bool = field(default=True, metadata=NOT_RESULTS)
+    #: The studies were named (--studies), not the default run's: a named study without a
+    #: case is refused; a default one is left out, with a line saying so.
+    studies_named: bool = field(default=True, metadata=NOT_RESULTS)
     #: Each selected study's own settings, by study name (see harness/studies/*/study.py).
     study_options: Mapping[str, StudyOptions] = field(default_factory=dict)
 

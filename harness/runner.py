@@ -62,6 +62,22 @@ def _inject_fault(case: Case, rank: int) -> None:
     raise RuntimeError(f"fault injected by {FAULT_VARIABLE}")
 
 
+def runnable_plan(plan: list[tuple[Study, list[Case]]], config: RunConfig,
+                  world_sizes: tuple[int, ...]) -> tuple[list, list[str]]:
+    """The studies that have cases, and the names of those left out.
+
+    A study the user named (``--studies``) without a case is refused, as is a run left with
+    none; a default study without a case (e.g. hooks at world size 1) is left out.
+    """
+    empty = [study.name for study, cases in plan if not cases]
+    if empty and (config.studies_named or len(empty) == len(plan)):
+        raise UsageError(f"{', '.join(empty)}: no case for --strategies "
+                         f"{','.join(config.strategies)} at world sizes "
+                         f"{','.join(map(str, world_sizes))}; `study.py --list` and --help say "
+                         "what each study runs")
+    return [(study, cases) for study, cases in plan if cases], empty
+
+
 class Runner:
     def __init__(self, config: RunConfig, launch: Launch, placement: Placement,
                  world_sizes: tuple[int, ...], studies: list[Study]) -> None:
@@ -122,15 +138,13 @@ class Runner:
             done = self._resumed_rows(journal)
         except UsageError as error:
             return self._refuse(error)
-        plan = [(study, study.cases(ctx)) for study in self.studies]
-        if empty := [study.name for study, cases in plan if not cases]:
-            return self._refuse(UsageError(
-                f"{', '.join(empty)}: no case for --strategies "
-                f"{','.join(self.config.strategies)} at world sizes "
-                f"{','.join(map(str, self.world_sizes))}; `study.py --list` and --help say "
-                "what each study runs"))
+        try:
+            plan, left_out = runnable_plan([(study, study.cases(ctx)) for study in self.studies],
+                                           self.config, self.world_sizes)
+        except UsageError as error:
+            return self._refuse(error)
         if self.leader:
-            self._announce(ctx, plan, done)
+            self._announce(ctx, plan, done, left_out)
         journal.start(self.kept)
         study_times = self._run_plan(plan, ctx, done, journal)
         journal.finish()
@@ -220,7 +234,7 @@ class Runner:
         return rows
 
     # ---------------------------------------------------------------- output
-    def _announce(self, ctx: RunContext, plan: list, done: dict) -> None:
+    def _announce(self, ctx: RunContext, plan: list, done: dict, left_out: list[str]) -> None:
         if self.config.quiet:
             return
         sizes = ",".join(map(str, self.world_sizes))
@@ -228,7 +242,9 @@ class Runner:
         print(f"study.py: {self.launch.world_size} rank(s) on {ctx.hosts} host(s), "
               f"{self.placement.description} dtype={self.config.dtype}, world sizes {sizes}; "
               f"{total} cases in {', '.join(s.name for s, _ in plan)}"
-              + (f" ({len(done)} resumed)" if done else ""), flush=True)
+              + (f" ({len(done)} resumed)" if done else "")
+              + (f"; left out, no case at world sizes {sizes}: {', '.join(left_out)}"
+                 if left_out else ""), flush=True)
 
     def _finish(self, ctx: RunContext, plan: list, study_times: dict[str, float],
                 started: float) -> None:

@@ -121,3 +121,24 @@ def test_flags_that_select_no_case_are_refused_before_anything_is_written(tmp_pa
     assert codes == [2, 2]
     assert err.count("study.py: error: training: no case for --strategies dp-emulated") == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("named", (True, False))
+def test_a_study_without_cases_is_refused_when_named_and_left_out_by_default(named):
+    from harness.config import RunConfig
+    from harness.errors import UsageError
+    from harness.runner import runnable_plan
+    from harness.studies import STUDIES
+
+    config = RunConfig(studies=("reduction", "hooks"), known_studies=tuple(STUDIES),
+                       studies_named=named)
+    reduction, hooks = STUDIES["reduction"](), STUDIES["hooks"]()
+    plan = [(reduction, ["a case"]), (hooks, [])]
+    if named:
+        with pytest.raises(UsageError, match="^hooks: no case for --strategies .* at world "
+                                             "sizes 1;"):
+            runnable_plan(plan, config, (1,))
+    else:
+        assert runnable_plan(plan, config, (1,)) == ([(reduction, ["a case"])], ["hooks"])
+        with pytest.raises(UsageError, match="^reduction, hooks: no case"):
+            runnable_plan([(reduction, []), (hooks, [])], config, (1,))

@@ -282,3 +282,18 @@ def test_accumulation_findings_name_the_recipes_the_rows_say_are_exact(tmp_path)
     settings = answers["When does no recipe equal the big batch (textbook recipe per setting)?"]
     assert settings.answer == "norm = batchnorm" and settings.fix == "norm = none (1 setting)"
     assert (tmp_path / "figures" / "accumulation_errors.png").is_file()
+
+
+def test_a_heatmap_of_exact_zeros_still_draws(tmp_path):
+    # A run of world size 1 alone (e.g. --nproc 1) measures every error as exactly 0.
+    from harness.report.figures import FigureWriter, style
+    from harness.report.section import SectionInputs
+    from harness.studies.accumulation.report import SECTION
+
+    plain, textbook = ("none", "even", "micro-batch-mean"), ("every-step", "1/k")
+    rows = [accumulation_row(textbook, plain, k, "matches", 1.0, 0.0) for k in (1, 2)]
+    with style():
+        output = SECTION.summarize(pd.DataFrame(rows), SectionInputs(
+            "accumulation.csv", 1e-9, FigureWriter(tmp_path)))
+    assert output.findings
+    assert (tmp_path / "figures" / "accumulation_errors.png").is_file()

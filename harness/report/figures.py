@@ -257,7 +257,11 @@ class Heatmap:
 
         data = pd.concat([d for _, d in panels])
         floor = zero_floor(data[self.value].dropna(), rows.rtol)
-        scale = (math.log10(floor), max(0.0, math.ceil(math.log10(data[self.value].max()))))
+        largest = data[self.value].max()
+        # Every value exactly 0 (a run of world size 1 alone) or none measured: the scale
+        # still spans the floor to 1.
+        top = math.ceil(math.log10(largest)) if largest > 0 else 0
+        scale = (math.log10(floor), max(0.0, top))
         heights = [data_["_line"].nunique() for _, data_ in panels]
         title = self.title(data, rows.rtol)
         figure, axes = new_figure(1.3 + 0.3 * sum(heights) + 0.45 * len(panels), title,
