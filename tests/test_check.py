@@ -183,6 +183,15 @@ def test_unused_branch_breaks_ddp_only(rows):
     assert set(ddp.verdict) == {"differs"}
     assert all("find_unused_parameters=True" in fix for fix in ddp.fix)
     assert set(frame.drop(ddp.index).verdict) == {"matches"}
+    # The unreduced bucket leaves each rank its own gradient: DDP's promise broken.
+    assert set(ddp.ranks_agree) == {"False"}
+
+
+def test_ranks_agree_is_said_for_ddp_only(rows):
+    ddp = rows[(rows.strategy == "ddp") & (rows.status == "ok")]
+    agreeing = ddp[ddp.setup != "unused-branch"]
+    assert len(agreeing) > 0 and set(agreeing.ranks_agree) == {"True"}
+    assert set(rows[rows.strategy != "ddp"].ranks_agree) == {""}
 
 
 def test_console_table_has_every_setup(launched):

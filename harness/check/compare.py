@@ -16,7 +16,7 @@ second pass over the tensors computes ``m - s r`` itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,10 @@ from harness.verdicts import Equivalence
 CHUNK = 1 << 16
 #: Tensors named in a row's ``worst_tensors``.
 WORST = 3
+#: Elements per tensor in a fingerprint: tensors that differ between ranks (an unseeded
+#: make_model, a bucket DDP did not all-reduce) differ almost everywhere, so a strided
+#: sample finds them without a float64 pass over a large model.
+FINGERPRINT_SAMPLES = 1 << 16
 #: A tensor's residual from the first pass's sums stands when its terms for a scale other
 #: than 1 are at most this many times the residual itself: it then carries about this
 #: many roundings of the residual (1e3 x 1e-16 in float64, far below any tolerance), not
@@ -75,6 +79,28 @@ class Comparison:
     @property
     def residual(self) -> float:
         return self.fit.residual
+
+
+def sampled_fingerprint(tensors: Iterable[torch.Tensor | None]) -> float:
+    """Sum of squares of a strided sample of every tensor (None counts as nothing), in
+    float64: ranks holding the same tensors get the same number."""
+    total = 0.0
+    for tensor in tensors:
+        if tensor is not None and tensor.is_floating_point():
+            flat = tensor.detach().reshape(-1)
+            sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)]
+            total += float(torch.linalg.vector_norm(sample, dtype=torch.float64)) ** 2
+    return total
+
+
+def same_on_every_rank(values: Sequence[float], group: dist.ProcessGroup | None,
+                       device: torch.device) -> bool:
+    """Whether every rank of ``group`` (a collective) handed in the same values."""
+    high = torch.tensor(list(values), dtype=torch.float64, device=device)
+    low = -high.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+    return torch.equal(high, -low)
 
 
 def _chunks(pair: Pair) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

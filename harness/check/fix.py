@@ -46,6 +46,8 @@ class Facts:
     unused: tuple[str, ...] = ()
     #: DDP was told to look for unused parameters.
     finds_unused: bool = False
+    #: Whether the ranks hold the same tensors at the point compared (None: not meant to).
+    ranks_agree: bool | None = None
     #: Asked only when needed: it costs a forward of every piece.
     loss_combination: Callable[[], LossCombination] | None = None
     rtol: float = 1e-9
@@ -104,6 +106,10 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
         return (f"the unused parameters ({shown}) get no gradient, so DDP never all-reduces "
                 "the bucket that holds them: pass find_unused_parameters=True to DDP "
                 "(Setup.ddp_options)")
+    if facts.ranks_agree is False:
+        return ("the ranks hold different values after DDP's all-reduce: something skips or "
+                "changes the reduction on some ranks (a comm hook, a parameter only some ranks "
+                "use, a gradient edited after backward); compare the ranks' gradients")
     if facts.loss_combination is not None:
         combination = facts.loss_combination()
         if combination is LossCombination.NEITHER:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check import batches
-from harness.check.compare import Comparison, compare
+from harness.check.compare import Comparison, compare, same_on_every_rank, sampled_fingerprint
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import copy_of, prepared_model
@@ -33,10 +33,6 @@ from harness.results import write_csv_atomic
 from harness.tolerances import check_tolerance
 
 POINTS = ("grad", "params")
-#: Elements per tensor in the fingerprint of the initial weights: weights that differ
-#: between ranks (an unseeded make_model) differ almost everywhere, so a strided sample
-#: finds them without a float64 pass over a large model.
-FINGERPRINT_SAMPLES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -111,14 +107,10 @@ class SetupCheck:
         """make_model() and batch(i) must give every rank the same numbers: compared as
         scalars (max and min over the ranks of a fingerprint of the initial weights, of
         each step's loss and of each batch)."""
-        values = [weights_fingerprint(self.initial)]
+        values = [sampled_fingerprint(self.initial.state_dict().values())]
         values += [step.loss for step in reference]
         values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
-        high = torch.tensor(values, dtype=torch.float64, device=self.device)
-        low = -high.clone()
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX)
-        if not torch.equal(high, -low):
+        if not same_on_every_rank(values, None, self.device):
             raise UsageError(f"{self.target}: make_model() or batch(i) gave the ranks "
                              "different numbers; allowed: deterministic functions (seed inside "
                              "them, e.g. torch.manual_seed(0) in make_model)")
@@ -158,14 +150,14 @@ class SetupCheck:
         """The case's rows on rank 0 (one per step and point); [] on the other ranks."""
         reason = self._unavailable(case)
         if reason is not None:
-            return self._rows(case, [(step, point, None, "", f"skipped: {reason}", "")
+            return self._rows(case, [(step, point, None, None, "", f"skipped: {reason}", "")
                                      for step in range(self.setup.steps) for point in POINTS])
         try:
             measured = self._measure(case)
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
-            return self._rows(case, [(0, point, None, "", "error", first_sentence(error))
+            return self._rows(case, [(0, point, None, None, "", "error", first_sentence(error))
                                      for point in POINTS])
         return self._rows(case, measured)
 
@@ -180,7 +172,8 @@ class SetupCheck:
         return None if case.strategy == "local" else self.groups[case.world_size]
 
     def _measure(self, case: Case) -> list[tuple]:
-        """Train the case's steps; (step, point, comparison, fix, status, error) each."""
+        """Train the case's steps; (step, point, comparison, ranks agree, fix, status, error)
+        each."""
         used = self.used_samples(case)
         reference = self.reference(used)
         group = self._group(case)
@@ -194,11 +187,15 @@ class SetupCheck:
             model.backward_window(window, samples, case.accum_steps)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
                             self.rtol)
+            grads_agree = model.ranks_agree("grad")
             model.step()
             update = compare(model.update_pairs(ref), model.state_names, group, self.device,
                              self.rtol)
-            for point, comparison in zip(POINTS, (grads, update), strict=True):
-                results.append((step, point, comparison,
+            measured = zip(POINTS, (grads, update), (grads_agree, model.ranks_agree("params")),
+                           strict=True)
+            for point, comparison, agree in measured:
+                facts.ranks_agree = agree
+                results.append((step, point, comparison, agree,
                                 self._fix(point, comparison, facts, window, samples, case),
                                 "ok", ""))
         return results
@@ -242,7 +239,7 @@ class SetupCheck:
         if not self.launch.is_leader:
             return []
         rows = []
-        for step, point, comparison, fix, status, error in results:
+        for step, point, comparison, agree, fix, status, error in results:
             rows.append({
                 "setup": self.setup.name, "strategy": case.strategy,
                 "world_size": case.world_size, "accum_steps": case.accum_steps,
@@ -251,20 +248,10 @@ class SetupCheck:
                 "scale": comparison.scale if comparison else float("nan"),
                 "residual": comparison.residual if comparison else float("nan"),
                 "worst_tensors": format_worst(comparison) if comparison else "",
+                "ranks_agree": "" if agree is None else agree,
                 "fix": fix, "dtype": self.config.dtype, "status": status, "error": error,
             })
         return rows
-
-
-def weights_fingerprint(model: nn.Module) -> float:
-    """Sum of squares of a strided sample of every floating tensor, in float64."""
-    total = 0.0
-    for tensor in model.state_dict().values():
-        if tensor.is_floating_point():
-            flat = tensor.detach().reshape(-1)
-            sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)]
-            total += float(torch.linalg.vector_norm(sample, dtype=torch.float64)) ** 2
-    return total
 
 
 def format_worst(comparison: Comparison) -> str:

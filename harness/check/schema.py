@@ -25,6 +25,10 @@ COLUMNS: tuple[Column, ...] = (
            "scale explains it"),
     Column("worst_tensors", "`name=error;...`",
            "the three tensors with the largest `||m - s*r|| / ||s*r||`, worst first"),
+    Column("ranks_agree", "`True`, `False`, empty",
+           "DDP: whether every rank held the same gradients (`grad`) or parameters "
+           "(`params`), as DDP promises; where they differ, each rank's own tensors were "
+           "compared. Empty for `local` and `fsdp`, whose ranks are not meant to"),
     Column("fix", "text", "what to change, read from the measurement; empty when it matches"),
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),

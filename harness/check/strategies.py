@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check import batches
-from harness.check.compare import Pair
+from harness.check.compare import Pair, same_on_every_rank, sampled_fingerprint
 from harness.check.reference import ReferenceStep, make_optimizer, state_names
 from harness.check.setup import MicroStep, Setup
 
@@ -91,6 +91,11 @@ class CaseModel(ABC):
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------- comparing
+    def ranks_agree(self, point: str) -> bool | None:
+        """Whether every rank holds the same gradients (``grad``) or parameters
+        (``params``); None where ranks are not meant to (one process, or shards)."""
+        return None
+
     @classmethod
     def compared_names(cls, model: nn.Module, world_size: int, rank: int) -> set[str]:
         """The tensors (parameters and floating buffers) rank ``rank`` compares: whole
@@ -164,6 +169,13 @@ class DDPCase(CaseModel):
 
     def sync(self, micro: int, accum_steps: int) -> contextlib.AbstractContextManager:
         return self.module.no_sync() if micro < accum_steps - 1 else contextlib.nullcontext()
+
+    def ranks_agree(self, point: str) -> bool | None:
+        """DDP's promise: after the reduction every replica holds the same gradient. Where
+        a rank compares tensors the others hold differently, its own values are compared."""
+        params = [param for _, param in self.inner.named_parameters()]
+        tensors = [param.grad for param in params] if point == "grad" else params
+        return same_on_every_rank([sampled_fingerprint(tensors)], self.group, self.device)
 
 
 class FSDPCase(CaseModel):
