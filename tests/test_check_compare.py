@@ -193,3 +193,28 @@ def test_ranks_that_disagree_without_a_known_cause_are_the_fix():
     assert "the ranks hold different values after DDP's all-reduce" in differs_fix(result, facts)
     facts.ranks_agree = True
     assert "ranks hold" not in differs_fix(result, facts)
+
+
+def _check_cli(rank: int, world_size: int, argv: list[str]) -> int:
+    from harness.check.cli import main
+
+    return main(argv)
+
+
+@pytest.mark.launches(seconds=3)
+@pytest.mark.parametrize("strategy", ("ddp", "local"))
+def test_the_case_that_trains_the_initial_model_measures_its_update_from_the_initial_state(
+        strategy, tmp_path):
+    # With one strategy, the rank's last case trains the initial model itself: the
+    # references' step-0 state must have been copied before that case's first step.
+    import pandas as pd
+
+    from tests.distributed import run_ranks
+
+    out = tmp_path / "out"
+    argv = ["examples.mlp:make_setup", "examples.mlp:make_adam_setup", "--strategies", strategy,
+            "--world-sizes", "2", "--accum-steps", "2", "--out", str(out), "--quiet"]
+    assert run_ranks(2, _check_cli, argv, store_dir=tmp_path) == [0, 0]
+    rows = pd.read_csv(out / "check.csv")
+    assert set(rows.point) == {"grad", "params"} and set(rows.step) == {0, 1}
+    assert set(rows.verdict) == {"matches"}, rows[["setup", "step", "point", "verdict"]]

@@ -100,6 +100,8 @@ class SetupCheck:
         self.initial: nn.Module | None = prepared_model(setup, self.dtype, self.device, target)
         #: Cases this rank still has to measure.
         self.cases_left = 0
+        #: Parameters the references share with the model of the last case, until its step.
+        self.parameters_to_keep: set[str] = set()
         #: The tensors this rank compares in some case: all the reference needs to keep.
         self.kept: set[str] = set()
 
@@ -188,6 +190,7 @@ class SetupCheck:
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
                             self.rtol)
             grads_agree = model.ranks_agree("grad")
+            self._keep_initial_parameters()
             model.step()
             update = compare(model.update_pairs(ref), model.state_names, group, self.device,
                              self.rtol)
@@ -202,15 +205,34 @@ class SetupCheck:
 
     def _initial_model(self) -> nn.Module:
         """A model at the initial state: a copy, except for this rank's last case, which
-        takes the initial model itself (one model's memory less while it trains) once the
-        references' step-0 tensors, which are the initial model's own, are cloned."""
+        takes the initial model itself (one model's memory less while it trains).
+
+        The references' step-0 state is that model's own tensors, so it must be copied
+        before the case changes them: the floating buffers now (a training-mode forward
+        updates them), the parameters only right before the optimizer step
+        (:meth:`_keep_initial_parameters`), so that the copy is not held while the case
+        builds its wrapper and runs its backward passes.
+        """
         self.cases_left -= 1
         if self.cases_left > 0:
             return copy_of(self.initial, self.setup, self.dtype, self.device)
-        for reference in self.references.values():
-            reference[0].before = {name: t.clone() for name, t in reference[0].before.items()}
+        self.parameters_to_keep = {name for name, _ in self.initial.named_parameters()}
+        self._copy_initial_state(lambda name: name not in self.parameters_to_keep)
         model, self.initial = self.initial, None
         return model
+
+    def _keep_initial_parameters(self) -> None:
+        """Before the last case's first optimizer step: copy the parameters the references
+        still share with the model."""
+        if self.parameters_to_keep:
+            self._copy_initial_state(self.parameters_to_keep.__contains__)
+            self.parameters_to_keep = set()
+
+    def _copy_initial_state(self, which) -> None:
+        for reference in self.references.values():
+            first = reference[0]
+            first.before = {name: tensor.clone() if which(name) else tensor
+                            for name, tensor in first.before.items()}
 
     def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
         return Facts(strategy=case.strategy, world_size=case.world_size,
