@@ -14,7 +14,7 @@ from harness.check import Setup
 from harness.check.compare import Pair, compare
 from harness.check.load import copy_of
 from harness.check.reference import compute_reference
-from harness.check.strategies import DDPCase, FSDPCase, LocalCase, deal
+from harness.check.strategies import DDPCase, FSDPCase, LocalCase, deal, merged, shard_rows
 from harness.verdicts import Equivalence
 
 RTOL = 1e-9
@@ -132,11 +132,29 @@ def test_the_rank_compares_the_tensors_its_strategy_gives_it():
     model = make_model().double()
     everything = {name for name, _ in model.named_parameters()} | {
         name for name, b in model.named_buffers() if b.is_floating_point()}
-    halves = [DDPCase.compared_names(model, 2, rank) for rank in (0, 1)]
-    assert halves[0] | halves[1] == everything and not halves[0] & halves[1]
-    assert LocalCase.compared_names(model, 2, 1) == everything
-    params = {name for name, _ in model.named_parameters()}
-    assert params <= FSDPCase.compared_names(model, 2, 1)
+    halves = [DDPCase.compared_parts(model, 2, rank) for rank in (0, 1)]
+    assert set(halves[0]) | set(halves[1]) == everything and not set(halves[0]) & set(halves[1])
+    assert set(halves[0].values()) == {None}, "DDP compares whole tensors"
+    assert LocalCase.compared_parts(model, 2, 1) == dict.fromkeys(everything)
+    shards = FSDPCase.compared_parts(model, 2, 1)
+    assert shards["0.weight"] == (3, 5) and shards["0.bias"] == (3, 5)   # 5 rows: 3 + 2
+    assert shards["3.weight"] == (1, 2)
+
+
+@pytest.mark.parametrize("rows", (0, 1, 5, 7, 8))
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+def test_shard_rows_are_the_rows_torch_chunk_gives_each_rank(rows, world_size):
+    tensor = torch.arange(rows)
+    chunks = torch.chunk(tensor, world_size) if rows else ()
+    for rank in range(world_size):
+        first, stop = shard_rows(rows, world_size, rank)
+        expected = chunks[rank].tolist() if rank < len(chunks) else []
+        assert tensor[first:stop].tolist() == expected
+
+
+def test_kept_rows_cover_every_case_and_a_whole_tensor_wins():
+    assert merged((3, 5), (0, 2)) == (0, 5)
+    assert merged((3, 5), None) is None and merged(None, (0, 2)) is None
 
 
 def test_the_reference_keeps_only_what_it_is_told_and_leaves_the_initial_model_untouched():
@@ -145,7 +163,7 @@ def test_the_reference_keeps_only_what_it_is_told_and_leaves_the_initial_model_u
     pristine = {k: v.clone() for k, v in initial.state_dict().items()}
     kept = {"0.weight", "1.running_mean", "3.weight"}
     steps = compute_reference(setup, torch.float64, CPU, None, RTOL, "test",
-                              initial=initial, keeps=kept.__contains__)
+                              initial=initial, keeps=dict.fromkeys(kept))
     full = compute_reference(setup, torch.float64, CPU, None, RTOL, "test")
     for name, tensor in initial.state_dict().items():
         assert torch.equal(tensor, pristine[name]), name
@@ -159,6 +177,23 @@ def test_the_reference_keeps_only_what_it_is_told_and_leaves_the_initial_model_u
         assert step.loss == whole.loss
         for name in kept:
             assert torch.equal(step.after[name], whole.after[name]), name
+
+
+def test_the_reference_keeps_only_the_rows_it_is_told_and_says_where_they_start():
+    setup = linear_setup()
+    initial = make_model().double()
+    steps = compute_reference(setup, torch.float64, CPU, None, RTOL, "test", initial=initial,
+                              keeps={"0.weight": (3, 5), "0.bias": (1, 3), "1.weight": None})
+    full = compute_reference(setup, torch.float64, CPU, None, RTOL, "test")
+    for step, whole in zip(steps, full, strict=True):
+        assert step.first_rows == {"0.weight": 3, "0.bias": 1}
+        for state in ("before", "grads", "after"):
+            kept, every = getattr(step, state), getattr(whole, state)
+            assert torch.equal(kept["0.weight"], every["0.weight"][3:5]), state
+            assert torch.equal(kept["0.bias"], every["0.bias"][1:3]), state
+            assert torch.equal(kept["1.weight"], every["1.weight"]), state
+    assert steps[0].before["0.weight"].data_ptr() != initial[0].weight.data_ptr(), \
+        "rows are copied, so that the whole tensor can be freed"
 
 
 class Locked(nn.Module):

@@ -9,8 +9,8 @@ only the tensors its cases compare: at N = 2 half of the model, not all of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -40,10 +40,24 @@ class ReferenceStep:
     loss: float
     #: Parameters the loss does not reach (no gradient in the reference), kept or not.
     unused: tuple[str, ...] = ()
+    #: The first row (along dim 0) of each tensor kept in part; 0 for the others.
+    first_rows: dict[str, int] = field(default_factory=dict)
 
 
-def keep_all(name: str) -> bool:
-    return True
+#: The part of a tensor a rank keeps of the reference: rows [first, stop) along dim 0
+#: (its FSDP shards), or None for the whole tensor.
+Rows = tuple[int, int] | None
+
+
+def _part(tensor: torch.Tensor | None, rows: Rows, copy: bool) -> torch.Tensor | None:
+    """The kept part of ``tensor``: the tensor itself (a copy if ``copy``), or a copy of
+    its rows, so that the rest of it can be freed."""
+    if tensor is None:
+        return None
+    tensor = tensor.detach()
+    if rows is None:
+        return tensor.clone() if copy else tensor
+    return tensor[rows[0]:rows[1]].clone()
 
 
 def state_names(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -78,22 +92,27 @@ def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol:
 def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
                       used_samples: int | None, rtol: float, target: str, *,
                       initial: nn.Module | None = None,
-                      keeps: Callable[[str], bool] = keep_all) -> list[ReferenceStep]:
+                      keeps: Mapping[str, Rows] | None = None) -> list[ReferenceStep]:
     """Every step of the reference on the first ``used_samples`` of each global batch
     (all of them when None), from a copy of ``initial`` (left untouched: step 0's
-    ``before`` is its tensors) or else from a model of its own; only the tensors
-    ``keeps`` names are kept."""
+    ``before`` is its tensors) or else from a model of its own; only the tensors (and
+    rows) ``keeps`` names are kept, every tensor whole without it."""
     model = (copy_of(initial, setup, dtype, device) if initial is not None
              else prepared_model(setup, dtype, device, target))
     optimizer = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
     param_names, buffer_names = state_names(model)
-    kept_params = [name for name in param_names if keeps(name)]
-    kept_state = [*kept_params, *(name for name in buffer_names if keeps(name))]
+    if keeps is None:
+        keeps = dict.fromkeys([*model.state_dict()])
+    kept_params = [name for name in param_names if name in keeps]
+    kept_state = [*kept_params, *(name for name in buffer_names if name in keeps)]
+    first_rows = {name: rows[0] for name, rows in keeps.items() if rows is not None}
     params = dict(model.named_parameters())
     steps = []
     for step in range(setup.steps):
         window = window_of(setup, step, used_samples, dtype, device)
-        before = _before(model, initial if step == 0 else None, keeps)
+        source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
+        state = source.state_dict(keep_vars=True)
+        before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(FORWARD_SEED)
             loss = setup.loss(model, window)
@@ -101,28 +120,17 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         if step == 0:
             _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
-        # The reference keeps the gradient tensors themselves: optimizer.step() reads them,
-        # and zero_grad(set_to_none) below hands the model new ones.
-        grads = {name: params[name].grad for name in kept_params}
+        # The reference keeps the gradient tensors themselves (or copies of their rows):
+        # optimizer.step() reads them, and zero_grad(set_to_none) hands the model new ones.
+        grads = {name: _part(params[name].grad, keeps[name], copy=False) for name in kept_params}
         optimizer.step()
         last = step == setup.steps - 1
         state = model.state_dict(keep_vars=True)
-        after = {name: (state[name].detach() if last else state[name].detach().clone())
-                 for name in kept_state}
+        after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
-        steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused))
+        steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
+                                   first_rows))
     return steps
-
-
-def _before(model: nn.Module, initial: nn.Module | None,
-            keeps: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    """The kept state before a step: ``initial``'s own tensors where it is given (the
-    model starts as its copy, and nobody trains it), else clones of the model's."""
-    if initial is not None:
-        return {name: t.detach() for name, t in initial.state_dict(keep_vars=True).items()
-                if keeps(name)}
-    return {name: t.detach().clone() for name, t in model.state_dict().items()
-            if keeps(name)}
 
 
 def window_of(setup: Setup, step: int, used_samples: int | None, dtype: torch.dtype,

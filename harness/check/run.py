@@ -23,10 +23,10 @@ from harness.check.compare import Comparison, compare, same_on_every_rank, sampl
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import copy_of, prepared_model
-from harness.check.reference import ReferenceStep, compute_reference, window_of
+from harness.check.reference import ReferenceStep, Rows, compute_reference, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
-from harness.check.strategies import CASE_MODELS, CaseModel
+from harness.check.strategies import CASE_MODELS, CaseModel, merged
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
@@ -102,8 +102,8 @@ class SetupCheck:
         self.cases_left = 0
         #: Parameters the references share with the model of the last case, until its step.
         self.parameters_to_keep: set[str] = set()
-        #: The tensors this rank compares in some case: all the reference needs to keep.
-        self.kept: set[str] = set()
+        #: The tensors (and rows) this rank compares in some case: all the reference keeps.
+        self.kept: dict[str, Rows] = {}
 
     def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
         """make_model() and batch(i) must give every rank the same numbers: compared as
@@ -129,7 +129,7 @@ class SetupCheck:
         if used not in self.references:
             self.references[used] = compute_reference(
                 self.setup, self.dtype, self.device, used, self.rtol, self.target,
-                initial=self.initial, keeps=self.kept.__contains__)
+                initial=self.initial, keeps=self.kept)
         return self.references[used]
 
     # ------------------------------------------------------------------- run
@@ -138,8 +138,10 @@ class SetupCheck:
         cases = matrix(self.config, self.world_sizes)
         for case in cases:
             if self.launch.rank < case.participants:
-                self.kept |= CASE_MODELS[case.strategy].compared_names(
-                    self.initial, case.world_size, self.launch.rank)
+                parts = CASE_MODELS[case.strategy].compared_parts(self.initial, case.world_size,
+                                                                  self.launch.rank)
+                for name, rows in parts.items():
+                    self.kept[name] = merged(self.kept[name], rows) if name in self.kept else rows
                 self.cases_left += self._unavailable(case) is None
         self._same_on_every_rank(self.reference(self.used_samples(cases[0])))
         rows: list[dict[str, Any]] = []

@@ -18,7 +18,7 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.compare import Pair, same_on_every_rank, sampled_fingerprint
-from harness.check.reference import ReferenceStep, make_optimizer, state_names
+from harness.check.reference import ReferenceStep, Rows, make_optimizer, state_names
 from harness.check.setup import MicroStep, Setup
 
 
@@ -41,6 +41,21 @@ def deal(sizes: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows of ``rank``'s shard of a tensor with ``rows`` rows, as ``torch.chunk`` cuts
+    dim 0 (FSDP2's sharding): empty for the ranks past the last chunk."""
+    size = -(-rows // world_size)
+    first = min(rows, rank * size)
+    return first, min(rows, first + size)
+
+
+def merged(kept: Rows, more: Rows) -> Rows:
+    """Rows that cover both (the whole tensor if either is)."""
+    if kept is None or more is None:
+        return None
+    return min(kept[0], more[0]), max(kept[1], more[1])
+
+
 class CaseModel(ABC):
     """A model under one strategy at world size ``world_size``, from the initial state."""
 
@@ -55,7 +70,9 @@ class CaseModel(ABC):
         self.rank = dist.get_rank(group) if group is not None else 0
         self.inner = model
         self.param_names, self.buffer_names = state_names(self.inner)
-        self.compared = self.compared_names(model, world_size, self.rank)
+        self.compared = self.compared_parts(model, world_size, self.rank)
+        #: Each parameter's rows (dim 0) before any wrapper shards it.
+        self.rows = {name: p.shape[0] for name, p in model.named_parameters() if p.dim() > 0}
         self.module = self.wrap(self.inner)
         self.optimizer = make_optimizer(
             setup, [p for p in self.module.parameters() if p.requires_grad])
@@ -97,25 +114,32 @@ class CaseModel(ABC):
         return None
 
     @classmethod
-    def compared_names(cls, model: nn.Module, world_size: int, rank: int) -> set[str]:
-        """The tensors (parameters and floating buffers) rank ``rank`` compares: whole
-        tensors are dealt out to the ranks by size (:func:`deal`)."""
+    def compared_parts(cls, model: nn.Module, world_size: int, rank: int) -> dict[str, Rows]:
+        """The tensors (parameters and floating buffers) rank ``rank`` compares, with the
+        rows it compares of each (None: all). Whole tensors are dealt out to the ranks by
+        size (:func:`deal`); a sharding strategy compares its shard of every parameter."""
         params, buffers = state_names(model)
         names = [*params, *buffers]
         if cls.plays_every_rank:
-            return set(names)
+            return dict.fromkeys(names)
         state = model.state_dict(keep_vars=True)
         owners = deal([state[name].numel() for name in names], world_size)
-        return {name for name, owner in zip(names, owners, strict=True)
-                if owner == rank or (cls.shards_parameters and name in params)}
+        parts: dict[str, Rows] = {name: None for name, owner in zip(names, owners, strict=True)
+                                  if owner == rank}
+        if cls.shards_parameters:
+            for name in params:
+                shape = state[name].shape
+                parts[name] = shard_rows(shape[0], world_size, rank) if shape else None
+        return parts
 
     def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's part of a (possibly sharded) tensor."""
         return tensor
 
-    def reference_part(self, reference: torch.Tensor | None, name: str
+    def reference_part(self, reference: torch.Tensor | None, name: str, first_row: int = 0
                        ) -> torch.Tensor | None:
-        """The part of a reference tensor that matches :meth:`local`."""
+        """The part of a reference tensor (kept from row ``first_row`` on) that matches
+        :meth:`local`."""
         return reference
 
     def sharded(self, name: str) -> bool:
@@ -124,7 +148,7 @@ class CaseModel(ABC):
     def grad_pairs(self, ref: ReferenceStep) -> list[Pair]:
         params = dict(self.inner.named_parameters())
         return [Pair(name, self.local(params[name].grad),
-                     self.reference_part(ref.grads[name], name))
+                     self.reference_part(ref.grads[name], name, ref.first_rows.get(name, 0)))
                 for name in self.param_names if name in self.compared]
 
     def update_pairs(self, ref: ReferenceStep) -> list[Pair]:
@@ -135,9 +159,10 @@ class CaseModel(ABC):
         for name in self.state_names:
             if name not in self.compared:
                 continue
+            first_row = ref.first_rows.get(name, 0)
             pairs.append(Pair(name, self.local(state[name].detach()),
-                              self.reference_part(ref.after[name], name),
-                              origin=self.reference_part(ref.before[name], name)))
+                              self.reference_part(ref.after[name], name, first_row),
+                              origin=self.reference_part(ref.before[name], name, first_row)))
         return pairs
 
     @property
@@ -201,14 +226,12 @@ class FSDPCase(CaseModel):
             return tensor
         return tensor.to_local()
 
-    def reference_part(self, reference: torch.Tensor | None, name: str
+    def reference_part(self, reference: torch.Tensor | None, name: str, first_row: int = 0
                        ) -> torch.Tensor | None:
         if reference is None or not self.sharded(name) or reference.dim() == 0:
             return reference
-        chunks = torch.chunk(reference, self.world_size, dim=0)
-        if self.rank < len(chunks):
-            return chunks[self.rank]
-        return reference.new_empty((0, *reference.shape[1:]))
+        first, stop = shard_rows(self.rows[name], self.world_size, self.rank)
+        return reference[first - first_row:stop - first_row]
 
 
 CASE_MODELS: dict[str, type[CaseModel]] = {"local": LocalCase, "ddp": DDPCase,
