@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag
+from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag, add_timeout_flag
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.launch import (
     BACKENDS,
@@ -95,10 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matrix", default="default", metavar="|".join(MATRICES),
                         help="size of every study's matrix: default = the committed run's; "
                              "full = every combination (default: default)")
-    parser.add_argument("--timeout", default="300", metavar="SECONDS",
-                        help="how long a collective inside a case may wait before the run "
-                             "fails instead of hanging (at most 86400, a day; "
-                             "default: 300)")
+    add_timeout_flag(parser, "a collective inside a case")
     parser.add_argument("--resume", action="store_true",
                         help="finish an interrupted run in --out, reusing its finished cases")
     parser.add_argument("--quiet", action="store_true",

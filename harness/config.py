@@ -18,6 +18,7 @@ import torch
 from harness.errors import UsageError
 from harness.launch import BACKENDS, DEVICES, Launch
 from harness.options import (
+    MAX_TIMEOUT_S,
     StudyOptions,
     check_known,
     check_out_folder,
@@ -34,6 +35,13 @@ def add_dtype_flag(parser, what: str) -> None:
     parser.add_argument("--dtype", default="float64", metavar="|".join(DTYPES),
                         help=f"{what}; float64 makes verdicts exact to ~1e-12 "
                              "(default: float64)")
+
+
+def add_timeout_flag(parser, what: str) -> None:
+    """``--timeout``, as every entry point spells it: ``what`` is what may wait."""
+    parser.add_argument("--timeout", default="300", metavar="SECONDS",
+                        help=f"how long {what} may wait before the run fails instead of "
+                             f"hanging (at most {MAX_TIMEOUT_S:g}, a day; default: 300)")
 
 
 #: Strategies the harness can run (harness/strategies), each with its one-line description.

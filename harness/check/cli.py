@@ -17,7 +17,7 @@ from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.check.load import check_model, validated_setup
 from harness.check.setup import Setup
 from harness.cli import _launch_size, _Parser
-from harness.config import add_dtype_flag
+from harness.config import add_dtype_flag, add_timeout_flag
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.launch import (
     Launch,
@@ -70,10 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-last", action="store_true",
                         help="drop the samples of a global batch that do not split evenly "
                              "into N x k pieces (default: refuse such a batch)")
-    parser.add_argument("--timeout", default="300", metavar="SECONDS",
-                        help="how long a collective may wait before the run fails instead of "
-                             "hanging (at most 86400, a day; "
-                             "default: 300)")
+    add_timeout_flag(parser, "a collective")
     parser.add_argument("--quiet", action="store_true", help="no table on the console")
     return parser
 
