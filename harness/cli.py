@@ -25,7 +25,14 @@ from harness.launch import (
     under_torchrun,
 )
 from harness.launcher import launch_ranks
-from harness.options import StudyOptions, parse_float, parse_int, parse_int_list, parse_name_list
+from harness.options import (
+    StudyOptions,
+    check_out_folder,
+    parse_float,
+    parse_int,
+    parse_int_list,
+    parse_name_list,
+)
 
 PROG = "study.py"
 
@@ -180,6 +187,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         report=args.report,
         studies_named=args.studies is not None,
     )
+    check_out_folder(config.out)
     return replace(config, study_options=study_options_from_args(args, config.studies))
 
 

@@ -21,7 +21,6 @@ from harness.options import (
     MAX_TIMEOUT_S,
     StudyOptions,
     check_known,
-    check_out_folder,
     check_positive_unique,
     check_timeout,
 )
@@ -111,7 +110,6 @@ class RunConfig:
         check_timeout(self.timeout)
         if self.seed < 0:
             raise UsageError(f"--seed {self.seed} is not allowed; allowed: integers >= 0")
-        check_out_folder(self.out)
 
     def options_of(self, study: str) -> StudyOptions | None:
         return self.study_options.get(study)

@@ -26,7 +26,7 @@ from harness.launch import (
     leader_from_environment,
     under_torchrun,
 )
-from harness.options import parse_float, parse_int_list, parse_name_list
+from harness.options import check_out_folder, parse_float, parse_int_list, parse_name_list
 
 PROG = "check.py"
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> CheckConfig:
-    return CheckConfig(
+    config = CheckConfig(
         targets=tuple(args.targets),
         accum_steps=parse_int_list(args.accum_steps, "--accum-steps"),
         strategies=parse_name_list(args.strategies, "--strategies"),
@@ -88,6 +88,8 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         quiet=args.quiet,
         timeout=parse_float(args.timeout, "--timeout"),
     )
+    check_out_folder(config.out)
+    return config
 
 
 def _splits(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[int, int]]:

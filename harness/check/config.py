@@ -9,7 +9,7 @@ import torch
 
 from harness.config import DTYPES
 from harness.errors import UsageError
-from harness.options import check_known, check_out_folder, check_positive_unique, check_timeout
+from harness.options import check_known, check_positive_unique, check_timeout
 
 #: Strategies a check runs, in the order rows appear.
 CHECK_STRATEGIES = {
@@ -56,7 +56,6 @@ class CheckConfig:
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         check_timeout(self.timeout)
-        check_out_folder(self.out)
 
     @property
     def torch_dtype(self) -> torch.dtype:
