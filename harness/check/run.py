@@ -231,9 +231,12 @@ class SetupCheck:
             self.parameters_to_keep = set()
 
     def _copy_initial_state(self, which) -> None:
+        """Copy the step-0 tensors ``which`` names that are still the initial model's own
+        (kept rows were copied when they were cut)."""
         for reference in self.references.values():
             first = reference[0]
-            first.before = {name: tensor.clone() if which(name) else tensor
+            first.before = {name: tensor.clone()
+                            if which(name) and name not in first.first_rows else tensor
                             for name, tensor in first.before.items()}
 
     def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
