@@ -241,15 +241,23 @@ def _check_cli(rank: int, world_size: int, argv: list[str]) -> int:
 def test_the_case_that_trains_the_initial_model_measures_its_update_from_the_initial_state(
         strategy, tmp_path):
     # With one strategy, the rank's last case trains the initial model itself: the
-    # references' step-0 state must have been copied before that case's first step.
+    # references' step-0 state must have been copied before that case's first step (into
+    # step 0's compared gradients). A wrong origin for the updates shows in a scaled case:
+    # both updates measured from it would look alike, and the fitted scale would be ~1.
     import pandas as pd
 
     from tests.distributed import run_ranks
 
     out = tmp_path / "out"
-    argv = ["examples.mlp:make_setup", "examples.mlp:make_adam_setup", "--strategies", strategy,
-            "--world-sizes", "2", "--accum-steps", "2", "--out", str(out), "--quiet"]
+    argv = ["examples.mlp:make_setup", "examples.mlp:make_adam_setup",
+            "examples.mlp:make_sum_setup", "--strategies", strategy, "--world-sizes", "2",
+            "--accum-steps", "2", "--out", str(out), "--quiet"]
     assert run_ranks(2, _check_cli, argv, store_dir=tmp_path) == [0, 0]
     rows = pd.read_csv(out / "check.csv")
+    summed, rows = rows[rows.setup == "mlp-sum"], rows[rows.setup != "mlp-sum"]
     assert set(rows.point) == {"grad", "params"} and set(rows.step) == {0, 1}
     assert set(rows.verdict) == {"matches"}, rows[["setup", "step", "point", "verdict"]]
+    # A summed loss: sum / k on each rank, averaged over N = 2 ranks, k = 2: 1/4 of the
+    # big batch's gradient, and so (plain SGD) of its update.
+    assert set(summed.verdict) == {"scaled"}, summed[["point", "verdict", "scale"]]
+    assert summed.scale.tolist() == pytest.approx([0.25, 0.25], rel=1e-9)
