@@ -20,9 +20,13 @@
 5. check: ``check.py`` on a model of 100M+ parameters (float32, N = 2 ranks, k = 2,
    one step, DDP) against a bare hand-written DDP loop with the same model, batches
    and k: wall time (from before the process group to after the last step, the
-   slowest rank) and peak RSS per rank. The two launches alternate, ``--repeat``
-   times; medians. Targets: time <= 1.5x the bare loop's, and peak memory within one
-   extra copy of the gradients plus the reference's parameters and gradients.
+   slowest rank) and peak RSS per rank. A third launch runs the bare loop while each
+   rank holds one more copy of the model, filled before its clock starts: what the
+   check holds at N = 2 (the compared half of the reference's gradients and
+   parameters), so that the cost of that memory on the machine shows apart from the
+   check's own work. The launches alternate, ``--repeat`` times; medians. Targets:
+   time <= 1.5x the bare loop's, and peak memory within one extra copy of the
+   gradients plus the reference's parameters and gradients.
 
 Prints a Markdown table (the README's "Speed" section is this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -235,12 +239,15 @@ dist_rank = int(os.environ["RANK"])
 assert code == 0
 """ + RANK_REPORT
 #: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
+#: With a count in argv[5], the rank first fills a tensor of that many float32 elements
+#: and holds it throughout, outside the timing.
 BARE_CHECK_RANK = """import os, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from bench_check_setup import make_setup
 setup, accum_steps = make_setup(), 2
+held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
 start = time.perf_counter()
 dist.init_process_group("gloo")
 dist_rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -271,29 +278,32 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
     """Seconds (slowest rank) and peak RSS (largest rank) of the check and of the bare
     loop, alternating launches, medians; plus the model's size for the memory budget."""
     (scratch / "bench_check_setup.py").write_text(CHECK_SETUP)
-    scripts = {"bare": scratch / "bare_check.py", "check": scratch / "check_rank.py"}
-    scripts["bare"].write_text(BARE_CHECK_RANK)
-    scripts["check"].write_text(CHECK_RANK)
-    runs: dict[str, list[list[dict]]] = {"bare": [], "check": []}
-    for attempt in range(repeat):
-        for name, script in scripts.items():
-            reports = scratch / f"reports-{name}-{attempt}"
-            reports.mkdir()
-            completed(torchrun(2, str(script), str(scratch), str(ROOT), str(scratch / "out"),
-                               str(reports)))
-            runs[name].append(rank_reports(reports))
+    (scratch / "bare_check.py").write_text(BARE_CHECK_RANK)
+    (scratch / "check_rank.py").write_text(CHECK_RANK)
     sys.path.insert(0, str(scratch))
     from bench_check_setup import make_setup
 
     parameters = sum(p.numel() for p in make_setup().make_model().parameters())
+    launches = {"bare": ("bare_check.py",), "check": ("check_rank.py",),
+                "bare_holding": ("bare_check.py", str(parameters))}
+    runs: dict[str, list[list[dict]]] = {name: [] for name in launches}
+    for attempt in range(repeat):
+        for name, (script, *more) in launches.items():
+            reports = scratch / f"reports-{name}-{attempt}"
+            reports.mkdir()
+            completed(torchrun(2, str(scratch / script), str(scratch), str(ROOT),
+                               str(scratch / "out"), str(reports), *more))
+            runs[name].append(rank_reports(reports))
     results = {name: {"seconds": statistics.median(max(r["seconds"] for r in run)
                                                    for run in every),
                       "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
                                                        for run in every)}
                for name, every in runs.items()}
     copy_mb = parameters * 4 / 2**20
+    check_s = results["check"]["seconds"]
     results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
-                        "time_ratio": results["check"]["seconds"] / results["bare"]["seconds"],
+                        "time_ratio": check_s / results["bare"]["seconds"],
+                        "time_ratio_holding": check_s / results["bare_holding"]["seconds"],
                         "extra_mb": results["check"]["peak_rss_mb"]
                         - results["bare"]["peak_rss_mb"],
                         # One extra copy of the gradients + the reference's params and grads.
@@ -354,7 +364,12 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
             ["`check.py --strategies ddp`", f"{check['check']['seconds']:.2f} s",
              f"{check['check']['peak_rss_mb']:.0f} MB"],
             ["check / bare", f"{model['time_ratio']:.2f}x (target <= 1.5x)",
-             f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"]], right=2)
+             f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
+            ["bare DDP loop, each rank holding one more model copy",
+             f"{check['bare_holding']['seconds']:.2f} s",
+             f"{check['bare_holding']['peak_rss_mb']:.0f} MB"],
+            ["check / bare holding as much", f"{model['time_ratio_holding']:.2f}x", ""]],
+            right=2)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
