@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from harness.studies.base import Column
-from harness.verdicts import Equivalence
+from harness.studies.schema import ACCUM_STEPS, EQUIVALENCES, Column
 
 COLUMNS: tuple[Column, ...] = (
     Column("setup", "", "the Setup's name (the factory's name when it gives none)"),
@@ -11,13 +10,13 @@ COLUMNS: tuple[Column, ...] = (
            "one process playing the N ranks in turn, DistributedDataParallel, or FSDP2's "
            "`fully_shard`"),
     Column("world_size", "ranks", "N: ranks the global batch is split across"),
-    Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step"),
+    ACCUM_STEPS,
     Column("step", "steps", "optimizer step compared, from 0 (each on its own global batch)"),
     Column("point", "`grad`, `params`",
            "what is compared: `param.grad` right before `optimizer.step()`, or the parameters "
            "and floating buffers right after it, as updates from where the reference started "
            "the step"),
-    Column("verdict", ", ".join(f"`{v}`" for v in Equivalence),
+    Column("verdict", EQUIVALENCES,
            "against the single-process big-batch step: the same, a pure multiple s of it, or "
            "no multiple"),
     Column("scale", "ratio", "s in `measured ~ s * reference` (least squares over every tensor)"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.verdicts import Equivalence
+
 
 @dataclass(frozen=True)
 class Column:
@@ -49,6 +51,10 @@ STRATEGY_OR_LOCAL = Column("strategy", "`local`, " + STRATEGY.unit,
 EMULATED = Column("emulated", "bool", "true for the emulation")
 WORLD_SIZE = Column("world_size", "devices",
                     "k: ranks (DDP, FSDP) or devices asked for (DataParallel)")
+#: k where N names the ranks.
+ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")
+#: The values of a verdict against the big batch (:class:`harness.verdicts.Equivalence`).
+EQUIVALENCES = ", ".join(f"`{value}`" for value in Equivalence)
 
 
 def names(columns: tuple[Column, ...]) -> tuple[str, ...]:

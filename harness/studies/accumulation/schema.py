@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import EMULATED, STRATEGY_OR_LOCAL, WORLD_SIZE, Column
+from harness.studies.schema import EMULATED, EQUIVALENCES, STRATEGY_OR_LOCAL, WORLD_SIZE, Column
 
 COLUMNS = (
     STRATEGY_OR_LOCAL,
@@ -54,7 +54,7 @@ COLUMNS = (
            "(what a never-zeroed gradient grows into)"),
     Column("cumulative_residual", "ratio",
            "residual of that fit"),
-    Column("verdict", "`matches`, `scaled`, `differs`",
+    Column("verdict", EQUIVALENCES,
            "equal to the big batch within the tolerance; a pure multiple of it (s ≠ 1); not "
            "a multiple at all"),
     Column("rank_spread", "ratio",

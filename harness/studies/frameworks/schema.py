@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import Column
+from harness.studies.schema import ACCUM_STEPS, EQUIVALENCES, Column
 
 #: What ``point`` names: the gradient before the step, the weights after it.
 POINTS = ("grad", "params")
@@ -22,14 +22,14 @@ COLUMNS = (
            "sequence full length (every micro-batch holds as many tokens); `token`, padded "
            "sequences of random lengths 1..6 (micro-batches hold different numbers)"),
     Column("world_size", "ranks", "N: ranks training together (2)"),
-    Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step"),
+    ACCUM_STEPS,
     Column("model_dtype", "`float64`, `float32`",
            "dtype the framework trained in (DeepSpeed: float32, its ZeRO master weights' "
            "type); the reference is float64 and the verdict uses this dtype's tolerance"),
     Column("point", "`grad`, `params`",
            "what is compared: the gradient the optimizer was handed, read in its `step` "
            "right before the update; or the update it made, θ_after − θ_0, read right after"),
-    Column("verdict", "`matches`, `scaled`, `differs`",
+    Column("verdict", EQUIVALENCES,
            "`matches`: `scale` 1 and `residual` within the tolerance of `model_dtype` (the "
            "big batch exactly); `scaled`: another pure multiple; `differs`: no multiple"),
     Column("scale", "ratio",
