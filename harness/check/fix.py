@@ -11,26 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 from torch import nn
 
 from harness.check import batches
 from harness.check.compare import Comparison
+from harness.fit import combination_verdict
 from harness.tolerances import close
-from harness.verdicts import Equivalence
+from harness.verdicts import Combination, Equivalence
 
 NORM_MODULES = (nn.modules.batchnorm._BatchNorm,)
-
-
-class LossCombination(StrEnum):
-    """How the loss of the whole batch relates to the losses of its N x k pieces."""
-
-    MEAN = "mean"
-    SUM = "sum"
-    #: Neither: the pieces weigh differently (a mean over a count that varies per piece).
-    NEITHER = "neither"
 
 
 @dataclass
@@ -48,8 +39,10 @@ class Facts:
     finds_unused: bool = False
     #: Whether the ranks hold the same tensors at the point compared (None: not meant to).
     ranks_agree: bool | None = None
-    #: Asked only when needed: it costs a forward of every piece.
-    loss_combination: Callable[[], LossCombination] | None = None
+    #: How the whole batch's loss combines its N x k pieces' losses (``neither``: the
+    #: pieces weigh differently, a mean over a count that varies per piece). Asked only
+    #: when needed: it costs a forward of every piece.
+    loss_combination: Callable[[], Combination] | None = None
     rtol: float = 1e-9
 
 
@@ -112,7 +105,7 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
                 "use, a gradient edited after backward); compare the ranks' gradients")
     if facts.loss_combination is not None:
         combination = facts.loss_combination()
-        if combination is LossCombination.NEITHER:
+        if combination is Combination.NEITHER:
             return ("normalize by the window's token count: the loss divides each "
                     "micro-batch by its own count (e.g. a token mean), so pieces weigh "
                     "unequally; sum the per-token losses, divide by the window's count "
@@ -131,7 +124,7 @@ def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
 
 
 def measure_loss_combination(model: nn.Module, loss, window, per_piece: int, pieces: int,
-                             rtol: float) -> LossCombination:
+                             rtol: float) -> Combination:
     """The user's loss of the whole window against its pieces' losses, on ``model``, a
     throwaway model fresh from make_model() (a training-mode forward may update buffers):
     how a loss combines its pieces is the loss's own property, not the weights'."""
@@ -139,8 +132,4 @@ def measure_loss_combination(model: nn.Module, loss, window, per_piece: int, pie
         whole = float(loss(model, window))
         parts = [float(loss(model, batches.take(window, i * per_piece, (i + 1) * per_piece)))
                  for i in range(pieces)]
-    if close(whole, sum(parts) / len(parts), rtol):
-        return LossCombination.MEAN
-    if close(whole, sum(parts), rtol):
-        return LossCombination.SUM
-    return LossCombination.NEITHER
+    return combination_verdict(whole, parts, rtol)

@@ -188,6 +188,7 @@ class SetupCheck:
         for step, ref in enumerate(reference):
             window = window_of(self.setup, step, used, self.dtype, self.device)
             samples = batches.sample_count(window, f"batch({step})")
+            facts.loss_combination = self._loss_combination(window, samples, case)
             model.backward_window(window, samples, case.accum_steps)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
                             self.rtol)
@@ -201,8 +202,7 @@ class SetupCheck:
             for point, comparison, agree in measured:
                 facts.ranks_agree = agree
                 results.append((step, point, comparison, agree,
-                                self._fix(point, comparison, facts, window, samples, case),
-                                "ok", ""))
+                                self._fix(point, comparison, facts), "ok", ""))
         return results
 
     def _initial_model(self) -> nn.Module:
@@ -252,11 +252,13 @@ class SetupCheck:
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)
 
-    def _fix(self, point: str, comparison: Comparison, facts: Facts, window, samples: int,
-             case: Case) -> str:
+    def _fix(self, point: str, comparison: Comparison, facts: Facts) -> str:
         """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
-        if not self.launch.is_leader:
-            return ""
+        return suggest(point, comparison, facts) if self.launch.is_leader else ""
+
+    def _loss_combination(self, window, samples: int, case: Case):
+        """How the loss of the step's window combines its pieces' losses: measured once per
+        step, when a row of it first asks (the ``grad`` and ``params`` rows share it)."""
         pieces = case.world_size * case.accum_steps
 
         @functools.cache
@@ -265,8 +267,7 @@ class SetupCheck:
                 prepared_model(self.setup, self.dtype, self.device), self.setup.loss,
                 window, samples // pieces, pieces, self.rtol)
 
-        facts.loss_combination = combination
-        return suggest(point, comparison, facts)
+        return combination
 
     def _rows(self, case: Case, results: list[tuple]) -> list[dict[str, Any]]:
         if not self.launch.is_leader:
