@@ -29,15 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness.context import CONTEXT_COLUMNS
 from harness.options import NoOptions, StudyOptions
-from harness.studies.schema import (  # noqa: F401 -- the schema, as studies import it
-    EMULATED,
-    LEADING_COLUMNS,
-    STRATEGY,
-    STRATEGY_OR_LOCAL,
-    TRAILING_COLUMNS,
-    WORLD_SIZE,
-    Column,
-)
+from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
 from harness.tolerances import close
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.check.setup import Setup, default_optimizer
+from harness.check.reference import make_optimizer
+from harness.check.setup import Setup
 from harness.studies.frameworks.capture import (
     StepCapture,
     parameter_grads,
@@ -101,7 +102,7 @@ def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture
     deepspeed.comm.torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     model = setup.make_model()
-    optimizer = (setup.make_optimizer or default_optimizer)(model.parameters())
+    optimizer = make_optimizer(setup, model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=_config(setting, accum_steps))
     _watch(engine, model, capture, setting.options["stage"])

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from harness.check.setup import Setup, default_optimizer
+from harness.check.reference import make_optimizer
+from harness.check.setup import Setup
 from harness.studies.frameworks.capture import (
     StepCapture,
     parameter_grads,
@@ -50,7 +51,7 @@ def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture
                               dataloader_config=DataLoaderConfiguration(split_batches=split))
     try:
         model = setup.make_model()
-        optimizer = (setup.make_optimizer or default_optimizer)(model.parameters())
+        optimizer = make_optimizer(setup, model.parameters())
         watch_step(optimizer, capture, parameter_grads(model), parameter_values(model))
         per_loader = MICRO_BATCH * accelerator.num_processes if split else MICRO_BATCH
         loader = DataLoader(samples(setup.batch(0)), batch_size=per_loader)

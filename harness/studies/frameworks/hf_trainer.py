@@ -20,7 +20,8 @@ import tempfile
 import torch
 from torch import nn
 
-from harness.check.setup import Setup, default_optimizer
+from harness.check.reference import make_optimizer
+from harness.check.setup import Setup
 from harness.studies.frameworks.capture import (
     StepCapture,
     parameter_grads,
@@ -137,7 +138,7 @@ def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture
     from harness.studies.frameworks.hf_accelerate import reset_accelerate_state
 
     model = _model(setup, setting)
-    optimizer = (setup.make_optimizer or default_optimizer)(model.parameters())
+    optimizer = make_optimizer(setup, model.parameters())
     watch_step(optimizer, capture, parameter_grads(model.inner), parameter_values(model.inner))
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from harness.check.setup import Setup, default_optimizer
+from harness.check.reference import make_optimizer
+from harness.check.setup import Setup
 from harness.studies.frameworks.capture import (
     StepCapture,
     parameter_grads,
@@ -98,7 +99,7 @@ def _module(setup: Setup, setting: Setting, accum_steps: int, capture: StepCaptu
             return setup.loss(self.model, batch)
 
         def configure_optimizers(self):
-            optimizer = (setup.make_optimizer or default_optimizer)(self.model.parameters())
+            optimizer = make_optimizer(setup, self.model.parameters())
             watch_step(optimizer, capture, parameter_grads(self.model),
                        parameter_values(self.model))
             return optimizer

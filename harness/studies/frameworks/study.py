@@ -116,9 +116,9 @@ class FrameworksStudy(Study):
         return None
 
     def cases(self, run: RunContext) -> list[Case]:
-        cases = []
+        cases, fits = [], self._launch_fits(run)
         for framework in FRAMEWORKS.values():
-            if framework.missing() or not self._launch_fits(run):
+            if framework.missing() or not fits:
                 cases.append(Case.of(self.name, framework=framework.name))
                 continue
             cases += [Case.of(self.name, participants=WORLD_SIZE, framework=framework.name,
