@@ -133,18 +133,22 @@ def test_training_twins_ranks_and_applied_gradients_follow_the_rows(tmp_path):
         **{"local/optim.SGD/2": {"identical_to_twin": False, "twin_distance": 0.003}}), tmp_path)
     twins = the_finding(output, "With one process (local) at k = 1, a rule")
     # optim.SGD stayed in epoch 1: the epochs on the trajectory span every rule with a twin.
-    assert "stayed on the trajectory of its twin in 5 epochs (largest twin_distance 0)" in twins
-    assert ("left the trajectory of its twin in 1 epoch for variant = optim.SGD (twin_distance "
+    assert ("stayed on the trajectory of its twin in 5 rule × epoch rows (largest "
+            "twin_distance 0)") in twins
+    assert ("left the trajectory of its twin in 1 rule × epoch row for variant = optim.SGD "
+            "(twin_distance "
             f"{small(0.003)})") in twins
     ranks = the_finding(output, "With DDP at k = 2, the ranks")
-    assert (f"drifted apart in 2 epochs for variant = autograd.grad (rank_spread {small(0.15)} to "
+    assert (f"drifted apart in 2 rule × epoch rows for variant = autograd.grad (rank_spread "
+            f"{small(0.15)} to "
             f"{small(0.3)}, largest at epoch 2)") in ranks
     assert "its gradients were never all-reduced" in the_finding(output, "With DDP, rank 0")
     applied = the_finding(output, "With DDP at k = 2, the last step of an epoch")
-    assert ("applied a gradient other than its own loss's in 2 epochs for variant = "
+    assert ("applied a gradient other than its own loss's in 2 rule × epoch rows for variant = "
             f"backward-no-zero (applied_grad_norm / fresh_grad_norm {number(8.0)} to "
             f"{number(16.0)})") in applied
-    assert ("applied the gradient of its own loss in 6 epochs for variant = autograd.grad, "
+    assert ("applied the gradient of its own loss in 6 rule × epoch rows for variant = "
+            "autograd.grad, "
             "backward-zero-grad, optim.SGD") in applied
 
     # Rank 0 off its lone twin: the rows no longer show that nothing was all-reduced.
@@ -166,10 +170,10 @@ def test_training_table_and_figure_show_the_last_epoch_and_every_row(tmp_path):
                                    f"{number(last['train_loss'])} vs {number(1 / 3)}")
     assert never.fix == ("zero .grad each step: autograd.grad, backward-zero-grad and optim.SGD "
                          "stay on the reference")
-    ranks = next(a for a in output.answers if a.question.endswith("ranks in step?"))
+    ranks = next(a for a in output.answers if a.question.endswith("ranks keep the same weights?"))
     assert ranks.answer == ("in step for variant = backward-no-zero, backward-zero-grad, "
-                            "optim.SGD (6 epochs); drift apart for variant = autograd.grad "
-                            "(2 epochs)")
+                            "optim.SGD (6 rule × epoch rows); drift apart for variant = "
+                            "autograd.grad (2 rule × epoch rows)")
     table = next(b for b in output.blocks if b.startswith("**After the last epoch**"))
     assert "| ddp (k = 2) | autograd.grad | 0.3333 | 0.7 | 0.25 | 0 |" in table
     assert figure_links(output.blocks) == ["figures/training_curves.png"]

@@ -179,6 +179,9 @@ class VerdictAnswer(Tallied):
     question: str
     answers: Mapping[str, str] = field(default_factory=dict)
     evidence: Detail | None = None
+    #: What the answer rests on when that is less than it seems (an emulation, skipped
+    #: cases), from every row of the study and the group's values; empty: nothing to say.
+    note: Callable[[pd.DataFrame, dict], str] | None = None
 
     def __call__(self, rows: Rows) -> list[Answer]:
         made = []
@@ -187,11 +190,26 @@ class VerdictAnswer(Tallied):
                                + qualifier(subset, group, self.qualify)
                                + ("" if len(parts) == 1 else f" ({count(len(subset), self.unit)})")
                                for verdict, subset in parts)
+            if self.note and (said := self.note(rows.all, values)):
+                answer += f" ({said})"
             evidence = count(len(group), self.unit)
             if self.evidence:
                 evidence += f"; {self.evidence(group, rows.rtol)}"
             made.append(Answer(self.question.format(**names(values)), answer, evidence))
         return made
+
+
+def emulation_only(every: pd.DataFrame, values: dict | None = None) -> str:
+    """``CPU emulation only; the 32 real DataParallel cases were skipped``, where the rows (of
+    the group's strategy, if it names one) rest on the emulation because the real DataParallel
+    was not measured; empty otherwise."""
+    if values and values.get("strategy", "dp-emulated") != "dp-emulated":
+        return ""
+    real = every[every["strategy"] == "dp"] if "strategy" in every else every.iloc[:0]
+    if (real["status"] == "ok").any():
+        return ""
+    skipped_ = f"; the {count(len(real), 'real DataParallel case')} skipped" if len(real) else ""
+    return "CPU emulation only" + skipped_
 
 
 # ---------------------------------------------------------------- named ratios

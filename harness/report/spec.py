@@ -20,6 +20,7 @@ from harness.report.findings import (
     VerdictAnswer,
     Verdicts,
     corrections,
+    emulation_only,
     joined,
     largest,
     multiples,
@@ -33,6 +34,6 @@ from harness.report.section import Answer, Finding, Rows, Section
 from harness.report.tables import Pivot, Records, column, numbers
 
 __all__ = ["BIG_BATCH", "Answer", "Finding", "Heatmap", "Lines", "PerRow", "Pivot", "Records",
-           "Rows", "Section", "VerdictAnswer", "Verdicts", "column", "corrections", "joined",
-           "largest", "multiples", "numbers", "ratio", "ratio_words", "skipped", "spread",
-           "yes_no"]
+           "Rows", "Section", "VerdictAnswer", "Verdicts", "column", "corrections",
+           "emulation_only", "joined", "largest", "multiples", "numbers", "ratio", "ratio_words",
+           "skipped", "spread", "yes_no"]

@@ -52,6 +52,20 @@ def words(items: Sequence[str], conjunction: str = "and") -> str:
     return ", ".join(items[:-1]) + f" {conjunction} " + items[-1]
 
 
+def few(items: Sequence[str], shown: int = 2, conjunction: str = "and") -> str:
+    """'a and b', or 'a, b and 3 more': a list that must fit in a table cell; the section the
+    cell links to names every item."""
+    items = list(items)
+    if len(items) <= shown + 1:
+        return words(items, conjunction)
+    return ", ".join(items[:shown]) + f" {conjunction} {len(items) - shown} more"
+
+
+def worst(n: int, noun: str, residual: float, name: str = "residual") -> str:
+    """Evidence as the answer table gives it: '18 cases, worst residual 2.2e-16'."""
+    return f"{count(n, noun)}, worst {name} {small(residual)}"
+
+
 def code(text: str) -> str:
     return f"`{text}`"
 

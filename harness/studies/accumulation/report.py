@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from harness.report import spec
 from harness.report.rows import ordered
-from harness.report.text import cite_cases, count, integers, number, small, words
+from harness.report.text import cite_cases, count, integers, number, small, words, worst
 from harness.studies.accumulation.schema import default_scaling
 from harness.verdicts import Equivalence
 
@@ -47,14 +47,25 @@ def _cell(rows, rtol) -> str:
     return f"✗ {small(rows['relative_error'].max())}{share}"
 
 
-def _causes(units, failing, axes) -> list[str]:
-    """``zero_grad = never or every-micro-step``: axis values every unit with which fails; then
-    the failing units no such value explains, by label."""
-    causes = {axis: [value for value in ordered(units[failing], axis)
-                     if failing[units[axis] == value].all()] for axis in axes}
-    rest = [label for label, *values in units.loc[failing, ["label", *axes]].to_numpy()
-            if not any(v in causes[a] for a, v in zip(axes, values, strict=True))]
-    return [f"{axis} = {' or '.join(values)}" for axis, values in causes.items() if values] + rest
+def _causes(units, failing, axes) -> list[tuple[str, object]]:
+    """``(norm = batchnorm, mask)``: axis values every unit with which fails, each with the
+    failing units it explains; then the failing units no such value explains, described by the
+    axes that tell them from the other units (``shards = uneven or tokens with ...``)."""
+    causes = []
+    for axis in axes:
+        values = [v for v in ordered(units[failing], axis) if failing[units[axis] == v].all()]
+        if values:
+            causes.append((f"{axis} = {' or '.join(values)}", failing & units[axis].isin(values)))
+    explained = failing.copy() & False
+    for _, mask in causes:
+        explained |= mask
+    rest = failing & ~explained
+    if rest.any():
+        others = units[~explained]
+        told = [f"{axis} = {' or '.join(ordered(units[rest], axis))}" for axis in axes
+                if set(units.loc[rest, axis]) != set(others[axis])]
+        causes.append((" with ".join(told), rest))
+    return causes
 
 
 def _recipe_answer(rows) -> spec.Answer | None:
@@ -69,35 +80,53 @@ def _recipe_answer(rows) -> spec.Answer | None:
     scaled = plain[plain["recipe"].isin(units.index[~units["exact"] & ~units["differs"]])]
     found = spec.multiples(scaled, "full_batch_multiple", "accum_steps", "recipe")
     exact = plain[plain["recipe"].isin(units.index[units["exact"]])]
+    causes = [cause for cause, _ in _causes(units, units["differs"], RECIPE)]
     answer = "; ".join([words(ordered(exact, "recipe"), "or") or "none",
                         *(f"{name}: {r} × it" for name, ((r, _), *_) in found),
-                        "; ".join(_causes(units, units["differs"], RECIPE)) + ": neither"])
-    return spec.Answer("Which accumulation recipe (zero_grad, loss_scaling) equals the big batch?",
-                       answer, f"{count(len(exact), 'case')}, k = {integers(exact['accum_steps'])}"
-                       f", {words(ordered(exact, 'strategy'))}; largest fit_residual "
-                       f"{small(exact['fit_residual'].max())}", spec.corrections(found))
+                        *([f"{'; '.join(causes)}: neither"] if causes else [])])
+    return spec.Answer("Accumulating over k micro-batches: which (zero_grad, loss_scaling) gives "
+                       "the big batch?", answer,
+                       worst(len(exact), "case", exact["fit_residual"].max())
+                       + f" (k = {integers(exact['accum_steps'])})", spec.corrections(found))
 
 
 def _settings_answer(rows) -> spec.Answer | None:
-    """Settings where the textbook recipe misses the big batch, and one-axis changes that fix."""
-    units = rows.select("textbook").drop_duplicates("setting").assign(
-        label=lambda u: u["setting"])
+    """Settings where the textbook recipe misses the big batch, each cause with the one-axis
+    changes that make its settings match."""
+    units = rows.select("textbook").drop_duplicates("setting").reset_index(drop=True)
     failing = units["setting_matches"] == "False"
     if not failing.any():
         return None
     matching = {tuple(s) for s in units.loc[~failing, list(SETTING)].to_numpy()}
-    fixes: dict[str, int] = {}
-    for values in units.loc[failing, list(SETTING)].to_numpy():
-        for i, axis in enumerate(SETTING):
-            for other in ordered(units, axis):
-                if (*values[:i], other, *values[i + 1:]) in matching:
-                    fixes[f"{axis} = {other}"] = fixes.get(f"{axis} = {other}", 0) + 1
-    worst = rows.select("textbook and setting_matches == 'False'")["relative_error"].max()
-    return spec.Answer("When does no recipe equal the big batch (textbook recipe per setting)?",
-                       "; ".join(_causes(units, failing, SETTING)),
+    causes = _causes(units, failing, SETTING)
+    fixes = [f"{cause.split(' with ')[0]}: {_one_axis_fixes(units[mask], matching)}"
+             for cause, mask in causes]
+    worst_error = rows.select("textbook and setting_matches == 'False'")["relative_error"].max()
+    return spec.Answer("Accumulating with zero_grad once per window and the loss ÷ k (or ÷ the "
+                       "window's total): when is it not the big batch?",
+                       "; ".join(cause for cause, _ in causes),
                        f"{failing.sum()} of {len(units)} settings; relative_error up to "
-                       f"{small(worst)}",
-                       "; ".join(f"{fix} ({count(n, 'setting')})" for fix, n in fixes.items()))
+                       f"{small(worst_error)}", "; ".join(fixes))
+
+
+def _one_axis_fixes(failing_units, matching) -> str:
+    """``norm = none or groupnorm (3 of 4)``: the one-axis changes that turn the most of these
+    failing settings into matching ones, and how many they fix where not all."""
+    fixed: dict[tuple[str, str], int] = {}
+    for values in failing_units[list(SETTING)].to_numpy():
+        for i, axis in enumerate(SETTING):
+            for other in {s[i] for s in matching} - {values[i]}:
+                if (*values[:i], other, *values[i + 1:]) in matching:
+                    fixed[axis, other] = fixed.get((axis, other), 0) + 1
+    if not fixed:
+        return "no one-axis change"
+    most = max(fixed.values())
+    by_axis: dict[str, list[str]] = {}
+    for (axis, other), n in sorted(fixed.items()):
+        if n == most:
+            by_axis.setdefault(axis, []).append(other)
+    share = "" if most == len(failing_units) else f" ({most} of {len(failing_units)})"
+    return " or ".join(f"{axis} = {' or '.join(v)}" for axis, v in by_axis.items()) + share
 
 
 def _no_sync(rows) -> tuple[spec.Finding, spec.Answer] | None:

@@ -97,10 +97,13 @@ def _frozen_answer(rows) -> spec.Answer | None:
               for r in ddp[ddp["error"].notna()].to_dict("records")]
     averaged = [code(s) for s, outcome in zip(ddp["setting"], ddp["outcome"], strict=True)
                 if outcome.startswith("completed") and "averaged over" in outcome]
+    # The fix for a failing setting is the one of the same layer that trained.
+    failing = {str(s).split(",")[0] for s in ddp.loc[ddp["error"].notna(), "setting"]}
+    fixes = [s for s in averaged if s.strip("`").split(",")[0] in failing] or averaged
     return spec.Answer("DDP with a frozen or unused layer: does it train?",
                        "; ".join(failed) or "every setting trains",
                        f"{count(len(ddp), 'setting')}, {integers(ddp['steps_completed'])} steps",
-                       f"{words(averaged, 'or')} train with averaged gradients" if averaged else "")
+                       f"{words(fixes, 'or')} trains with averaged gradients" if fixes else "")
 
 
 def _sweep_title(data, rtol) -> str:

@@ -7,8 +7,10 @@ framework refused, and the frameworks that were not installed.
 
 from __future__ import annotations
 
+import pandas as pd
+
 from harness.report import spec
-from harness.report.text import count, integers, number, small, words
+from harness.report.text import count, few, integers, number, small, words, worst
 from harness.verdicts import Equivalence
 
 COLUMNS = ("framework", "framework_version", "setting", "loss", "accum_steps", "point",
@@ -16,7 +18,7 @@ COLUMNS = ("framework", "framework_version", "setting", "loss", "accum_steps", "
 GRAD = "point == 'grad'"
 #: How a clause names a verdict, the scale filled in where it is a multiple.
 PHRASES = {Equivalence.MATCHES: "the big batch's", Equivalence.SCALED: "{scale} × the big "
-           "batch's", Equivalence.DIFFERS: "no multiple of the big batch's"}
+           "batch's", Equivalence.DIFFERS: "no multiple of it"}
 
 
 def _at_k(rows) -> str:
@@ -26,14 +28,6 @@ def _at_k(rows) -> str:
         phrase = PHRASES[row["verdict"]].format(scale=number(row["scale"]))
         phrases.setdefault(phrase, []).append(row["accum_steps"])
     return "; ".join(f"{phrase} at k = {integers(ks)}" for phrase, ks in phrases.items())
-
-
-def _by_setting(rows) -> str:
-    """Settings that behave alike share a clause: ``default, split_batches: ...``."""
-    alike: dict[str, list[str]] = {}
-    for setting, group in rows.groupby("setting", sort=False):
-        alike.setdefault(_at_k(group), []).append(f"`{setting}`")
-    return "; ".join(f"{words(settings)}: {text}" for text, settings in alike.items())
 
 
 def _scales(rows, rtol: float) -> str:
@@ -49,18 +43,33 @@ def _cell(rows, rtol: float) -> str:
     return row["verdict"] + (f" ×{number(row['scale'])}" if scaled else "")
 
 
+#: How an answer names each loss: the lengths of its sequences.
+LOSS_NAMES = {"mean": "equal lengths", "token": "padded"}
+
+
 def framework_answers(rows: spec.Rows) -> list[spec.Answer]:
+    """Per framework: what its first setting (the study's baseline) gave with each loss, the
+    settings that missed the big batch with equal micro-batches, and the ones that fixed the
+    padded loss; the rest is in the section's table."""
     answers = []
     for framework, group in rows.select(GRAD).groupby("framework", sort=False):
-        answer = " — ".join(f"{loss} loss: {_by_setting(by_loss)}"
-                            for loss, by_loss in group.groupby("loss", sort=False))
+        base = group["setting"].iloc[0]
+        answer = f"`{base}`: " + ", ".join(
+            f"{_at_k(by_loss)} ({LOSS_NAMES.get(loss, loss + ' loss')})"
+            for loss, by_loss in group[group["setting"] == base].groupby("loss", sort=False))
+        equal = group[group["loss"] == "mean"]
+        off = equal[equal["verdict"] != Equivalence.MATCHES]
+        if not off.empty:
+            answer += "; off with equal lengths: " + few(
+                [f"`{r['setting']}` ({_at_k(pd.DataFrame([r]))})" for r in
+                 off.to_dict("records")], 1)
         fixed = group[(group["loss"] == "token") & (group["verdict"] == Equivalence.MATCHES)]
+        matches = group[group["verdict"] == Equivalence.MATCHES]
         answers.append(spec.Answer(
             f"{framework} {group['framework_version'].iloc[0]}, 2 ranks, k = "
-            f"{integers(group['accum_steps'])}: is the optimizer's gradient the big batch's?",
-            answer, f"{count(len(group), 'case')}; residual of a match at most "
-                    f"{small(group.loc[group['verdict'] == 'matches', 'residual'].max())}",
-            f"token loss: {words([f'`{s}`' for s in fixed['setting'].unique()])}"
+            f"{integers(group['accum_steps'])}: does the optimizer get the big-batch gradient?",
+            answer, worst(len(group), "case", matches["residual"].max(), "residual of a match"),
+            f"padded: {few([f'`{s}`' for s in fixed['setting'].unique()], 2, 'or')}"
             if not fixed.empty else ""))
     return answers
 

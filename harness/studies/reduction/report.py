@@ -9,13 +9,15 @@ devices' own-shard gradients (``verdict``) and of the big batch's
 from __future__ import annotations
 
 from harness.report import spec
-from harness.report.text import count, integers, small, words
+from harness.report.text import small, strategy_name, words, worst
 from harness.verdicts import Equivalence, Reduction
 
 MULTI = "devices_used >= 2"
 DIFFERS = Equivalence.DIFFERS
 #: The weight of k devices' sum each reduction verdict names, as a multiple of k.
 MULTIPLE = {Reduction.MEAN: "1/k", Reduction.SUM: "1", Reduction.SUM_EQUALS_MEAN: "1"}
+#: What the title says each reduction verdict did to the devices' gradients.
+REDUCED = {Reduction.MEAN: "averaged", Reduction.SUM: "summed"}
 SCALE = spec.ratio("full_batch_scale", "full_batch_multiple", "devices_used")
 REDUCE = spec.ratio("reduce_weight", "reduce_multiple", "devices_used")
 
@@ -33,23 +35,33 @@ def _scale_answers(rows) -> list[spec.Answer]:
         misfit = group["full_batch_verdict"] == DIFFERS
         found = spec.multiples(group[~misfit], "full_batch_multiple", "devices_used",
                                "strategy", "model")
-        answer, evidence = spec.ratio_words(found), (
-            f"{count(len(group), 'case')}, k = {integers(group['devices_used'])}; largest "
-            f"full_batch_residual {small(group.loc[~misfit, 'full_batch_residual'].max())}")
+        answer = spec.ratio_words(found)
+        evidence = worst(len(group), "case", group.loc[~misfit, "full_batch_residual"].max())
         if misfit.any():
             misfits = group[misfit]
             answer += f"; no multiple for {words(misfits['model'].unique().tolist())}"
-            evidence += f"; full_batch_residual ≥ {small(misfits['full_batch_residual'].min())}"
-        answers.append(spec.Answer(f"1 → k devices, {values['loss_reduction']} loss: param.grad "
-                                   f"= ? × the big batch's", answer, evidence,
+            evidence += f" (BatchNorm: ≥ {small(misfits['full_batch_residual'].min())})"
+        answers.append(spec.Answer(f"Training on k devices with a {values['loss_reduction']} "
+                                   f"loss: param.grad = ? × the big batch's", answer, evidence,
                                    spec.corrections(found)))
     return answers
 
 
 def _weights_title(data, rtol) -> str:
-    found = spec.multiples(data.query(MULTI), "rank_multiple", "devices_used", "strategy",
-                           "loss_reduction")
-    return f"rank_weight = param.grad / Σ own-shard gradients: {spec.ratio_words(found)}"
+    """What each strategy's reduction did (``reduce_op``) first: the plotted ratio of a mean
+    loss is 1/k under DataParallel too, which alone would read as if it averaged."""
+    multi = data.query(MULTI)
+    did: dict[str, list[str]] = {}
+    for strategy, group in multi.groupby("strategy", sort=False):
+        op = group["reduce_op"].iloc[0] if group["reduce_op"].nunique() == 1 else "mixed"
+        did.setdefault(REDUCED.get(op, op), []).append(strategy_name(strategy))
+    plotted = spec.multiples(multi, "rank_multiple", "devices_used", "strategy",
+                             "loss_reduction")
+    return ("The reduction " + "; ".join(f"{verb} for {words(names)}" for verb, names in
+                                         did.items())
+            + " (reduce_weight). Plotted: param.grad / Σ own-shard gradients of the same loss, "
+            f"(DataParallel's mean loss divides by the gathered batch): "
+            f"{spec.ratio_words(plotted)}")
 
 
 def _big_batch_title(data, rtol) -> str:
@@ -72,7 +84,7 @@ SECTION = spec.Section(
         spec.VerdictAnswer(question="{strategy}: summed or averaged?", column="reduce_op",
                            where=MULTI, evidence=REDUCE,
                            answers={Reduction.MEAN: "averaged (÷ k)", Reduction.SUM: "summed",
-                                    Reduction.OTHER: "neither"}),
+                                    Reduction.OTHER: "neither"}, note=spec.emulation_only),
         _scale_answers,
     ),
     findings=(

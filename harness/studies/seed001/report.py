@@ -8,8 +8,6 @@ measured rows that equal it (another loss, or more passes without zero_grad).
 
 from __future__ import annotations
 
-import re
-
 from harness.report import spec
 from harness.report.rows import is_true, ordered
 from harness.report.text import number, strategy_name, words
@@ -77,16 +75,31 @@ def _printed(rows) -> list:
                          f"{number(row['measured_grad'])}: {_off(row)}, {row['printed_from']}.",
                          rows.cite({"case_id": row["case_id"]}, PRINTED, 1))
             for row in off.to_dict("records")]
-    evidence = f"{len(printed) - len(off)} of {len(printed)} printed values measured"
+    evidence = f"{len(printed) - len(off)} of {len(printed)} printed values reproduced"
+    emulated = spec.emulation_only(rows.all)
     if off.empty:
-        return [spec.Answer("Seed 001's printed gradients: reproduced?", "yes", evidence)]
+        return [spec.Answer("The source post's DataParallel gradients: reproduced?",
+                            "yes" + (f" ({emulated})" if emulated else ""), evidence)]
     row = off.iloc[0]
     return [spec.Answer(
-        f"Seed 001 printed {number(row['seed_printed'])}; the harness measures "
-        f"{number(row['measured_grad'])}: why?",
-        f"{_off(row)}: " + re.sub(r" [(][^)]*[)]", "", row["printed_from"]),
-        evidence + "; differs in " + ", ".join(f"{r['experiment']} (k = {int(r['world_size'])})"
-                                               for r in off.to_dict("records"))), *made]
+        f"DataParallel, {row['loss_reduction']} loss: the source post printed "
+        f"{number(row['seed_printed'])} where {number(row['measured_grad'])} is measured: why?",
+        f"{_off(row)}: {_short_explanation(row)}" + (f" ({emulated})" if emulated else ""),
+        evidence + "; not " + ", ".join(f"{r['experiment']} (k = {int(r['world_size'])})"
+                                        for r in off.to_dict("records"))), *made]
+
+
+def _short_explanation(row: dict) -> str:
+    """``the sum loss's w.grad, or the mean loss's after 2 passes without zero_grad``: what the
+    findings say at length, short enough for the answer table."""
+    said = []
+    if "loss in the same case" in row["printed_from"]:
+        said.append(f"the {'sum' if row['loss_reduction'] == 'mean' else 'mean'} loss's w.grad")
+    if "passes without zero_grad" in row["printed_from"]:
+        passes = row["printed_passes"]
+        said.append(f"the {row['loss_reduction']} loss's after {int(passes)} passes without "
+                    f"zero_grad")
+    return words(said, "or") or "unexplained"
 
 
 def _title(data, rtol) -> str:

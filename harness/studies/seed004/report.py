@@ -51,7 +51,8 @@ def _big_batch(rows) -> tuple[spec.Finding, spec.Answer] | None:
             f"difference {gap}).")
     return (spec.Finding(text, rows.cite({}, f"event == {events} and method in {methods}",
                                          len(last))),
-            spec.Answer(f"Seed 004: does {methods[0]} leave what {methods[1]} does?", said,
+            spec.Answer(f"A one-weight model: does {methods[0]} leave what one {methods[1]} step "
+                        f"does?", said,
                         f"after {events}; largest difference {gap}"))
 
 

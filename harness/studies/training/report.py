@@ -19,6 +19,10 @@ TRAINED, PER = "epoch >= 1", ("strategy", "world_size")
 SUBJECT = "With {strategy} at k = {world_size}, "
 
 
+#: What a tally over several rules counts: one row per rule and epoch, not epochs.
+RULE_EPOCHS = "rule × epoch row"
+
+
 def _derive(ok, rtol):
     last = ok["epoch"] == ok.groupby(["strategy", "variant"])["epoch"].transform("max")
     return ok.assign(last=last, label=ok["strategy"] + ok["world_size"].map(
@@ -88,7 +92,7 @@ def _never_zeroed_answer(never, kept: list[str], other) -> spec.Answer:
               f"{int(last['epoch'])} ({value_name('strategy', last['strategy'])})")
     if other is not None:
         answer += f"; {_against(last, other, 'vs')}"
-    return spec.Answer("Never zeroing .grad (seed 000's second loop): what happens?", answer,
+    return spec.Answer("Never zeroing .grad between steps: what happens?", answer,
                        f"{len(never)} epochs; the applied gradient {_ratio(never, 0)} × the "
                        f"step's own", f"zero .grad each step: {words(kept)} stay on the "
                                       f"reference" if kept else "")
@@ -121,8 +125,9 @@ SECTION = spec.Section(
     derive=_derive, terms={"last": "the last epoch of each rule"},
     answers=(
         _never_zeroed,
-        spec.VerdictAnswer(question="Update rules under {strategy} at k = {world_size}: ranks "
-                                    "in step?", column="ranks_in_step", per=PER, unit="epoch",
+        spec.VerdictAnswer(question="Update rules under {strategy} at k = {world_size}: do the "
+                                    "ranks keep the same weights?", column="ranks_in_step",
+                           per=PER, unit=RULE_EPOCHS,
                            qualify=("variant",),
                            where=f"{TRAINED} and world_size > 1",
                            answers=spec.yes_no("in step", "drift apart"),
@@ -130,19 +135,20 @@ SECTION = spec.Section(
     ),
     findings=(
         spec.Verdicts(column="identical_to_twin", per=PER, where=f"{TRAINED} and twin.notna()",
-                      qualify=("variant",), unit="epoch", subject=SUBJECT + "a rule",
+                      qualify=("variant",), unit=RULE_EPOCHS, subject=SUBJECT + "a rule",
                       phrases=spec.yes_no("stayed on the trajectory of its twin",
                                           "left the trajectory of its twin"),
                       detail=spec.yes_no(spec.largest("twin_distance"),
                                          spec.spread("twin_distance", "epoch", "epoch"))),
         spec.Verdicts(column="applied_is_fresh", per=PER, where=TRAINED, qualify=("variant",),
-                      unit="epoch", subject=SUBJECT + "the last step of an epoch",
+                      unit=RULE_EPOCHS, subject=SUBJECT + "the last step of an epoch",
                       phrases=spec.yes_no("applied the gradient of its own loss",
                                           "applied a gradient other than its own loss's"),
                       detail={"False": lambda r, rtol: f"applied_grad_norm / fresh_grad_norm "
                                                        f"{_ratio(r, rtol)}"}),
         spec.Verdicts(column="ranks_in_step", per=PER,
-                      where=f"{TRAINED} and world_size > 1", qualify=("variant",), unit="epoch",
+                      where=f"{TRAINED} and world_size > 1", qualify=("variant",),
+                      unit=RULE_EPOCHS,
                       subject=SUBJECT + "the ranks",
                       phrases=spec.yes_no("held the same weights", "drifted apart"),
                       detail=spec.yes_no(spec.largest("rank_spread"),

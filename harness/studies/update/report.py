@@ -165,11 +165,16 @@ def _recipe_label(strategy: str, loss: str, k: int) -> str:
 
 
 def _by_strategy(recipes: list[tuple[str, str, int, pd.DataFrame]]) -> str:
-    """``DDP: mean, sum/b, mean/k (k = 4); FSDP: mean``: the recipes, grouped by strategy."""
+    """``DDP, FSDP: mean, sum/b, mean/k; one process (local): mean/k``: each strategy's loss
+    recipes (at any k), strategies with the same ones sharing a clause."""
     losses: dict[str, list[str]] = {}
-    for strategy, loss, k, _ in recipes:
-        losses.setdefault(strategy, []).append(loss + (f" (k = {k})" if k > 1 else ""))
-    return "; ".join(f"{strategy_name(s)}: {', '.join(names)}" for s, names in losses.items())
+    for strategy, loss, _, _ in recipes:
+        if loss not in losses.setdefault(strategy, []):
+            losses[strategy].append(loss)
+    alike: dict[str, list[str]] = {}
+    for strategy, names_ in losses.items():
+        alike.setdefault(", ".join(names_), []).append(strategy_name(strategy))
+    return "; ".join(f"{', '.join(s)}: {names_}" for names_, s in alike.items())
 
 
 def _optimizer_outcomes(scaled: pd.DataFrame, rtol: float) -> dict[str, list[str]]:
@@ -257,9 +262,9 @@ def _lr_answers(lr: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
             "N devices or k micro-steps: which loss gives the big-batch update unchanged?",
             _by_strategy(matching),
             f"{count(sum(len(g) for g in together), 'run')} over "
-            f"{count(lr['optimizer'].nunique(), 'optimizer')}, N = "
-            f"{integers(lr['world_size'])}; update_error ≤ "
-            f"{small(max(float(g['update_error'].max()) for g in together))}"))
+            f"{count(lr['optimizer'].nunique(), 'optimizer')} (N = "
+            f"{integers(lr['world_size'])}, k = {integers(lr['accum_steps'])}), worst "
+            f"update_error {small(max(float(g['update_error'].max()) for g in together))}"))
     scaled = lr[_scaled(lr, inputs.rtol)]
     if not scaled.empty:
         outcomes = _optimizer_outcomes(scaled, inputs.rtol)
@@ -270,14 +275,14 @@ def _lr_answers(lr: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
         if "exact-inverse" in outcomes:
             fix.append(f"lr × 1/s for {words(outcomes['exact-inverse'])}")
         if "none" in outcomes and matching:
-            fix.append("change the loss to a recipe of the row above for "
-                       f"{words(outcomes['none'])}")
+            fix.append("otherwise a loss of the row above")
+        scales = scaled["grad_scale"]
         answers.append(Answer(
-            "The gradient is s times the big batch's (a sum loss, a per-device normalization): "
-            "which learning rate restores the update?", answer,
-            f"{count(len(scaled), 'run')}, s = "
-            f"{', '.join(dict.fromkeys(factor_text(s, inputs.rtol) for s in scaled['grad_scale']))}"
-            f"; residuals {span(scaled['lr_factor_residual'])}", "; ".join(fix)))
+            "Gradient s × the big batch's (a sum loss, a per-device normalization): which "
+            "learning rate restores the update?", answer,
+            f"{count(len(scaled), 'run')}, s from {factor_text(scales.min(), inputs.rtol)} to "
+            f"{factor_text(scales.max(), inputs.rtol)}; lr_factor_residual "
+            f"{span(scaled['lr_factor_residual'])}", "; ".join(fix)))
     return answers
 
 
@@ -493,7 +498,7 @@ def _scaling_answers(rows: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
         shown = "none" if any(h is None for h in held) else number(min(held))
         limits.append(f"{phase} weights: up to lr = {shown}")
     return [Answer(
-        "Linear scaling rule (lr × N for an N-times batch): up to which learning rate does one "
+        "lr × N for an N-times batch (linear scaling): up to which learning rate does one "
         "big step stand in for N small ones?",
         "; ".join(limits) + " at every N",
         f"{count(len(rows), 'run')}, N = {integers(rows['world_size'])}, lr = "
