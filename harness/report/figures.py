@@ -128,8 +128,10 @@ def ratio_axis(axis, ks: list[int]) -> list:
     axis.set_yticks(shown, [ticks[t] for t in shown])
     axis.minorticks_off()
     axis.set_ylim(low, high)
-    return [Line2D([], [], color="0.55", linestyle="--", label="1/k (averaged)"),
-            Line2D([], [], color="0.55", linestyle=":", label="1 (summed / the big batch)")]
+    # The lines name what y is of the k gradients, not what a reduction did: a mean loss
+    # puts 1/k into a sum too.
+    return [Line2D([], [], color="0.55", linestyle="--", label="1/k (their mean)"),
+            Line2D([], [], color="0.55", linestyle=":", label="1 (their sum)")]
 
 
 def _shifts(n: int, width: float) -> list[float]:

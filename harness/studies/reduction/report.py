@@ -57,9 +57,9 @@ def _weights_title(data, rtol) -> str:
         did.setdefault(REDUCED.get(op, op), []).append(strategy_name(strategy))
     plotted = spec.multiples(multi, "rank_multiple", "devices_used", "strategy",
                              "loss_reduction")
-    return ("The reduction " + "; ".join(f"{verb} for {words(names)}" for verb, names in
-                                         did.items())
-            + " (reduce_weight). Plotted: param.grad / Σ own-shard gradients of the same loss, "
+    return ("What each device fed the reduction was " + "; ".join(
+        f"{verb} by {words(names)}" for verb, names in did.items())
+            + " (reduce_weight). Plotted: param.grad / Σ own-shard gradients of the same loss "
             f"(DataParallel's mean loss divides by the gathered batch): "
             f"{spec.ratio_words(plotted)}")
 
