@@ -28,7 +28,7 @@
    time <= 1.5x the bare loop's, and peak memory within one extra copy of the
    gradients plus the reference's parameters and gradients.
 
-Prints a Markdown table (the README's "Speed" section is this output) and
+Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
 ``--repeat`` runs; the machine is described in the output.
 """

@@ -1,47 +1,171 @@
-"""The README documents every CSV column each study writes, with the unit the code declares.
+"""README.md and docs/ say what the code and the committed results say.
 
-The schema is declared once, as ``Column``s next to each study; the README's
-tables are its documentation, so a column added, renamed or re-united in code
-without the README fails here.
+Their generated parts (column tables, quoted numbers, the check example) must be what
+``scripts/docs.py`` makes of the schemas and ``results/`` now; each sentence that
+states a verdict refuses rows that no longer show it; the README stays short, opens
+with the answers, and its check example runs.
 """
 
+from __future__ import annotations
+
 import re
+import shutil
+import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from harness.studies import STUDIES
-from harness.studies.base import LEADING_COLUMNS, TRAILING_COLUMNS
+from harness.report import docs
+from harness.studies import STUDY_PACKAGES, study_columns
+from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS
+from tests.launch import run_python
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-#: A schema row: one column, or several sharing a line (`` `a`, `b` ``), then the unit.
-ROW = re.compile(r"^\| (?P<names>`[^|]+`) \|(?P<unit>[^|]*)\|", re.MULTILINE)
-
-
-def study_section(name: str) -> str:
-    match = re.search(rf"^### `{re.escape(name)}`.*?(?=^##)", README, re.MULTILINE | re.DOTALL)
-    assert match, f"README has no section '### `{name}`: ...'"
-    return match.group(0)
-
-
-def documented(text: str) -> dict[str, str]:
-    return {name: m["unit"].strip() for m in ROW.finditer(text)
-            for name in re.findall(r"`([^`]+)`", m["names"])}
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+RESULTS_DOC = (ROOT / "docs" / "results.md").read_text()
+RESULTS = docs.Results(ROOT / "results")
+#: A schema row of a generated table: the column, then its unit.
+ROW = re.compile(r"^\| `(?P<name>[^`]+)` \| (?P<unit>.*?) \| ", re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", sorted(STUDIES))
-def test_every_column_of_a_study_is_in_its_readme_section_with_its_unit(name):
-    table = documented(study_section(name))
-    declared = {column.name: column.unit for column in STUDIES[name].columns}
-    assert sorted(set(declared) - set(table)) == [], "columns missing from the README"
-    assert sorted(set(table) - set(declared)) == [], "README columns the study does not write"
-    # A shared line ("as in `reduction`") may leave the unit to the row it points at.
-    wrong = {n: (declared[n], table[n]) for n in declared if table[n] and declared[n] != table[n]}
-    assert wrong == {}, "units that differ (code, README)"
+def part(text: str, name: str) -> str:
+    match = re.search(rf"<!-- generated: {re.escape(name)} -->\n(.*?)<!-- end: ", text, re.DOTALL)
+    assert match, f"no generated part {name!r}"
+    return match.group(1)
 
 
-def test_the_common_columns_are_documented_once():
-    common = documented(README.split("### `", 1)[0])
-    for column in (*LEADING_COLUMNS, *TRAILING_COLUMNS):
-        if column.name not in {"study", "case_id", "status"} | set(common):
-            pytest.fail(f"common column {column.name} is not in the README's common table")
+def test_readme_and_docs_are_what_the_schemas_and_results_give():
+    stale = docs.stale(ROOT, RESULTS)
+    assert stale == {}, "run python scripts/docs.py"
+
+
+@pytest.mark.parametrize("name", STUDY_PACKAGES)
+def test_every_column_of_a_study_is_in_its_table_with_its_unit(name):
+    assert f"## `{name}`" in RESULTS_DOC
+    table = {m["name"]: m["unit"].replace("\\|", "|") for m in
+             ROW.finditer(part(RESULTS_DOC, f"columns:{name}"))}
+    assert table == {c.name: c.unit for c in study_columns(name)}
+
+
+def test_the_common_and_check_columns_are_documented():
+    common = {m["name"] for m in ROW.finditer(part(RESULTS_DOC, "columns:common"))}
+    assert common == {c.name for c in (*LEADING_COLUMNS, *TRAILING_COLUMNS)}
+    from harness.check.schema import COLUMN_NAMES
+    check = [m["name"] for m in ROW.finditer(part(RESULTS_DOC, "columns:check"))]
+    assert check == list(COLUMN_NAMES)
+
+
+def test_the_readme_is_short_and_opens_with_the_answers_a_figure_and_the_quick_start():
+    lines = README.splitlines()
+    assert len(lines) <= 300
+    first = "\n".join(lines[:40])
+    assert "<!-- generated: answers -->" in first and "<!-- end: answers -->" in first
+    figure = re.search(r"!\[[^\]]*\]\((results/figures/[\w.]+\.png)\)", first)
+    assert figure and (ROOT / figure.group(1)).is_file()
+    quick = re.search(r"## Quick start\n\n```bash\n(.*?)```", first, re.DOTALL)
+    assert quick and quick.group(1).splitlines() == [
+        "pip install torch==2.13.0 -e '.[test]' && grad-study --nproc 4",
+        "python -m pytest -n auto"]
+    # The default --out is results/: running the quick start rewrites the committed run.
+    assert "replacing the committed results" in first
+
+
+def test_every_local_link_of_the_readme_and_docs_exists():
+    for path in (ROOT / "README.md", *(ROOT / "docs").glob("*.md")):
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
+            assert (path.parent / target).exists(), f"{path.name} links to {target}"
+
+
+# ------------------------------------------------------------- the sentences
+def test_the_answer_sentences_quote_the_rows():
+    reduction = pd.read_csv(ROOT / "results" / "reduction.csv").query(docs.MULTI)
+    averaged = reduction[reduction["strategy"].isin(["ddp", "fsdp"])]
+    assert f"**DDP and FSDP average** the devices' gradients (÷ k; {len(averaged)} cases" \
+        in README
+    summed = reduction[reduction["strategy"] == "dp-emulated"]
+    assert f"**DataParallel sums** them ({len(summed)} cases" in README
+    run = RESULTS.manifest()
+    assert f"{run['wall_time_s']:.1f} s in all on {run['launch_world_size']} ranks" in README
+    frameworks = RESULTS.manifest("frameworks")["studies"]["frameworks"]
+    assert f"| `frameworks` | {frameworks['cases']} | {frameworks['wall_time_s']:.1f} s |" in (
+        ROOT / "docs" / "speed.md").read_text()
+
+
+def _results_copy(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ROOT / "results", tmp_path / "results",
+                                ignore=shutil.ignore_patterns("*.png")))
+
+
+@pytest.mark.parametrize(("csv", "query", "column", "value", "sentence"), [
+    ("reduction", "strategy == 'ddp' and devices_used == 2", "reduce_op", "sum",
+     "DDP and FSDP average"),
+    ("reduction", "strategy == 'dp-emulated' and devices_used == 3", "reduce_op", "mean",
+     "DataParallel sums"),
+    ("accumulation", "zero_grad == 'every-step' and loss_scaling == '1/k' and norm == 'none' "
+     "and shards == 'even' and loss_normalization == 'micro-batch-mean' and accum_steps == 4",
+     "verdict", "differs", "loss / k with one zero_grad per window equals the big batch"),
+    ("accumulation", "norm == 'none' and shards == 'uneven' and loss_normalization == "
+     "'window-total' and accum_steps == 4", "verdict", "differs",
+     "normalizing by the window's total fixes uneven micro-batches"),
+])
+def test_a_sentence_the_rows_no_longer_show_is_refused(tmp_path, csv, query, column, value,
+                                                       sentence):
+    folder = _results_copy(tmp_path)
+    frame = pd.read_csv(folder / f"{csv}.csv")
+    frame.loc[frame.query(query).index[:1], column] = value
+    frame.to_csv(folder / f"{csv}.csv", index=False)
+    with pytest.raises(docs.Unsupported, match=re.escape(sentence)):
+        docs.answers(docs.Results(folder))
+
+
+# ------------------------------------------------------------- the command
+def _docs(*args: str):
+    return run_python([sys.executable, str(ROOT / "scripts" / "docs.py"), *args], 60)
+
+
+def test_check_fails_on_a_stale_copy_and_a_rewrite_makes_it_pass(tmp_path):
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    for name in docs.DOCUMENTS:
+        shutil.copy(ROOT / name, root / name)
+    shutil.copytree(ROOT / "examples", root / "examples")
+    folder = _results_copy(tmp_path)
+    run = (folder / "run.json").read_text()
+    (folder / "run.json").write_text(run.replace('"wall_time_s": 59.998',
+                                                 '"wall_time_s": 61.5'))
+    args = ("--root", str(root), "--results", str(folder))
+    stale = _docs(*args, "--check")
+    assert stale.returncode == 1 and "out of date: README.md;" in stale.stdout
+    assert _docs(*args).returncode == 0
+    assert "61.5 s in all" in (root / "README.md").read_text()
+    again = _docs(*args, "--check")
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_folder_that_is_not_a_run_is_one_line_exit_2(tmp_path):
+    done = _docs("--results", str(tmp_path), "--check")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "docs.py: error: missing" in done.stderr
+
+
+def test_an_unknown_generated_part_is_refused():
+    with pytest.raises(docs.Unsupported, match="no generated part is called 'answer'"):
+        docs.refresh("<!-- generated: answer -->\n<!-- end: answer -->\n", RESULTS,
+                     docs.parts(ROOT))
+
+
+# ------------------------------------------------------------- the check example
+def test_the_readme_quotes_the_check_example_whole():
+    quoted = part(README, "example:readme_check")
+    assert quoted == f"```python\n{(ROOT / 'examples' / 'readme_check.py').read_text()}```\n"
+
+
+@pytest.mark.launches(seconds=25)
+def test_the_readme_check_example_runs_and_matches_the_big_batch(tmp_path):
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+                       "examples.readme_check:make_setup", "--strategies", "ddp",
+                       "--world-sizes", "2", "--accum-steps", "2", "--out", str(tmp_path)], 240)
+    assert done.returncode == 0, done.stderr
+    rows = pd.read_csv(tmp_path / "check.csv")
+    assert len(rows) == 2 and set(rows["verdict"]) == {"matches"}

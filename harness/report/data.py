@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 #: harness/tolerances.py's RELATIVE_TOLERANCE by dtype name: the report draws it (figures,
 #: captions) without importing torch, which that module's keys need; a test keeps them equal.
 TOLERANCES = {"float64": 1e-9, "float32": 1e-4}
-#: Columns every study's CSV has (README, "Studies and their CSVs"), that the report relies on.
+#: Columns every study's CSV has (docs/results.md), that the report relies on.
 COMMON_COLUMNS = ("study", "case_id", "status")
 
 

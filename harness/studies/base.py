@@ -5,7 +5,7 @@ declared once, next to its measuring code, in its own package under
 ``harness/studies/<name>/``:
 
 - ``columns``: the CSV's own columns, each a :class:`Column` with its unit and
-  meaning (README tables and ``study.py --schema`` are printed from these),
+  meaning (docs/results.md's tables and ``study.py --schema`` are printed from these),
   declared in the package's torch-free ``schema.py`` so that the registry and the
   report read them without the measuring code;
 - ``Options``: a frozen dataclass of the study's own settings, each field an
