@@ -136,7 +136,7 @@ def test_check_fails_on_a_stale_copy_and_a_rewrite_makes_it_pass(tmp_path):
                                                  '"wall_time_s": 61.5'))
     args = ("--root", str(root), "--results", str(folder))
     stale = _docs(*args, "--check")
-    assert stale.returncode == 1 and "out of date: README.md;" in stale.stdout
+    assert stale.returncode == 1 and "out of date: README.md, docs/speed.md;" in stale.stdout
     assert _docs(*args).returncode == 0
     assert "61.5 s in all" in (root / "README.md").read_text()
     again = _docs(*args, "--check")

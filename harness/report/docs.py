@@ -213,10 +213,10 @@ def run_line(results: Results) -> str:
     run = results.manifest()
     cases = sum(int(s["cases"]) for s in run["studies"].values())
     studies = len(run["studies"])
-    return (f"`results/` holds what `{run['command']}` wrote: {studies} "
-            f"{'study' if studies == 1 else 'studies'}, "
-            f"{cases} cases, {run['wall_time_s']:.1f} s in all on {run['launch_world_size']} "
-            f"ranks ({run['backend']}, {run['device']}, {run['dtype']}, torch "
+    context = ", ".join(str(run[key]) for key in ("backend", "device", "dtype"))
+    wrote = f"{studies} {'study' if studies == 1 else 'studies'}, {cases} cases"
+    return (f"`results/` holds what `{run['command']}` wrote: {wrote}, {run['wall_time_s']:.1f} s "
+            f"in all on {run['launch_world_size']} ranks ({context}, torch "
             f"{run['torch_version']}).")
 
 
@@ -228,6 +228,9 @@ def times(results: Results) -> str:
         for study, entry in run["studies"].items():
             body.append([code(study), str(entry["cases"]), f"{entry['wall_time_s']:.1f} s",
                          code(run["command"])])
+        # The run as its run.json times it, besides the studies alone.
+        body.append(["the whole run", str(sum(int(e["cases"]) for e in run["studies"].values())),
+                     f"{run['wall_time_s']:.1f} s", code(run["command"])])
     return table(["study", "cases", "wall time", "run"], body, [False, True, True, False])
 
 
