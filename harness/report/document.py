@@ -121,7 +121,9 @@ def _answers(results: RunResults, sections: dict[str, Section],
     if not rows:
         return ""
     return ("## Answers\n\nEach answer is computed from the rows of the linked section; the "
-            "evidence says how many cases it rests on and how far the worst one is from it.\n\n"
+            "evidence says how many cases it rests on and how far the worst one is from it. "
+            "The settings and cases behind an answer are listed in the section its question "
+            "links to.\n\n"
             + table(["question", "measured answer", "evidence", "fix"], rows))
 
 
