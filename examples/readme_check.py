@@ -1,5 +1,5 @@
-"""A classifier with cross-entropy and AdamW: check that 2 ranks x 2 micro-steps take the
-big-batch step.
+"""A classifier with cross-entropy and AdamW: check that its step on 1 or 2 ranks, with 1 or 2
+micro-steps each, is the big-batch step.
 
     grad-check --nproc 2 examples.readme_check:make_setup
 """

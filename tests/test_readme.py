@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from harness.report import docs
+from harness.report.document import anchor
 from harness.studies import STUDY_PACKAGES, study_columns
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS
 from tests.launch import run_python
@@ -73,8 +74,13 @@ def test_the_readme_is_short_and_opens_with_the_answers_a_figure_and_the_quick_s
 
 def test_every_local_link_of_the_readme_and_docs_exists():
     for path in (ROOT / "README.md", *(ROOT / "docs").glob("*.md")):
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
-            assert (path.parent / target).exists(), f"{path.name} links to {target}"
+        for target, heading in re.findall(r"\]\(([^)#:]+)(?:#([^)]*))?\)", path.read_text()):
+            linked = path.parent / target
+            assert linked.exists(), f"{path.name} links to {target}"
+            if heading:
+                anchors = {anchor(h) for h in re.findall(r"^#+ (.*)$", linked.read_text(),
+                                                         re.MULTILINE)}
+                assert heading in anchors, f"{path.name} links to {target}#{heading}"
 
 
 # ------------------------------------------------------------- the sentences
@@ -161,11 +167,14 @@ def test_the_readme_quotes_the_check_example_whole():
     assert quoted == f"```python\n{(ROOT / 'examples' / 'readme_check.py').read_text()}```\n"
 
 
-@pytest.mark.launches(seconds=25)
-def test_the_readme_check_example_runs_and_matches_the_big_batch(tmp_path):
-    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
-                       "examples.readme_check:make_setup", "--strategies", "ddp",
-                       "--world-sizes", "2", "--accum-steps", "2", "--out", str(tmp_path)], 240)
+@pytest.mark.launches(seconds=20)
+def test_the_readme_check_example_runs_as_the_readme_says_and_matches_the_big_batch(tmp_path):
+    command = "grad-check --nproc 2 examples.readme_check:make_setup"
+    assert f"```bash\n{command}\n" in README
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), *command.split()[1:],
+                       "--out", str(tmp_path)], 240)
     assert done.returncode == 0, done.stderr
     rows = pd.read_csv(tmp_path / "check.csv")
-    assert len(rows) == 2 and set(rows["verdict"]) == {"matches"}
+    # The defaults: local, ddp and fsdp x N = 1, 2 x k = 1, 2 x grad, params.
+    assert set(rows["strategy"]) == {"local", "ddp", "fsdp"} and len(rows) == 24
+    assert set(rows["verdict"]) == {"matches"}
