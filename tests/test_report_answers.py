@@ -15,6 +15,7 @@ import pytest
 
 from harness.report import REPORT_NAME, write_report
 from harness.report.findings import emulation_only
+from harness.report.text import number, small
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The longest an answer-table cell may be, link markup included.
@@ -73,3 +74,80 @@ def test_emulation_only_is_said_only_where_the_real_strategy_was_not_measured():
 def test_the_committed_reports_are_what_their_csvs_render(rendered, request):
     folder = ROOT / request.node.callspec.params["rendered"]
     assert (folder / REPORT_NAME).read_text() == rendered
+
+
+# ------------------------------------------------- answers against their rows
+def row_of(report: str, question_start: str) -> list[str]:
+    found = [r for r in answer_rows(report) if r[0].startswith(f"[{question_start}")]
+    assert found, f"no answer row asks {question_start!r}"
+    return found[0]
+
+
+def between(values: pd.Series) -> str:
+    low, high = small(values.min()), small(values.max())
+    return low if low == high else f"{low} to {high}"
+
+
+def test_the_printed_values_answer_counts_the_reproduced_ones():
+    rows = pd.read_csv(ROOT / "results" / "seed001.csv")
+    printed = rows[(rows["status"] == "ok") & rows["seed_printed"].notna()]
+    same = int((printed["matches_seed"].astype(str) == "True").sum())
+    _, answer, evidence, _ = row_of((ROOT / "results" / REPORT_NAME).read_text(),
+                                    "DataParallel, mean loss: the source post printed")
+    assert evidence.startswith(f"{same} of {len(printed)} printed values reproduced")
+    off = printed[printed["matches_seed"].astype(str) == "False"].iloc[0]
+    assert answer.startswith(f"{number(off['seed_printed'])} = {number(off['printed_ratio'])} × "
+                             f"{number(off['measured_grad'])}: ")
+
+
+def test_the_scale_answers_give_the_worst_residual_of_the_fitting_cases():
+    rows = pd.read_csv(ROOT / "results" / "reduction.csv").query(
+        "status == 'ok' and devices_used >= 2 and loss_reduction == 'mean'")
+    fits = rows[rows["full_batch_verdict"] != "differs"]
+    misfits = rows[rows["full_batch_verdict"] == "differs"]
+    _, answer, evidence, _ = row_of((ROOT / "results" / REPORT_NAME).read_text(),
+                                    "Training on k devices with a mean loss")
+    assert evidence == (f"{len(rows)} cases, worst residual "
+                        f"{small(fits['full_batch_residual'].max())} (BatchNorm: ≥ "
+                        f"{small(misfits['full_batch_residual'].min())})")
+    assert answer.endswith(f"no multiple for {', '.join(misfits['model'].unique())}")
+
+
+def test_each_accumulation_fix_names_the_setting_it_goes_with():
+    _, answer, _, fix = row_of((ROOT / "results" / REPORT_NAME).read_text(),
+                               "Accumulating with zero_grad once per window")
+    causes = answer.split("; ")
+    fixes = fix.split("; ")
+    assert len(causes) == len(fixes)
+    for cause, fixed in zip(causes, fixes, strict=True):
+        assert fixed.startswith(cause.split(" with ")[0] + ": ")
+    # Each fix turns the failing settings into ones the rows show matching at every k.
+    rows = pd.read_csv(ROOT / "results" / "accumulation.csv").query(
+        "status == 'ok' and zero_grad == 'every-step' and norm == 'groupnorm' and shards == "
+        "'even' and loss_normalization == 'micro-batch-mean' and loss_scaling == '1/k'")
+    assert "norm = groupnorm" in fixes[0] and set(rows["verdict"]) == {"matches"}
+
+
+def test_the_frameworks_answers_quote_their_first_setting_and_the_misses():
+    rows = pd.read_csv(ROOT / "results" / "frameworks" / "frameworks.csv").query(
+        "status == 'ok' and point == 'grad'")
+    report = (ROOT / "results" / "frameworks" / REPORT_NAME).read_text()
+    for framework, group in rows.groupby("framework", sort=False):
+        _, answer, evidence, _ = row_of(report, f"{framework} ")
+        assert answer.startswith(f"`{group['setting'].iloc[0]}`: ")
+        matches = group[group["verdict"] == "matches"]
+        assert evidence == (f"{len(group)} cases, worst residual of a match "
+                            f"{small(matches['residual'].max())}")
+        for row in group[(group["loss"] == "mean") & (group["verdict"] == "scaled")].to_dict(
+                "records"):
+            assert (f"`{row['setting']}` ({number(row['scale'])} × the big batch's at k = "
+                    f"{row['accum_steps']})") in answer
+
+
+def test_the_powersgd_answer_gives_each_variants_error_after_its_exact_steps():
+    rows = pd.read_csv(ROOT / "results" / "hooks.csv").query("status == 'ok'")
+    _, answer, _, _ = row_of((ROOT / "results" / REPORT_NAME).read_text(),
+                             "Which settings give neither the average")
+    for variant in rows.loc[rows["verdict"] == "differs", "variant"].unique():
+        differs = rows[(rows["variant"] == variant) & (rows["verdict"] == "differs")]
+        assert f"{between(differs['relative_error'])} (DDP {variant})" in answer
