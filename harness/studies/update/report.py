@@ -165,8 +165,17 @@ def _recipe_label(strategy: str, loss: str, k: int) -> str:
 
 
 def _by_strategy(recipes: list[tuple[str, str, int, pd.DataFrame]]) -> str:
+    """``DDP: mean, sum/b, mean/k (k = 4); FSDP: mean``: the recipes, grouped by strategy."""
+    losses: dict[str, list[str]] = {}
+    for strategy, loss, k, _ in recipes:
+        losses.setdefault(strategy, []).append(loss + (f" (k = {k})" if k > 1 else ""))
+    return "; ".join(f"{strategy_name(s)}: {', '.join(names)}" for s, names in losses.items())
+
+
+def _alike_strategies(recipes: list[tuple[str, str, int, pd.DataFrame]]) -> str:
     """``DDP, FSDP: mean, sum/b, mean/k; one process (local): mean/k``: each strategy's loss
-    recipes (at any k), strategies with the same ones sharing a clause."""
+    recipes (at any k: the evidence gives the k), strategies with the same ones sharing a
+    clause, short enough for the answer table."""
     losses: dict[str, list[str]] = {}
     for strategy, loss, _, _ in recipes:
         if loss not in losses.setdefault(strategy, []):
@@ -260,7 +269,7 @@ def _lr_answers(lr: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
         together = [g for *_, g in matching]
         answers.append(Answer(
             "N devices or k micro-steps: which loss gives the big-batch update unchanged?",
-            _by_strategy(matching),
+            _alike_strategies(matching),
             f"{count(sum(len(g) for g in together), 'run')} over "
             f"{count(lr['optimizer'].nunique(), 'optimizer')} (N = "
             f"{integers(lr['world_size'])}, k = {integers(lr['accum_steps'])}), worst "
