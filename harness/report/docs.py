@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.report.text import code, integers, number, small, table
+from harness.report.text import code, integers, small, table
 from harness.studies import STUDY_PACKAGES, study_columns
+from harness.studies.frameworks.report import at_k
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
 
 #: The files with generated parts, relative to the repository root.
@@ -173,38 +174,79 @@ def breaks_answer(results: Results) -> str:
             f"({_share(window, window['verdict'] == 'matches')} cases).")
 
 
+@dataclass(frozen=True)
+class FrameworkRows:
+    """The frameworks run's measured gradient rows, the rows of each framework's first
+    setting (its baseline, as labelled), and the settings that matched with padding."""
+
+    every: pd.DataFrame
+    base: pd.DataFrame
+    fixed: pd.DataFrame
+
+    @classmethod
+    def read(cls, results: Results) -> FrameworkRows | None:
+        rows = results.csv("frameworks", "frameworks").query(
+            "status == 'ok' and point == 'grad'")
+        if rows.empty:
+            return None
+        firsts = rows.groupby("framework", sort=False)["setting"].first()
+        return cls(rows, rows[rows["setting"] == rows["framework"].map(firsts)],
+                   rows[(rows["loss"] == "token") & (rows["verdict"] == "matches")])
+
+    def baseline(self, loss: str, settings: bool = True) -> str:
+        return _alike(self.base[self.base["loss"] == loss], settings)
+
+
 def frameworks_answer(results: Results) -> str:
-    """What the frameworks run measured with its first setting per framework, as labelled."""
-    rows = results.csv("frameworks", "frameworks").query("status == 'ok' and point == 'grad'")
-    if rows.empty:
+    """What the frameworks run measured: each framework's baseline by name, then the settings
+    that gave the big batch with padded sequences and those that missed it with equal ones;
+    every clause read from the rows, none assumed."""
+    rows = FrameworkRows.read(results)
+    if rows is None:
         return "The frameworks run holds no measured rows."
-    firsts = rows.groupby("framework", sort=False)["setting"].first()
-    base = rows[rows["setting"] == rows["framework"].map(firsts)]
-    equal, padded = base[base["loss"] == "mean"], base[base["loss"] == "token"]
-    require((equal["verdict"] == "matches").all(), "each framework's first setting gives the "
-            "big batch with equal lengths", "frameworks.csv: point = grad, loss = mean")
-    require((padded["verdict"] == "differs").all(), "padded sequences give no multiple",
-            "frameworks.csv: point = grad, loss = token")
-    fixed = rows[(rows["loss"] == "token") & (rows["verdict"] == "matches")]
-    labels = ", ".join(f"{f} `{s}`" for f, s in firsts.items())
-    missed = rows[(rows["loss"] == "mean") & (rows["verdict"] != "matches")]
-    off = "; ".join(f"{r['framework']} `{r['setting']}` at k = {r['accum_steps']}: "
-                    f"{number(r['scale'])} × it" if r["verdict"] == "scaled" else
-                    f"{r['framework']} `{r['setting']}` at k = {r['accum_steps']}: no multiple"
-                    for r in missed.to_dict("records"))
-    return (f"In `results/frameworks/`, with equal-length sequences, the first setting of each "
-            f"framework ({labels}) handed the optimizer the big-batch gradient at k = "
-            f"{integers(equal['accum_steps'])} ({len(equal)} cases); with padded sequences of "
-            f"random length it gave no multiple of it ({len(padded)} cases), and normalizing "
-            f"by the window's token count fixed it ({len(fixed)} cases, "
-            f"{', '.join(dict.fromkeys(fixed['framework']))})."
-            + (f" Settings that missed it with equal lengths: {off}." if off else ""))
+    every = rows.every
+    missed = every[(every["loss"] == "mean") & (every["verdict"] != "matches")]
+    text = (f"In `results/frameworks/`, the first setting of each framework handed the optimizer, "
+            f"with equal-length sequences, {rows.baseline('mean')}; with padded sequences of "
+            f"random length, {rows.baseline('token')}.")
+    if not rows.fixed.empty:
+        text += (" The big batch's with padded sequences came from " + ", ".join(
+            f"{f} `{s}`" for f, s in rows.fixed[["framework", "setting"]].drop_duplicates()
+            .itertuples(index=False)) + ".")
+    if not missed.empty:
+        text += " Settings that missed it with equal lengths: " + "; ".join(
+            f"{r['framework']} `{r['setting']}` ({at_k(pd.DataFrame([r]))})"
+            for r in missed.to_dict("records")) + "."
+    return text
+
+
+def _alike(rows: pd.DataFrame, settings: bool = True) -> str:
+    """``accelerate `default`, lightning `default`: the big batch's at k = 1, 4``: frameworks
+    whose rows read alike share a clause (named with their setting, or alone)."""
+    alike: dict[str, list[str]] = {}
+    for framework, group in rows.groupby("framework", sort=False):
+        name = f"{framework} `{group['setting'].iloc[0]}`" if settings else framework
+        alike.setdefault(at_k(group), []).append(name)
+    return "; ".join(f"{', '.join(names)}: {phrase}" for phrase, names in alike.items())
+
+
+def frameworks_summary(results: Results) -> str:
+    """The README's short form of :func:`frameworks_answer`."""
+    rows = FrameworkRows.read(results)
+    if rows is None:
+        return "The frameworks run holds no measured rows."
+    settings = len(rows.fixed[["framework", "setting"]].drop_duplicates())
+    clauses = [f"with equal-length sequences, {rows.baseline('mean', False)}",
+               f"with padded sequences of random length, {rows.baseline('token', False)}"]
+    return ("**Frameworks** (`results/frameworks/`, each framework's first setting as labelled "
+            "there): the optimizer got, " + "; ".join(clauses) + f". {settings} other settings "
+            "gave it the big batch's with padded sequences.")
 
 
 def answers(results: Results) -> str:
     return "\n".join(f"- {sentence(results)}" for sentence in (
         reduction_answer, mean_loss_answer, accumulation_answer, breaks_answer,
-        frameworks_answer))
+        frameworks_summary))
 
 
 # ---------------------------------------------------------------- run times

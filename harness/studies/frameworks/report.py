@@ -21,7 +21,7 @@ PHRASES = {Equivalence.MATCHES: "the big batch's", Equivalence.SCALED: "{scale} 
            "batch's", Equivalence.DIFFERS: "no multiple of it"}
 
 
-def _at_k(rows) -> str:
+def at_k(rows) -> str:
     """``the big batch's at k = 1; 0.25 × the big batch's at k = 4``."""
     phrases: dict[str, list] = {}
     for row in rows.sort_values("accum_steps").to_dict("records"):
@@ -55,13 +55,13 @@ def framework_answers(rows: spec.Rows) -> list[spec.Answer]:
     for framework, group in rows.select(GRAD).groupby("framework", sort=False):
         base = group["setting"].iloc[0]
         answer = f"`{base}`: " + ", ".join(
-            f"{_at_k(by_loss)} ({LOSS_NAMES.get(loss, loss + ' loss')})"
+            f"{at_k(by_loss)} ({LOSS_NAMES.get(loss, loss + ' loss')})"
             for loss, by_loss in group[group["setting"] == base].groupby("loss", sort=False))
         equal = group[group["loss"] == "mean"]
         off = equal[equal["verdict"] != Equivalence.MATCHES]
         if not off.empty:
             answer += "; off with equal lengths: " + few(
-                [f"`{r['setting']}` ({_at_k(pd.DataFrame([r]))})" for r in
+                [f"`{r['setting']}` ({at_k(pd.DataFrame([r]))})" for r in
                  off.to_dict("records")], 1)
         fixed = group[(group["loss"] == "token") & (group["verdict"] == Equivalence.MATCHES)]
         matches = group[group["verdict"] == Equivalence.MATCHES]
