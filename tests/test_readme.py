@@ -178,3 +178,19 @@ def test_the_readme_check_example_runs_as_the_readme_says_and_matches_the_big_ba
     # The defaults: local, ddp and fsdp x N = 1, 2 x k = 1, 2 x grad, params.
     assert set(rows["strategy"]) == {"local", "ddp", "fsdp"} and len(rows) == 24
     assert set(rows["verdict"]) == {"matches"}
+
+
+def test_the_frameworks_sentences_follow_the_rows_of_each_baseline(tmp_path):
+    folder = _results_copy(tmp_path)
+    csv = folder / "frameworks" / "frameworks.csv"
+    frame = pd.read_csv(csv)
+    # A baseline that clips: its equal-length gradient becomes a multiple at k = 1.
+    clipped = frame.query("framework == 'deepspeed' and setting == 'zero0' and loss == 'mean' "
+                          "and accum_steps == 1 and point == 'grad'").index
+    frame.loc[clipped, ["verdict", "scale"]] = ["scaled", 0.5]
+    frame.to_csv(csv, index=False)
+    summary = docs.frameworks_summary(docs.Results(folder))
+    assert ("accelerate, lightning, transformers: the big batch's at k = 1, 4; deepspeed: 0.5 × "
+            "the big batch's at k = 1; the big batch's at k = 4") in summary
+    assert "deepspeed `zero0` (0.5 × the big batch's at k = 1)" in docs.frameworks_answer(
+        docs.Results(folder))
