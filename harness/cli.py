@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="results", metavar="DIR",
                         help="folder for the CSVs, run.json and REPORT.md (default: results)")
     parser.add_argument("--seed", default="0", metavar="INT",
-                        help="seed of every batch and initial weight (default: 0)")
+                        help="seed of every batch and initial weight, 0..2^32-1 (default: 0)")
     parser.add_argument("--matrix", default="default", metavar="|".join(MATRICES),
                         help="size of every study's matrix: default = the committed run's; "
                              "full = every combination (default: default)")
