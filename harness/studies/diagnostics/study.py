@@ -53,7 +53,7 @@ from harness.studies.diagnostics.schema import COLUMNS
 from harness.studies.training.data import Digits
 from harness.studies.training.model import TrainingSetup, build_model, seeded_init
 from harness.studies.training.study import ddp_world_sizes
-from harness.tolerances import negligible_relative
+from harness.tolerances import NEGLIGIBLE_RELATIVE, negligible_relative
 
 STRATEGIES = ("local", "ddp")
 EXPERIMENTS = ("lr-sweep", "frozen-layer", "train-vs-eval", "no-grad")
@@ -143,10 +143,12 @@ def _blank_row(case: Case, setting: str) -> dict[str, Any]:
     }
 
 
-def judged_row(row: dict[str, Any], rtol: float, negligible: float) -> dict[str, Any]:
+def judged_row(row: dict[str, Any], rtol: float,
+               negligible: float = NEGLIGIBLE_RELATIVE[torch.float64]) -> dict[str, Any]:
     """The verdicts on a row's numbers; each empty where its number was not measured.
-    A relative change of at most ``negligible`` is rounding, not a move: an exact ``> 0``
-    would hang on whether a tiny update rounded away on this CPU."""
+    A relative change of at most ``negligible`` (by default float64's, the committed run's)
+    is rounding, not a move: an exact ``> 0`` would hang on whether a tiny update rounded
+    away on this CPU."""
     def judged(value: float, verdict) -> bool | None:
         return None if value is None or math.isnan(value) else bool(verdict(value))
 
