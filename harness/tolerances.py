@@ -50,7 +50,8 @@ def relative_tolerance(dtype: torch.dtype) -> float:
 #: the diagnostics study counts such gradient entries as dead and such updates as no move.
 #: An exact ``== 0`` is not stable: whether a sum that cancels mathematically (the gradient
 #: of a conv bias that feeds BatchNorm in train mode) rounds to exactly 0 or to 1e-17
-#: depends on the CPU's kernels -- one ulp on the inputs flips 5 of 28,000 entries.
+#: depends on the CPU's kernels: of the BatchNorm CNN's 35 such entries, one was exactly 0
+#: on one CPU and not on another, and one ulp on the inputs flips it too.
 #: Measured on the diagnostics study's models (every gradient entry of every reported step,
 #: |g| / the layer's largest |g|): float64: the residue lies in 8.8e-18..2.5e-15 and the
 #: BatchNorm CNN's smallest real entry is 5.1e-7; the MLP has no residue and real entries
