@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag, add_timeout_flag
-from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.errors import UsageError, launched_by_harness, refuse
+from harness.failure import report_failure
 from harness.launch import (
     BACKENDS,
     DEVICES,
@@ -24,7 +25,7 @@ from harness.launch import (
     leader_from_environment,
     under_torchrun,
 )
-from harness.launcher import launch_ranks
+from harness.launcher import launch_ranks, say_if_oversubscribed
 from harness.options import (
     StudyOptions,
     check_out_folder,
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="results", metavar="DIR",
                         help="folder for the CSVs, run.json and REPORT.md (default: results)")
     parser.add_argument("--seed", default="0", metavar="INT",
-                        help="seed of every batch and initial weight (default: 0)")
+                        help="seed of every batch and initial weight, 0..2^32-1 (default: 0)")
     parser.add_argument("--matrix", default="default", metavar="|".join(MATRICES),
                         help="size of every study's matrix: default = the committed run's; "
                              "full = every combination (default: default)")
@@ -231,10 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             planned = Launch.planned(nproc)
             config.resolved_world_sizes(planned)
             choose_placement(config.backend, config.device, planned)
+            say_if_oversubscribed(nproc, PROG)
             return launch_ranks(nproc, argv, PROG)
         launch = Launch.from_environment()
         world_sizes = config.resolved_world_sizes(launch)
         placement = choose_placement(config.backend, config.device, launch)
+        if launch.local_rank == 0 and not launched_by_harness():  # --nproc said it already
+            say_if_oversubscribed(launch.local_world_size, PROG)
     except UsageError as error:
         return refuse(error, 0 if leader else 1, PROG)
     from harness.runner import Runner
@@ -243,7 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return Runner(config, launch, placement, world_sizes, studies).run()
     except Exception as error:
-        if launched_by_harness():  # the launcher prints the first line a rank recorded, once
-            record_error(launch.rank, f"{type(error).__name__}: {error}")
+        # Whoever launched the rank prints the first line a rank reported, once: --nproc
+        # as its last line, torchrun in its summary (harness/failure.py). A case's failure
+        # was reported where it happened, naming the case.
+        if not getattr(error, "reported", False):
+            line = f"{type(error).__name__}: {error}"
+            report_failure(launch.rank, line)
+            if not launched_by_harness():
+                print(f"{PROG}: error: rank {launch.rank} failed: {line}", file=sys.stderr,
+                      flush=True)
+        if launched_by_harness():
             return 1
         raise

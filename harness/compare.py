@@ -42,10 +42,12 @@ RUN_FACTS = ("started", "wall_time_s", "command")
 
 def rules() -> str:
     """The rules in words, from the constants that implement them (the ``--help`` text)."""
-    from harness.tolerances import RELATIVE_TOLERANCE
+    from harness.tolerances import COLUMN_TOLERANCES, RELATIVE_TOLERANCE
 
     tolerances = ", ".join(f"{rtol:g} for {str(dtype).removeprefix('torch.')}"
                            for dtype, rtol in RELATIVE_TOLERANCE.items())
+    declared = ", ".join(f"{study}.{column} ±{tolerance:.3g}"
+                         for (study, column), tolerance in COLUMN_TOLERANCES.items())
     paragraphs = [
         "For every study both folders ran, rows are matched by case_id and by their position "
         "among the rows of that case (several studies write several rows per case: one per "
@@ -58,8 +60,10 @@ def rules() -> str:
         "disagreement;",
         "- every other cell: two numbers agree within the relative tolerance of the runs' "
         f"dtype (harness/tolerances.py, the one the verdicts were judged with: {tolerances}; "
-        "the looser one if the dtypes differ; both empty or both NaN agree); anything else "
-        "(verdicts, status, booleans, text) must be the same text.",
+        "the looser one if the dtypes differ; both empty or both NaN agree), or within the "
+        f"absolute tolerance declared for a count-like column whose value may move by one "
+        f"unit between CPUs ({declared or 'none'}); anything else (verdicts, status, "
+        "booleans, text) must be the same text.",
         "A row only one folder has is a difference too (a case measured on one side only). "
         "The run.json settings and run context are shown side by side, not judged. At most "
         f"{MAX_SHOWN} differences are listed, then the counts.",
@@ -93,9 +97,10 @@ def _number(text: str) -> float | None:
         return None
 
 
-def cells_agree(a: str, b: str, rtol: float) -> bool:
+def cells_agree(a: str, b: str, rtol: float, absolute: float = 0.0) -> bool:
     """Two CSV cells agree: equal text, or two numbers within ``rtol`` (harness.tolerances'
-    ``close``), NaN (or empty) on both sides counting as equal."""
+    ``close``) or within ``absolute`` (a column's declared tolerance), NaN (or empty) on
+    both sides counting as equal."""
     from harness.tolerances import close
 
     if a == b:
@@ -107,7 +112,7 @@ def cells_agree(a: str, b: str, rtol: float) -> bool:
         return math.isnan(x) and math.isnan(y)
     if math.isinf(x) or math.isinf(y):
         return x == y
-    return close(x, y, rtol)
+    return close(x, y, rtol) or abs(x - y) <= absolute
 
 
 # --------------------------------------------------------------- one folder
@@ -204,6 +209,8 @@ class Comparison:
     context: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: Columns only one side has: (study, column, side).
     schema: list[tuple[str, str, str]] = field(default_factory=list)
+    #: Declared absolute tolerances applied, by (study, column).
+    declared: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def agree(self) -> bool:
@@ -229,6 +236,8 @@ def _row_label(key: tuple[str, int], rows_in_case: int) -> str:
 
 def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparison) -> None:
     """Add ``study``'s differences between ``a`` and ``b`` to ``into``."""
+    from harness.tolerances import column_tolerance
+
     columns_a, rows_a = a.rows(study)
     columns_b, rows_b = b.rows(study)
     shared = [c for c in columns_a if c in columns_b and c not in ("study", "case_id")]
@@ -236,6 +245,8 @@ def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparis
     into.schema += [(study, c, "B") for c in columns_b if c not in columns_a]
     into.timing_columns |= {c for c in shared if column_kind(c) == "timing"}
     judged = [c for c in shared if column_kind(c) == "judged"]
+    absolute = {c: column_tolerance(study, c) for c in judged}
+    into.declared |= {(study, c): tolerance for c, tolerance in absolute.items() if tolerance}
     context = [c for c in shared if column_kind(c) == "context"]
     left, right = keyed(rows_a), keyed(rows_b)
     rows_in_case = Counter(case_id for case_id, _ in {**left, **right})
@@ -254,7 +265,7 @@ def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparis
         for column in judged:
             into.cells_judged += 1
             x, y = left[key][column], right[key][column]
-            if not cells_agree(x, y, into.rtol):
+            if not cells_agree(x, y, into.rtol, absolute[column]):
                 into.differences.append(Difference(study, label, column, x, y))
 
 
@@ -341,9 +352,12 @@ def report(a: ResultsFolder, b: ResultsFolder, comparison: Comparison) -> str:
 
 def _counts(comparison: Comparison) -> str:
     timing = ", ".join(sorted(comparison.timing_columns)) or "none"
+    declared = "".join(f", {study}.{column} within ±{tolerance:.3g}"
+                       for (study, column), tolerance in comparison.declared.items())
     return (f"compared {', '.join(comparison.studies)}: {comparison.rows_matched} rows matched "
             f"by case_id and position, {comparison.cells_judged} cells judged (numbers within "
-            f"rtol {comparison.rtol:g}, the rest exactly); timing columns ignored: {timing}")
+            f"rtol {comparison.rtol:g}{declared}, the rest exactly); timing columns ignored: "
+            f"{timing}")
 
 
 def _verdict(comparison: Comparison) -> str:

@@ -22,6 +22,7 @@ from harness.options import (
     StudyOptions,
     check_known,
     check_positive_unique,
+    check_seed,
     check_timeout,
 )
 from harness.strategies import STRATEGIES as STRATEGY_SPECS
@@ -108,8 +109,7 @@ class RunConfig:
         check_known("--dtype", [self.dtype], tuple(DTYPES))
         check_known("--matrix", [self.matrix], MATRICES)
         check_timeout(self.timeout)
-        if self.seed < 0:
-            raise UsageError(f"--seed {self.seed} is not allowed; allowed: integers >= 0")
+        check_seed(self.seed)
 
     def options_of(self, study: str) -> StudyOptions | None:
         return self.study_options.get(study)

@@ -1,9 +1,10 @@
 """Gradient diagnostics for any run: what seed 002's author had to print by hand.
 
 Per parameter and per step: the gradient's norm, the fraction of its entries
-that are exactly zero, whether it is None at all, and how large the update was
-relative to the weight. :class:`GradientRecorder` collects them as tidy rows
-(one dict per step and parameter) around whatever applies the update::
+that are dead (negligible against its layer's gradient), whether it is None
+at all, and how large the update was relative to the weight.
+:class:`GradientRecorder` collects them as tidy rows (one dict per step and
+parameter) around whatever applies the update::
 
     recorder = GradientRecorder(model)
     for step, batch in enumerate(batches, start=1):
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.tolerances import negligible_relative
+
 
 @dataclass(frozen=True)
 class GradientStats:
@@ -40,22 +43,44 @@ class GradientStats:
     grad_is_none: bool
     #: L2 norm of ``param.grad``; NaN when it is None.
     grad_norm: float
-    #: Entries of ``param.grad`` equal to 0.0 exactly, over all entries; NaN when None.
+    #: Dead entries of ``param.grad`` (see :func:`dead_entries`), over all entries; NaN
+    #: when None.
     zero_grad_fraction: float
+
+
+def layer_of(parameter: str) -> str:
+    """``conv2.0.weight`` -> ``conv2.0``: the module that owns the parameter."""
+    return parameter.rpartition(".")[0]
+
+
+def layer_scales(module: nn.Module) -> dict[str, float]:
+    """The largest ``|grad|`` entry over each layer's parameters (0: none, or all zero)."""
+    scales: dict[str, float] = {}
+    for name, param in module.named_parameters():
+        largest = 0.0 if param.grad is None else float(param.grad.detach().abs().max())
+        scales[layer_of(name)] = max(scales.get(layer_of(name), 0.0), largest)
+    return scales
+
+
+def dead_entries(grad: torch.Tensor, layer_scale: float) -> int:
+    """Entries of ``grad`` at most :func:`~harness.tolerances.negligible_relative` times its
+    layer's largest entry: exactly 0, or rounding residue of a sum that cancels. Counting
+    exact zeros instead would depend on the CPU (harness/tolerances.py says why)."""
+    threshold = negligible_relative(grad.dtype) * layer_scale
+    return int((grad.detach().abs() <= threshold).sum())
 
 
 def gradient_stats(module: nn.Module) -> list[GradientStats]:
     """The gradient of every parameter of ``module``, in ``named_parameters`` order."""
-    stats = []
+    stats, scales = [], layer_scales(module)
     for name, param in module.named_parameters():
         grad = param.grad
         if grad is None:
             stats.append(GradientStats(name, param.requires_grad, True, math.nan, math.nan))
             continue
-        grad = grad.detach()
         stats.append(GradientStats(
-            name, param.requires_grad, False, float(grad.to(torch.float64).norm()),
-            float((grad == 0).sum()) / grad.numel()))
+            name, param.requires_grad, False, float(grad.detach().to(torch.float64).norm()),
+            dead_entries(grad, scales[layer_of(name)]) / grad.numel()))
     return stats
 
 
@@ -64,6 +89,7 @@ def update_ratio(before: torch.Tensor, after: torch.Tensor) -> float:
 
     A healthy step moves weights by ~1e-3 of their size; 0 means the weight did
     not move (frozen, or a dead gradient); values near 1 mean the step rewrote it.
+    Below :func:`~harness.tolerances.negligible_relative` the move is rounding.
     """
     before64, after64 = before.to(torch.float64), after.to(torch.float64)
     norm = float(before64.norm())
@@ -106,6 +132,12 @@ class GradientRecorder:
 def dead_relu_fraction(module: nn.Module) -> Iterator[dict[str, float]]:
     """Measure, for every ``nn.ReLU`` in ``module``, the fraction of its units that
     output exactly 0 for *every* sample of the batches forwarded inside the block.
+    Unlike a zero count of gradient entries this is stable across CPUs without a
+    threshold: a unit is alive on a sample when its pre-activation is positive, and on the
+    diagnostics study's models the smallest such margin (a unit's largest pre-activation
+    over the batch, relative to the layer's largest) measures 8.3e-7, nine orders above
+    float64 rounding (in float32 only seven times float32's epsilon: declared, not
+    guaranteed).
 
     A unit that is 0 for the whole batch passes no gradient back to the weights
     feeding it: once a too-large step has pushed all units there, training stops

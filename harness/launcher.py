@@ -7,19 +7,23 @@ so a rank that fails now fails for a reason of its own (an exception, a crash,
 a hang): each rank writes its one error line into a folder the launcher hands
 it (:data:`ERROR_DIR_VARIABLE`), and the launcher turns the first failure into
 one line naming the rank and the cause -- the line always reaches the user,
-whichever rank died first, and no launcher traceback follows it.
+whichever rank died first, and no launcher traceback follows it. A rank killed by a
+signal writes nothing, so the line names the signal and the case the rank had
+announced (harness/failure.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from harness.errors import ERROR_DIR_VARIABLE, USAGE_EXIT
+from harness.failure import killed_in_case
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Loggers of torch's launcher: their per-rank failure reports and tracebacks are what
@@ -89,13 +93,36 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
             if usage and cause and not name_rank_of_bad_input:
                 print(f"{prog}: error: {cause}", file=sys.stderr)
                 return USAGE_EXIT
-            what = cause or _describe_exit(failure.exitcode)
+            what = (_describe_exit(failure.exitcode, killed_in_case(Path(error_dir), rank))
+                    if failure.exitcode < 0 or not cause else cause)
             print(f"{prog}: error: rank {rank} failed: {what}", file=sys.stderr)
             return USAGE_EXIT if usage else 1
     return 0
 
 
-def _describe_exit(exitcode: int) -> str:
+def _describe_exit(exitcode: int, case_id: str = "") -> str:
+    where = f" in case {case_id}" if case_id else ""
     if exitcode < 0:
-        return f"killed by signal {-exitcode}"
-    return f"exited with code {exitcode} without saying why"
+        try:
+            name = f" ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            name = ""
+        return f"killed by signal {-exitcode}{name}{where}"
+    return f"exited with code {exitcode}{where} without saying why"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def say_if_oversubscribed(local_ranks: int, prog: str) -> None:
+    """More ranks on this machine than cores is allowed (the findings do not change), but
+    every rank then waits for a core: say so once, before anything runs."""
+    cores = usable_cores()
+    if local_ranks > cores:
+        print(f"{prog}: note: {local_ranks} ranks share {cores} CPU core"
+              f"{'s' if cores > 1 else ''}: the findings are the same, but timings "
+              "will be slow", file=sys.stderr, flush=True)

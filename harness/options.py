@@ -22,6 +22,10 @@ from harness.errors import UsageError
 #: The longest ``--timeout``: a collective still waiting after a day is hung, not slow,
 #: and far larger values overflow the timedelta handed to torch.distributed.
 MAX_TIMEOUT_S = 86_400.0
+#: The largest ``--seed``. Its strictest consumer is numpy's ``RandomState``, which seeds
+#: PowerSGD in the hooks study and takes seeds below 2**32; torch generators take seeds
+#: below 2**64, and harness.seeding mixes the seed with a case key well inside that.
+MAX_SEED = 2**32 - 1
 
 
 def _parse_list(text: str, flag: str, convert: Callable[[str], Any], noun: str,
@@ -88,6 +92,13 @@ def check_timeout(seconds: float) -> None:
     if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
         raise UsageError(f"--timeout {seconds:g} is not allowed; allowed: 0 < seconds <= "
                          f"{MAX_TIMEOUT_S:g} (a day)")
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"--seed {seed} is not allowed; allowed: integers 0..{MAX_SEED} "
+                         "(below 2^32, what numpy's RandomState takes; torch generators "
+                         "take below 2^64)")
 
 
 def check_out_folder(out: Path) -> None:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.context import RunContext
-from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.errors import UsageError, launched_by_harness, refuse
+from harness.failure import report_failure, running_case, withdraw_on_stop
 from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
 from harness.progress import Progress
@@ -127,9 +128,8 @@ class Runner:
     # ------------------------------------------------------------------- run
     def run(self) -> int:
         """The plan: process groups, resume, every study's cases, CSVs, manifest, report."""
-        # No Python handler for SIGTERM on purpose: Python runs handlers only between
-        # bytecodes, so a rank blocked inside a collective would ignore torchrun's
-        # SIGTERM until its SIGKILL, long after another rank failed.
+        # SIGTERM exits at once, even inside a collective (harness/failure.py says how).
+        withdraw_on_stop(self.launch.rank)
         started = time.time()
         ctx = self._init_distributed()
         self.settings = results_settings(self.config, self.placement, self.world_sizes)
@@ -213,16 +213,18 @@ class Runner:
         return [row for case in cases for row in every[case.id]]
 
     def _run_case(self, study: Study, case: Case, ctx: RunContext) -> list[dict] | None:
-        try:
-            _inject_fault(case, ctx.rank)
-            own_rows = study.run_case(case, ctx)
-        except Exception as error:
-            cause = f"in case {case.id}: {type(error).__name__}: {error}"
-            if launched_by_harness():
-                record_error(ctx.rank, cause)
-            else:
-                print(f"study.py: rank {ctx.rank} failed {cause}", file=sys.stderr, flush=True)
-            raise
+        with running_case(ctx.rank, case.id):
+            try:
+                _inject_fault(case, ctx.rank)
+                own_rows = study.run_case(case, ctx)
+            except Exception as error:
+                cause = f"in case {case.id}: {type(error).__name__}: {error}"
+                report_failure(ctx.rank, cause)
+                if not launched_by_harness():
+                    print(f"study.py: rank {ctx.rank} failed {cause}", file=sys.stderr,
+                          flush=True)
+                error.reported = True  # type: ignore[attr-defined]
+                raise
         if own_rows is None:
             return None
         rows = []

@@ -15,4 +15,6 @@ import torch
 def generator_for(seed: int, *key: object) -> torch.Generator:
     """A CPU generator seeded by ``seed`` and a stable hash of ``key``."""
     text = "/".join(str(part) for part in key).encode()
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(text))
+    # Modulo 2**64, the range torch's manual_seed takes: any seed gives a generator, and
+    # every seed --seed allows (below 2**32) mixes to the same value as without it.
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(text)) % 2**64)

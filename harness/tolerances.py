@@ -45,6 +45,30 @@ def relative_tolerance(dtype: torch.dtype) -> float:
     return _for_dtype(RELATIVE_TOLERANCE, dtype, "tolerance")
 
 
+#: A value this small relative to its scale (a gradient entry against the largest entry of
+#: its layer's gradient, a weight's update against the weight) is rounding, not a signal:
+#: the diagnostics study counts such gradient entries as dead and such updates as no move.
+#: An exact ``== 0`` is not stable: whether a sum that cancels mathematically (the gradient
+#: of a conv bias that feeds BatchNorm in train mode) rounds to exactly 0 or to 1e-17
+#: depends on the CPU's kernels: of the BatchNorm CNN's 35 such entries, one was exactly 0
+#: on one CPU and not on another, and one ulp on the inputs flips it too.
+#: Measured on the diagnostics study's models (every gradient entry of every reported step,
+#: |g| / the layer's largest |g|): float64: the residue lies in 8.8e-18..2.5e-15 and the
+#: BatchNorm CNN's smallest real entry is 5.1e-7; the MLP has no residue and real entries
+#: from 1.8e-13 up, 7.9e-13 and 4.2e-12 the nearest to 1e-12. 1e-12 sits 400 times above
+#: the residue, and no real entry lies within rounding of it. float32: residue up to
+#: 9.1e-7, among the smallest real entries; 1e-5 sits ten times above it, so in float32
+#: entries below 1e-5 of their layer's largest count as dead (float32 cannot tell them
+#: from rounding).
+NEGLIGIBLE_RELATIVE: dict[torch.dtype, float] = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+}
+
+
+def negligible_relative(dtype: torch.dtype) -> float:
+    """Below this fraction of its scale, a value computed in ``dtype`` counts as zero."""
+    return _for_dtype(NEGLIGIBLE_RELATIVE, dtype, "negligible fraction")
 
 
 #: Relative parameter distance ||a - b|| / ||b|| below which two training runs count as
@@ -69,6 +93,23 @@ TRAJECTORY_TOLERANCE: dict[torch.dtype, float] = {
 def trajectory_tolerance(dtype: torch.dtype) -> float:
     """The tolerance for "the same trajectory" on parameters trained in ``dtype``."""
     return _for_dtype(TRAJECTORY_TOLERANCE, dtype, "trajectory tolerance")
+
+
+#: Count-like columns whose measure can move by a unit between CPUs however it is defined,
+#: with the absolute tolerance grad-compare allows them (and prints), by (study, column).
+#: Every other count-like column is defined to be stable instead (e.g. by NEGLIGIBLE_RELATIVE
+#: above; docs/stability.md lists each column and why).
+#: ``heldout_accuracy`` is an argmax over ten logits for each of 297 held-out digits: a digit
+#: whose two largest logits lie within rounding of each other may be classified either way
+#: on another CPU; one such digit moves the accuracy by 1/297.
+COLUMN_TOLERANCES: dict[tuple[str, str], float] = {
+    ("training", "heldout_accuracy"): 1 / 297,
+}
+
+
+def column_tolerance(study: str, column: str) -> float:
+    """The absolute tolerance declared for ``column`` of ``study`` (0: none declared)."""
+    return COLUMN_TOLERANCES.get((study, column), 0.0)
 
 
 #: The update study: the parameters after T optimizer steps equal the big-batch run's when

@@ -29,7 +29,12 @@ from harness.studies.seed004.study import against_big_batch
 from harness.studies.training.schema import REFERENCE, RUNNING_SUM
 from harness.studies.training.study import TrainingStudy
 from harness.studies.training.trainer import EpochRecord
-from harness.tolerances import RELATIVE_TOLERANCE, relative_tolerance, trajectory_tolerance
+from harness.tolerances import (
+    NEGLIGIBLE_RELATIVE,
+    RELATIVE_TOLERANCE,
+    relative_tolerance,
+    trajectory_tolerance,
+)
 from harness.verdicts import Equivalence
 from tests.test_verdicts import SIDES, nudged
 
@@ -105,13 +110,19 @@ def test_seed004_compares_the_last_call_with_the_big_batch(rtol, factor, holds):
 def test_diagnostics_judges_ranks_updates_relus_and_running_stats(rtol, factor, holds):
     measured = {"grad_rank_spread": factor * rtol, "update_ratio": 0.0,
                 "dead_relu_fraction": 1.0, "running_stats_change": 0.0}
-    judged = judged_row(measured, rtol)
+    negligible = NEGLIGIBLE_RELATIVE[torch.float64]
+    judged = judged_row(measured, rtol, negligible)
     assert judged["grads_averaged"] is holds
     assert judged == {**judged, "parameter_moved": False, "relu_dead": True,
                       "running_stats_changed": False}
-    # The smallest move, a ReLU short of one unit: exact comparisons, no tolerance.
-    nearly = judged_row({**measured, "update_ratio": 1e-300, "dead_relu_fraction": 1 - 2 ** -52,
-                         "running_stats_change": 1e-300}, rtol)
+    # A relative change of the negligible fraction is rounding; the next float up is a move.
+    at = judged_row({**measured, "update_ratio": negligible, "running_stats_change": negligible},
+                    rtol, negligible)
+    assert (at["parameter_moved"], at["running_stats_changed"]) == (False, False)
+    above = math.nextafter(negligible, 1.0)
+    # A ReLU short of one unit: an exact comparison (harness/diagnostics.py says why).
+    nearly = judged_row({**measured, "update_ratio": above, "dead_relu_fraction": 1 - 2 ** -52,
+                         "running_stats_change": above}, rtol, negligible)
     assert (nearly["parameter_moved"], nearly["relu_dead"], nearly["running_stats_changed"]) == (
         True, False, True)
     unmeasured = judged_row(dict.fromkeys(measured, math.nan), rtol)

@@ -154,7 +154,8 @@ def _backward(row) -> str:
 SECTION = spec.Section(
     study="diagnostics",
     title="diagnostics: seed 002's debugging, measured",
-    intro=("Per step and parameter: gradient norm, fraction of exactly-zero gradient entries, "
+    intro=("Per step and parameter: gradient norm, fraction of dead gradient entries (0, or "
+           "below 1e-12 of the layer's largest: rounding residue), "
            "whether `.grad` is None, the update/weight ratio, and the fraction of dead ReLU "
            "units (every sample 0), on a 64→32→32→10 ReLU MLP (layers `input`, `middle`, "
            "`output`) trained on the digits with SGD: a learning-rate sweep, a frozen middle "

@@ -25,7 +25,9 @@ COLUMNS = (
     Column("grad_norm", "gradient",
            "`‖.grad‖` before the update; empty when None"),
     Column("zero_grad_fraction", "fraction",
-           "entries of `.grad` exactly 0"),
+           "dead entries of `.grad`: at most 1e-12 (float64; 1e-5 in float32) times the "
+           "largest entry of the layer's gradient, i.e. 0 or rounding residue; counting "
+           "exact zeros would depend on the CPU"),
     Column("update_ratio", "ratio",
            "`‖w_after - w_before‖ / ‖w_before‖` of that step's update (`local` only): 0 "
            "means the weight did not move"),
@@ -56,19 +58,19 @@ COLUMNS = (
     Column("error", "text",
            "the exception a step raised (`Type: first sentence`); empty when none"),
     Column("parameter_moved", "bool",
-           "`update_ratio` > 0: the optimizer step changed the parameter; empty where no "
-           "update was measured"),
+           "`update_ratio` above 1e-12 (float64; 1e-5 in float32): the optimizer step changed "
+           "the parameter by more than rounding; empty where no update was measured"),
     Column("relu_dead", "bool",
            "`dead_relu_fraction` is 1: every unit of the ReLU after this layer was 0 for the "
            "whole batch; empty where not measured"),
     Column("zero_since", "optimizer steps",
            "`lr-sweep`: the first reported step from which the parameter's gradient was "
-           "exactly 0 (`zero_grad_fraction` 1) at every reported step up to the last; empty "
-           "when it was not 0 at the last"),
+           "dead (`zero_grad_fraction` 1) at every reported step up to the last; empty "
+           "when it was alive at the last"),
     Column("grads_averaged", "bool",
            "`grad_rank_spread` within the tolerance: every rank held the same gradient; empty "
            "where there was none to compare"),
     Column("running_stats_changed", "bool",
-           "`running_stats_change` > 0: the forward pass updated BatchNorm's running "
-           "statistics; empty where not measured"),
+           "`running_stats_change` above 1e-12 (float64; 1e-5 in float32): the forward pass "
+           "updated BatchNorm's running statistics; empty where not measured"),
 )

@@ -3,8 +3,9 @@
 Experiments (column ``experiment``), each on scikit-learn's digits:
 
 - ``lr-sweep``: a ReLU MLP trained with SGD at several learning rates; per
-  step and parameter, the gradient norm, the fraction of exactly-zero gradient
-  entries, the update/weight ratio and the fraction of dead ReLU units. A
+  step and parameter, the gradient norm, the fraction of dead gradient
+  entries (negligible against the layer's largest, harness/tolerances.py), the
+  update/weight ratio and the fraction of dead ReLU units. A
   too-large rate pushes every unit of a layer below zero for every input, after
   which the gradients into that layer are exactly 0 and stay 0 (seed 002's
   "the gradient shrank to 0 and the parameters stopped changing").
@@ -36,9 +37,12 @@ from harness.context import RunContext
 from harness.diagnostics import (
     GradientRecorder,
     GradientStats,
+    dead_entries,
     dead_relu_fraction,
     gradient_stats,
     graph_of,
+    layer_of,
+    layer_scales,
 )
 from harness.errors import first_sentence
 from harness.seeding import generator_for
@@ -49,6 +53,7 @@ from harness.studies.diagnostics.schema import COLUMNS
 from harness.studies.training.data import Digits
 from harness.studies.training.model import TrainingSetup, build_model, seeded_init
 from harness.studies.training.study import ddp_world_sizes
+from harness.tolerances import NEGLIGIBLE_RELATIVE, negligible_relative
 
 STRATEGIES = ("local", "ddp")
 EXPERIMENTS = ("lr-sweep", "frozen-layer", "train-vs-eval", "no-grad")
@@ -111,14 +116,16 @@ def build_mlp(seed: int, setup: DiagnosticsSetup, dtype: torch.dtype,
 
 
 def combined_stats(module: nn.Module) -> GradientStats:
-    """:class:`GradientStats` of all parameters' gradients as one vector (None: all None)."""
-    grads = [p.grad.detach().reshape(-1) for p in module.parameters() if p.grad is not None]
+    """:class:`GradientStats` of all parameters' gradients as one vector (None: all None);
+    each entry is judged dead against its own layer's scale, as per parameter."""
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
     requires = all(p.requires_grad for p in module.parameters())
-    if not grads:
+    if not named:
         return GradientStats("", requires, True, math.nan, math.nan)
-    flat = torch.cat(grads).to(torch.float64)
-    return GradientStats("", requires, False, float(flat.norm()),
-                         float((flat == 0).sum()) / flat.numel())
+    scales = layer_scales(module)
+    dead = sum(dead_entries(grad, scales[layer_of(name)]) for name, grad in named)
+    flat = torch.cat([grad.detach().reshape(-1) for _, grad in named]).to(torch.float64)
+    return GradientStats("", requires, False, float(flat.norm()), dead / flat.numel())
 
 
 def _blank_row(case: Case, setting: str) -> dict[str, Any]:
@@ -136,23 +143,28 @@ def _blank_row(case: Case, setting: str) -> dict[str, Any]:
     }
 
 
-def judged_row(row: dict[str, Any], rtol: float) -> dict[str, Any]:
-    """The verdicts on a row's numbers; each empty where its number was not measured."""
+def judged_row(row: dict[str, Any], rtol: float,
+               negligible: float = NEGLIGIBLE_RELATIVE[torch.float64]) -> dict[str, Any]:
+    """The verdicts on a row's numbers; each empty where its number was not measured.
+    A relative change of at most ``negligible`` (by default float64's, the committed run's)
+    is rounding, not a move: an exact ``> 0`` would hang on whether a tiny update rounded
+    away on this CPU."""
     def judged(value: float, verdict) -> bool | None:
         return None if value is None or math.isnan(value) else bool(verdict(value))
 
-    return {"parameter_moved": judged(row["update_ratio"], lambda v: v > 0),
+    return {"parameter_moved": judged(row["update_ratio"], lambda v: v > negligible),
             "relu_dead": judged(row["dead_relu_fraction"], lambda v: v == 1),
             "grads_averaged": judged(row["grad_rank_spread"], lambda v: v <= rtol),
-            "running_stats_changed": judged(row["running_stats_change"], lambda v: v > 0)}
+            "running_stats_changed": judged(row["running_stats_change"],
+                                            lambda v: v > negligible)}
 
 
 def with_zero_since(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each parameter's rows with ``zero_since``: the first reported step from which its
-    gradient was exactly 0 at every reported step to the last (None if not 0 at the last)."""
+    gradient was dead at every reported step to the last (None if alive at the last)."""
     since: dict[str, int] = {}
     alive: set[str] = set()
-    # Back from the last step: a parameter's run of exact zeros ends at its last live gradient.
+    # Back from the last step: a parameter's run of dead steps ends at its last live gradient.
     for row in sorted(rows, key=lambda r: -r["step"]):
         name = row["parameter"]
         if name in alive or row["zero_grad_fraction"] != 1:
@@ -166,10 +178,6 @@ def _stats_columns(stats: GradientStats) -> dict[str, Any]:
     return {"parameter": stats.parameter, "requires_grad": stats.requires_grad,
             "grad_is_none": stats.grad_is_none, "grad_norm": stats.grad_norm,
             "zero_grad_fraction": stats.zero_grad_fraction}
-
-
-def _layer_of(parameter: str) -> str:
-    return parameter.split(".", 1)[0]
 
 
 class DiagnosticsStudy(Study):
@@ -203,7 +211,9 @@ class DiagnosticsStudy(Study):
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         rows = self._measure(case, run)
-        return None if rows is None else [{**row, **judged_row(row, run.rtol)} for row in rows]
+        negligible = negligible_relative(run.dtype)
+        return None if rows is None else [{**row, **judged_row(row, run.rtol, negligible)}
+                                          for row in rows]
 
     def _measure(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         experiment = case["experiment"]
@@ -243,7 +253,7 @@ class DiagnosticsStudy(Study):
 
     @staticmethod
     def _sweep_row(case: Case, setting: str, recorded: dict[str, Any]) -> dict[str, Any]:
-        relu = DiagnosticMLP.RELU_AFTER.get(_layer_of(recorded["parameter"]))
+        relu = DiagnosticMLP.RELU_AFTER.get(layer_of(recorded["parameter"]))
         return {**_blank_row(case, setting), "step": recorded["step"],
                 "parameter": recorded["parameter"], "requires_grad": recorded["requires_grad"],
                 "grad_is_none": recorded["grad_is_none"], "grad_norm": recorded["grad_norm"],
@@ -367,7 +377,7 @@ class DiagnosticsStudy(Study):
         table = sweep.pivot_table(index="step", columns="setting", values="zero_grad_fraction",
                                   aggfunc="first")[list(dict.fromkeys(sweep["setting"]))]
         ddp_rows = frame[frame["strategy"] == "ddp"].groupby("setting", sort=False).first()
-        lines = ["fraction of exactly-zero entries in input.weight.grad, by learning rate:",
+        lines = ["fraction of dead entries in input.weight.grad, by learning rate:",
                  table.to_string()]
         if len(ddp_rows):
             shown = ddp_rows[["steps_completed", "error"]].fillna("")

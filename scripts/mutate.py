@@ -1,0 +1,197 @@
+"""Plant one-line bugs in the code that decides findings and require the tests to catch each.
+
+    python scripts/mutate.py            # every mutation (CI runs this)
+    python scripts/mutate.py --list     # the mutations, one line each
+    python scripts/mutate.py --only compare-looser-tolerance
+
+Each mutation replaces one short code fragment (found by its text, so that the list
+survives edits around it) in a temporary copy of the repository, then runs the tests
+that must kill it there. The run fails when a mutation survives (its tests pass) or
+when a fragment is no longer in the code: then the list below is out of date, and the
+line says which entry to update. The targeted tests are first run once unmutated:
+a mutation only counts as killed when they pass without it. docs/mutations.md
+explains the list and its runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "mutate.py"
+#: Mutations tried at once, each in a copy of its own: CI's two cores.
+JOBS = 2
+#: What the copy leaves out: history, results, virtual environments, caches.
+NOT_COPIED = (".git", "results", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """``original`` (unique in ``path``) becomes ``mutated``; ``tests`` must then fail."""
+
+    name: str
+    path: str
+    original: str
+    mutated: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation("verdict-mean-weight", "harness/fit.py",
+             "is_mean = close(weight.scale, 1.0 / world_size, rtol)",
+             "is_mean = close(weight.scale, world_size, rtol)",
+             ("tests/test_fit.py",)),
+    Mutation("verdict-scaled-as-matches", "harness/fit.py",
+             "Equivalence.MATCHES if close(fit.scale, 1.0, rtol) else Equivalence.SCALED",
+             "Equivalence.MATCHES if close(fit.scale, fit.scale, rtol) else Equivalence.SCALED",
+             ("tests/test_verdicts.py::test_equivalence_verdict_on_the_scale",)),
+    Mutation("fix-divide-or-multiply", "harness/check/fix.py",
+             "if scale > 1:", "if scale < 1:",
+             ("tests/test_mutation_targets.py",)),
+    Mutation("split-rank-major", "harness/check/batches.py",
+             "start = (rank * accum_steps + micro) * per_piece",
+             "start = (micro * accum_steps + rank) * per_piece",
+             ("tests/test_mutation_targets.py",)),
+    Mutation("capture-after-step", "harness/studies/frameworks/capture.py",
+             "capture.grad = float64_vector(grads())\n        result = original(**kwargs)",
+             "result = original(**kwargs)\n        capture.grad = float64_vector(grads())",
+             ("tests/test_capture.py",)),
+    Mutation("compare-looser-tolerance", "harness/compare.py",
+             "return max(tolerances)", "return min(tolerances)",
+             ("tests/test_compare_tolerances.py",)),
+    Mutation("bus-factor-all-reduce", "harness/studies/comm/collectives.py",
+             '"all_reduce": lambda n: 2 * (n - 1) / n,', '"all_reduce": lambda n: (n - 1) / n,',
+             ("tests/test_comm_study.py::test_bus_factor_is_what_each_link_carries_per_byte_of_"
+              "message",)),
+    Mutation("lr-factor-inverse-scale", "harness/studies/update/lr_factor.py",
+             "return 1.0 / scale", "return scale",
+             ("tests/test_mutation_targets.py",)),
+)
+
+
+class OutOfDate(Exception):
+    """A mutation's fragment is not (exactly once) in its file."""
+
+
+def mutated_text(mutation: Mutation, root: Path) -> str:
+    """The file's text with the mutation applied; OutOfDate naming the entry otherwise."""
+    path = root / mutation.path
+    if not path.is_file():
+        raise OutOfDate(f"{mutation.name}: {mutation.path} does not exist; update its entry in "
+                        "scripts/mutate.py MUTATIONS")
+    text = path.read_text()
+    found = text.count(mutation.original)
+    if found != 1:
+        raise OutOfDate(f"{mutation.name}: {mutation.original!r} occurs {found} times in "
+                        f"{mutation.path}, not once; update its entry in scripts/mutate.py "
+                        "MUTATIONS")
+    return text.replace(mutation.original, mutation.mutated)
+
+
+def copy_repository(into: Path, name: str) -> Path:
+    copy = into / name
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(*NOT_COPIED))
+    return copy
+
+
+def run_tests(root: Path, tests: Sequence[str]) -> int:
+    """pytest on ``tests`` in ``root``, the copy first on the path; its exit code."""
+    # The copy alone on the path: an editable install of the original must not win.
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider",
+               *dict.fromkeys(tests)]
+    return subprocess.run(command, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode
+
+
+def try_mutation(mutation: Mutation, copies: queue.Queue) -> tuple[bool, float]:
+    """(killed, seconds): apply in a free copy, run its tests, restore."""
+    root = copies.get()
+    try:
+        return _try_in(mutation, root)
+    finally:
+        copies.put(root)
+
+
+def _try_in(mutation: Mutation, root: Path) -> tuple[bool, float]:
+    path = root / mutation.path
+    original = path.read_text()
+    path.write_text(mutated_text(mutation, root))
+    begun = time.perf_counter()
+    try:
+        # pytest's exit code 1: tests ran and failed. Anything else (no test collected,
+        # an import error) would hide whether a test caught the bug.
+        killed = run_tests(root, mutation.tests) == 1
+    finally:
+        path.write_text(original)
+    return killed, time.perf_counter() - begun
+
+
+def selected(only: str | None) -> list[Mutation]:
+    if only is None:
+        return list(MUTATIONS)
+    chosen = [m for m in MUTATIONS if m.name == only]
+    if not chosen:
+        raise OutOfDate(f"--only {only!r} is unknown; allowed: "
+                        + ", ".join(m.name for m in MUTATIONS))
+    return chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", metavar="NAME", help="run this mutation alone")
+    args = parser.parse_args(argv)
+    begun = time.perf_counter()
+    try:
+        mutations = selected(args.only)
+        for mutation in mutations:
+            mutated_text(mutation, ROOT)
+    except OutOfDate as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}: {m.path}: {m.original!r} -> {m.mutated!r}; killed by "
+                  f"{', '.join(m.tests)}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="mutate-") as folder:
+        copies: queue.Queue = queue.Queue()
+        for job in range(JOBS):
+            copies.put(copy_repository(Path(folder), f"copy{job}"))
+        every_test = [test for m in mutations for test in m.tests]
+        if run_tests(Path(folder) / "copy0", every_test) != 0:
+            print(f"{PROG}: error: the targeted tests fail without any mutation: "
+                  f"{' '.join(dict.fromkeys(every_test))}", file=sys.stderr)
+            return 1
+        survivors = []
+        with ThreadPoolExecutor(JOBS) as pool:
+            outcomes = pool.map(lambda m: (m, *try_mutation(m, copies)), mutations)
+            for mutation, killed, seconds in outcomes:
+                print(f"{'killed  ' if killed else 'SURVIVED'} {mutation.name} "
+                      f"({seconds:.1f} s)", flush=True)
+                if not killed:
+                    survivors.append(mutation.name)
+    total = time.perf_counter() - begun
+    if survivors:
+        print(f"{PROG}: error: {len(survivors)} of {len(mutations)} mutations survived the "
+              f"tests meant to kill them: {', '.join(survivors)} ({total:.0f} s)",
+              file=sys.stderr)
+        return 1
+    print(f"{PROG}: all {len(mutations)} mutations killed ({total:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
