@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import sys
 import traceback
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from harness.check import batches
-from harness.check.setup import Setup
+from harness.check.setup import Setup, make_optimizer
 from harness.errors import UsageError
 
 #: Modules whose training-mode forward draws random numbers. A big batch and its pieces
@@ -41,6 +42,17 @@ def _import(module_name: str, target: str) -> Any:
                          "from the current folder or the Python path") from None
 
 
+def called(function, what: str) -> Any:
+    """``function()``, its failure one line of bad input. SystemExit too: a factory that
+    calls sys.exit() (a missing file, a failed argument parse) otherwise ends the check
+    silently with the factory's code."""
+    try:
+        return function()
+    except (Exception, SystemExit) as error:  # noqa: BLE001 -- the user's code failing
+        raise UsageError(f"{what} failed: {type(error).__name__}: {error}; allowed: code "
+                         "that runs on this machine as it is") from None
+
+
 def load_setup(target: str) -> Setup:
     """Call ``module:factory`` and return its Setup, named after the factory if unnamed."""
     module_name, _, factory_name = target.partition(":")
@@ -54,11 +66,7 @@ def load_setup(target: str) -> Setup:
     if not callable(factory):
         raise UsageError(f"{target}: {factory_name!r} is a {type(factory).__name__}, not a "
                          "function; allowed: a function that returns a harness.check.Setup")
-    try:
-        setup = factory()
-    except Exception as error:  # noqa: BLE001 -- the user's factory failing is bad input
-        raise UsageError(f"{target}: calling {factory_name}() failed: "
-                         f"{type(error).__name__}: {error}") from None
+    setup = called(factory, f"{target}: calling {factory_name}()")
     if not isinstance(setup, Setup):
         raise UsageError(f"{target}: {factory_name}() returned a {type(setup).__name__}, not "
                          "a harness.check.Setup; allowed: Setup(make_model=..., batch=..., "
@@ -105,20 +113,84 @@ def check_batches(setup: Setup, target: str, splits: list[tuple[int, int]],
             batches.pieces_needed(samples, world_size, accum_steps, drop_last, where)
 
 
-def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool) -> Setup:
-    """The Setup behind ``target``, with its batches checked (each model it builds is
-    checked as it is built: :func:`prepared_model`)."""
+def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
+                    dtype: torch.dtype) -> None:
+    """The loss on the first of ``pieces`` pieces of batch(0), and the optimizer over the
+    model's trainable parameters, checked before any rank starts: otherwise a loss of
+    the wrong type or an optimizer the check cannot step fails every case at once as
+    "rank N failed". (The ranks check the reference's loss and optimizer the same way.)"""
+    batch = setup.batch(0)
+    piece = batches.take(batch, 0, max(1, batches.sample_count(batch, "batch(0)") // pieces))
+    model = model.to(dtype=dtype)
+    piece = batches.prepared(piece, dtype, torch.device("cpu"))
+    check_loss(called(lambda: setup.loss(model, piece), f"{target}: loss(model, piece)"),
+               target)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
+    check_optimizer(optimizer, trainable, target)
+
+
+def check_loss(loss: Any, target: str) -> None:
+    """A scalar tensor with a graph to backpropagate."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return
+    if isinstance(loss, torch.Tensor):
+        shown = f"a tensor of shape {tuple(loss.shape)}" + (
+            "" if loss.requires_grad else " that requires no gradient")
+    else:
+        shown = f"a {type(loss).__name__}"
+    raise UsageError(f"{target}: loss(model, batch) returned {shown}; allowed: a scalar "
+                     "tensor computed from the model's output (backward() runs on it)")
+
+
+def check_optimizer(optimizer: Any, trainable: list[nn.Parameter], target: str) -> None:
+    """A torch optimizer whose step() needs no closure, over exactly the parameters given."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"{target}: make_optimizer() returned a {type(optimizer).__name__}; "
+                         "allowed: a torch.optim.Optimizer")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise UsageError(f"{target}: {type(optimizer).__name__}.step() needs a closure (it "
+                         "re-evaluates the loss), which no training step of pieces can give; "
+                         "allowed: optimizers whose step() takes no argument (SGD, Adam, ...)")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    given = {id(p) for p in trainable}
+    if held != given:
+        raise UsageError(f"{target}: make_optimizer(params) holds {len(held - given)} tensor(s) "
+                         f"that are not the model's and misses {len(given - held)} of its "
+                         f"{len(given)} trainable parameter(s) (an optimizer over another "
+                         "model's parameters?); allowed: an optimizer over the params it is "
+                         "given")
+
+
+def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool,
+                    dtype: torch.dtype, *, batches_too: bool = True,
+                    piece_too: bool = True) -> Setup:
+    """The Setup behind ``target``, with its batches checked (``batches_too``) and one
+    piece of a model of its own trained (``piece_too``: a model more, which the ranks
+    spare themselves: their reference checks its own loss and optimizer). Each model the
+    ranks build is checked as it is built: :func:`prepared_model`."""
     setup = load_setup(target)
-    check_batches(setup, target, splits, drop_last)
+    if batches_too:
+        check_batches(setup, target, splits, drop_last)
+    if piece_too:
+        pieces = max(n * k for n, k in splits)
+        check_one_piece(setup, built_model(setup, target), target, pieces, dtype)
     return setup
+
+
+def built_model(setup: Setup, target: str = "make_model") -> nn.Module:
+    """``make_model()``, checked; its failure (a missing checkpoint, a device this machine
+    lacks) one line of bad input."""
+    model = called(setup.make_model, f"{target}: make_model()")
+    check_model(model, target)
+    return model
 
 
 def prepared_model(setup: Setup, dtype: torch.dtype, device: torch.device,
                    target: str = "make_model") -> nn.Module:
     """A fresh, checked model in the run's dtype (floating tensors only) on its device."""
-    model = setup.make_model()
-    check_model(model, target)
-    return model.to(device=device, dtype=dtype)
+    return built_model(setup, target).to(device=device, dtype=dtype)
 
 
 def copy_of(template: nn.Module, setup: Setup, dtype: torch.dtype,
