@@ -29,6 +29,7 @@ from harness.check.batches import pieces_needed
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.fix import Facts, scale_fix
+from harness.check.load import validated_setup
 from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference
 from harness.check.strategies import LocalCase
@@ -364,6 +365,21 @@ def make_exiting_setup() -> Setup:
     sys.exit(3)
 
 
+def _autocast_loss(model: nn.Module, data) -> torch.Tensor:
+    x, y = data
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return nn.functional.mse_loss(out.to(y.dtype), y)
+
+
+def make_autocast_setup() -> Setup:
+    return Setup(make_model=_linear, batch=_batch, loss=_autocast_loss)
+
+
+def make_bfloat16_setup() -> Setup:
+    return Setup(make_model=lambda: _linear().to(torch.bfloat16), batch=_batch, loss=_mse)
+
+
 @pytest.mark.parametrize(("factory", "words"), [
     ("make_missing_checkpoint_setup", ["make_model() failed: FileNotFoundError"]),
     ("make_float_loss_setup", ["loss(model, batch) returned a float", "scalar tensor"]),
@@ -380,6 +396,22 @@ def test_bad_setups_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_path,
     err = _refused(capsys, tmp_path, f"{HERE}:{factory}")
     for word in words:
         assert word in err, err
+
+
+def test_bfloat16_compute_at_float32_is_refused_not_blamed_on_the_split(capsys, tmp_path):
+    err = _refused(capsys, tmp_path, f"{HERE}:make_autocast_setup", "--dtype", "float32")
+    assert "computes in bfloat16 when given float32" in err and "--dtype float64" in err
+
+
+@pytest.mark.parametrize(("factory", "said"), [
+    ("make_bfloat16_setup", "make_model() gives bfloat16 tensors, cast to float64 (--dtype)"),
+    ("make_autocast_setup", "the model computes in bfloat16 when given float32 (autocast?); "
+                            "at float64 autocast casts nothing"),
+])
+def test_what_the_check_casts_is_said(factory, said):
+    lines: list[str] = []
+    validated_setup(f"{HERE}:{factory}", [(2, 2)], False, torch.float64, say=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(f"{HERE}:{factory}: {said}"), lines
 
 
 def test_an_unknown_fail_on_is_refused(capsys, tmp_path):

@@ -162,13 +162,18 @@ def _setups(config: CheckConfig, world_sizes: tuple[int, ...], batches_too: bool
             progress: bool, piece_too: bool = False) -> list[tuple[str, Setup]]:
     """Each target's validated Setup; their names tell their rows apart, so must differ."""
     splits = _splits(config, world_sizes)
+
+    def say(line: str) -> None:
+        if progress:
+            print(f"{PROG}: {line}", flush=True)
+
     setups = []
     for target in config.targets:
         if progress:  # a factory may load for minutes: say what is being waited for
             print(f"{PROG}: loading {target}", flush=True)
         setups.append((target, validated_setup(target, splits, config.drop_last,
                                                config.torch_dtype, batches_too=batches_too,
-                                               piece_too=piece_too)))
+                                               piece_too=piece_too, say=say)))
     names = [setup.name for _, setup in setups]
     for name in names:
         if names.count(name) > 1:

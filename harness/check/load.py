@@ -11,6 +11,7 @@ import importlib
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +115,16 @@ def check_batches(setup: Setup, target: str, splits: list[tuple[int, int]],
 
 
 def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, say: Callable[[str], None]) -> None:
     """The loss on the first of ``pieces`` pieces of batch(0), and the optimizer over the
     model's trainable parameters, checked before any rank starts: otherwise a loss of
     the wrong type or an optimizer the check cannot step fails every case at once as
-    "rank N failed". (The ranks check the reference's loss and optimizer the same way.)"""
+    "rank N failed". (The ranks check the reference's loss and optimizer the same way.)
+    What the check casts, and a loss that computes in a lower precision, are said."""
     batch = setup.batch(0)
     piece = batches.take(batch, 0, max(1, batches.sample_count(batch, "batch(0)") // pieces))
+    _say_casts(model, piece, dtype, target, say)
+    _check_precision(setup, model, piece, dtype, target, say)
     model = model.to(dtype=dtype)
     piece = batches.prepared(piece, dtype, torch.device("cpu"))
     check_loss(called(lambda: setup.loss(model, piece), f"{target}: loss(model, piece)"),
@@ -128,6 +132,57 @@ def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
     check_optimizer(optimizer, trainable, target)
+
+
+def _say_casts(model: nn.Module, piece: Any, dtype: torch.dtype, target: str,
+               say: Callable[[str], None]) -> None:
+    """Name the casts that change what is computed: from bfloat16 or float16 (the model is
+    then checked in the run's type, not the precision it trains in), or down to a type of
+    fewer bits. float32 to the default float64 is the check's own rule, not said."""
+    for what, tensors in (("make_model()", [*model.parameters(), *model.buffers()]),
+                          ("batch(0)", batches.tensors_of(piece))):
+        cast = sorted({str(t.dtype).removeprefix("torch.") for t in tensors
+                       if t.is_floating_point() and t.dtype != dtype
+                       and (t.dtype in LOW_PRECISION or t.dtype.itemsize > dtype.itemsize)})
+        if cast:
+            say(f"{target}: {what} gives {', '.join(cast)} tensors, cast to "
+                f"{str(dtype).removeprefix('torch.')} (--dtype) for the check")
+
+
+#: Floating types whose rounding (bfloat16: 2**-8 ~ 4e-3) is above every check tolerance.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _check_precision(setup: Setup, model: nn.Module, piece: Any, dtype: torch.dtype,
+                     target: str, say: Callable[[str], None]) -> None:
+    """Whether the model's modules output bfloat16 or float16 when the model and the batch
+    are float32 (autocast on the CPU casts float32, never float64): their rounding would
+    read as a split that differs at float32; at float64 autocast casts nothing."""
+    seen: set[torch.dtype] = set()
+
+    def record(_module, _inputs, output) -> None:
+        seen.update(t.dtype for t in batches.tensors_of(output) if t.dtype in LOW_PRECISION)
+
+    probe = copy.deepcopy(model).to(dtype=torch.float32)
+    hooks = [module.register_forward_hook(record) for module in probe.modules()]
+    try:
+        with torch.no_grad():
+            called(lambda: setup.loss(probe, batches.prepared(piece, torch.float32,
+                                                              torch.device("cpu"))),
+                   f"{target}: loss(model, piece)")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not seen:
+        return
+    low = ", ".join(sorted(str(d).removeprefix("torch.") for d in seen))
+    if dtype != torch.float64:
+        raise UsageError(f"{target}: the model computes in {low} when given float32 (autocast?): "
+                         f"its rounding (~4e-3) is above the float32 tolerance, so the check "
+                         "would blame it on the split; allowed: --dtype float64 (autocast then "
+                         "casts nothing and the rows judge the recipe's arithmetic)")
+    say(f"{target}: the model computes in {low} when given float32 (autocast?); at float64 "
+        "autocast casts nothing: the rows judge the recipe's arithmetic, not that rounding")
 
 
 def check_loss(loss: Any, target: str) -> None:
@@ -164,18 +219,19 @@ def check_optimizer(optimizer: Any, trainable: list[nn.Parameter], target: str) 
 
 
 def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool,
-                    dtype: torch.dtype, *, batches_too: bool = True,
-                    piece_too: bool = True) -> Setup:
+                    dtype: torch.dtype, *, batches_too: bool = True, piece_too: bool = True,
+                    say: Callable[[str], None] = lambda _: None) -> Setup:
     """The Setup behind ``target``, with its batches checked (``batches_too``) and one
     piece of a model of its own trained (``piece_too``: a model more, which the ranks
-    spare themselves: their reference checks its own loss and optimizer). Each model the
-    ranks build is checked as it is built: :func:`prepared_model`."""
+    spare themselves: their reference checks its own loss and optimizer), notices handed
+    to ``say``. Each model the ranks build is checked as it is built:
+    :func:`prepared_model`."""
     setup = load_setup(target)
     if batches_too:
         check_batches(setup, target, splits, drop_last)
     if piece_too:
         pieces = max(n * k for n, k in splits)
-        check_one_piece(setup, built_model(setup, target), target, pieces, dtype)
+        check_one_piece(setup, built_model(setup, target), target, pieces, dtype, say)
     return setup
 
 
