@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -24,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from examples.mlp import make_adam_setup, mean_loss, sum_loss
 from harness.check import Setup
 from harness.check.batches import pieces_needed
 from harness.check.cli import main
@@ -35,6 +37,7 @@ from harness.check.reference import compute_reference
 from harness.check.strategies import LocalCase
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
 from tests.launch import ForkedPython, _environment, run_python
+from tests.test_check import is_split, read_rows, rows_of
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = "tests.test_check_real"
@@ -58,16 +61,6 @@ def _batch(step: int):
     return _data(SAMPLES, step)
 
 
-def _mse(model: nn.Module, data) -> torch.Tensor:
-    x, y = data
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _sum_mse(model: nn.Module, data) -> torch.Tensor:
-    x, y = data
-    return nn.functional.mse_loss(model(x), y, reduction="sum")
-
-
 def _clipping_sgd(params) -> torch.optim.Optimizer:
     """SGD that clips the gradient's norm in place right before it steps."""
     params = list(params)
@@ -81,14 +74,14 @@ def _clipping_sgd(params) -> torch.optim.Optimizer:
 
 
 def make_clipping_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=_mse, make_optimizer=_clipping_sgd,
+    return Setup(make_model=_linear, batch=_batch, loss=mean_loss, make_optimizer=_clipping_sgd,
                  name="clip-in-optimizer")
 
 
 def make_shrinking_setup() -> Setup:
     """Step 0's batch has 8 samples, step 1's 7: --drop-last cuts each by its own size."""
     return Setup(make_model=_linear, batch=lambda step: _data(SAMPLES - step, step),
-                 loss=_mse, steps=2, name="shrinking-batches")
+                 loss=mean_loss, steps=2, name="shrinking-batches")
 
 
 class _IndexWeighted(nn.Module):
@@ -137,23 +130,22 @@ class _Counting(nn.Module):
 
 
 def make_counter_setup() -> Setup:
-    return Setup(make_model=_Counting, batch=_batch, loss=_mse, name="counters")
+    return Setup(make_model=_Counting, batch=_batch, loss=mean_loss, name="counters")
 
 
 def make_adam_sum_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=_sum_mse, steps=2,
-                 make_optimizer=lambda params: torch.optim.Adam(params, lr=1e-2),
-                 name="adam-sum")
+    """examples.mlp's two Adam steps over a summed loss."""
+    return replace(make_adam_setup(), loss=sum_loss, name="adam-sum")
 
 
 def _grad_reading_step(model: nn.Module, data, where) -> torch.Tensor:
     """Doubles the loss once this rank holds a gradient: what a rank sees decides it."""
     held = next(model.parameters()).grad is not None
-    return _mse(model, data) / where.accum_steps * (2.0 if held else 1.0)
+    return mean_loss(model, data) / where.accum_steps * (2.0 if held else 1.0)
 
 
 def make_grad_reading_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=_mse, micro_step=_grad_reading_step,
+    return Setup(make_model=_linear, batch=_batch, loss=mean_loss, micro_step=_grad_reading_step,
                  name="reads-grad")
 
 
@@ -185,30 +177,19 @@ def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 
 @pytest.fixture(scope="module")
 def rows(launched) -> pd.DataFrame:
-    return pd.read_csv(launched[1] / CSV_NAME, keep_default_na=False,
-                       dtype={"fix": str, "error": str, "worst_tensors": str})
-
-
-def _of(rows: pd.DataFrame, setup: str) -> pd.DataFrame:
-    selected = rows[rows.setup == setup]
-    assert len(selected) > 0, setup
-    return selected
-
-
-def _split(frame: pd.DataFrame) -> pd.Series:
-    return frame.world_size * frame.accum_steps > 1
+    return read_rows(launched[1])
 
 
 @pytest.mark.launches
 def test_an_optimizer_that_clips_grad_in_place_does_not_rewrite_the_reference(rows):
-    frame = _of(rows, "clip-in-optimizer")
+    frame = rows_of(rows, "clip-in-optimizer")
     assert set(frame.verdict) == {"matches"}, frame[["strategy", "point", "scale"]]
 
 
 @pytest.mark.launches
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 def test_a_hugging_face_llama_with_rotary_buffers_matches_everywhere(rows):
-    frame = _of(rows, "hf-llama")
+    frame = rows_of(rows, "hf-llama")
     assert set(frame.status) == {"ok"}
     assert set(frame.verdict) == {"matches"}
     buffers = frame[frame.point == "buffers"]
@@ -217,30 +198,30 @@ def test_a_hugging_face_llama_with_rotary_buffers_matches_everywhere(rows):
 
 @pytest.mark.launches
 def test_drop_last_cuts_each_batch_by_its_own_size(rows):
-    frame = _of(rows, "shrinking-batches")
+    frame = rows_of(rows, "shrinking-batches")
     assert set(frame.step) == {0, 1}
     assert set(frame.verdict) == {"matches"}, frame[frame.verdict != "matches"]
 
 
 @pytest.mark.launches
 def test_a_nan_in_one_micro_batch_is_named_not_fitted(rows):
-    frame = _of(rows, "nan-in-one-piece")
+    frame = rows_of(rows, "nan-in-one-piece")
     # N*k = 4 pieces of 2: the last holds only the two samples of weight 0 (0 / 0).
     four = frame[frame.world_size * frame.accum_steps == 4]
     assert set(four.status) == {"error"} and set(four.verdict) == {""}
     assert set(four.error) == {"the loss is not finite in step 0, piece 4/4 (rank 1, "
                                "micro-step 1)"}
-    assert set(frame[~_split(frame)].verdict) == {"matches"}
+    assert set(frame[~is_split(frame)].verdict) == {"matches"}
 
 
 @pytest.mark.launches
 def test_counters_are_judged_on_their_own_not_with_the_weights(rows):
-    frame = _of(rows, "counters")
+    frame = rows_of(rows, "counters")
     weights = frame[frame.point != "buffers"]
     assert set(weights.verdict) == {"matches"}, weights[weights.verdict != "matches"]
     buffers = frame[frame.point == "buffers"]
-    assert set(buffers[~_split(buffers)].verdict) == {"matches"}
-    split = buffers[_split(buffers)]
+    assert set(buffers[~is_split(buffers)].verdict) == {"matches"}
+    split = buffers[is_split(buffers)]
     assert set(split.verdict) == {"differs"}
     assert all("once per optimizer step" in fix for fix in split.fix)
     for row in split.itertuples():
@@ -255,7 +236,7 @@ def test_counters_are_judged_on_their_own_not_with_the_weights(rows):
 
 @pytest.mark.launches
 def test_adam_rows_after_a_scaled_gradient_name_that_scale_as_their_cause(rows):
-    frame = _of(rows, "adam-sum")
+    frame = rows_of(rows, "adam-sum")
     case = frame[(frame.strategy == "ddp") & (frame.world_size == 2) & (frame.accum_steps == 2)]
     first = case[(case.step == 0) & (case.point == "grad")].iloc[0]
     assert first.verdict == "scaled" and first.fix == "multiply the loss by 4 = N*k"
@@ -268,7 +249,7 @@ def test_adam_rows_after_a_scaled_gradient_name_that_scale_as_their_cause(rows):
 
 @pytest.mark.launches
 def test_local_shows_each_played_rank_only_its_own_gradient(rows):
-    frame = _of(rows, "reads-grad")
+    frame = rows_of(rows, "reads-grad")
     keys = ["world_size", "accum_steps", "step", "point"]
     local = frame[frame.strategy == "local"].set_index(keys).sort_index()
     ddp = frame[frame.strategy == "ddp"].set_index(keys).sort_index()
@@ -334,11 +315,11 @@ def make_missing_checkpoint_setup() -> Setup:
         net.load_state_dict(torch.load("/nonexistent/checkpoint.pt"))
         return net
 
-    return Setup(make_model=model, batch=_batch, loss=_mse)
+    return Setup(make_model=model, batch=_batch, loss=mean_loss)
 
 
 def make_float_loss_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=lambda m, d: float(_mse(m, d)))
+    return Setup(make_model=_linear, batch=_batch, loss=lambda m, d: float(mean_loss(m, d)))
 
 
 def make_vector_loss_setup() -> Setup:
@@ -347,17 +328,17 @@ def make_vector_loss_setup() -> Setup:
 
 
 def make_lbfgs_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=_mse,
+    return Setup(make_model=_linear, batch=_batch, loss=mean_loss,
                  make_optimizer=lambda params: torch.optim.LBFGS(params))
 
 
 def make_not_an_optimizer_setup() -> Setup:
-    return Setup(make_model=_linear, batch=_batch, loss=_mse, make_optimizer=list)
+    return Setup(make_model=_linear, batch=_batch, loss=mean_loss, make_optimizer=list)
 
 
 def make_other_models_optimizer_setup() -> Setup:
     other = _linear()
-    return Setup(make_model=_linear, batch=_batch, loss=_mse,
+    return Setup(make_model=_linear, batch=_batch, loss=mean_loss,
                  make_optimizer=lambda params: torch.optim.SGD(other.parameters(), lr=0.1))
 
 
@@ -377,7 +358,7 @@ def make_autocast_setup() -> Setup:
 
 
 def make_bfloat16_setup() -> Setup:
-    return Setup(make_model=lambda: _linear().to(torch.bfloat16), batch=_batch, loss=_mse)
+    return Setup(make_model=lambda: _linear().to(torch.bfloat16), batch=_batch, loss=mean_loss)
 
 
 @pytest.mark.parametrize(("factory", "words"), [
@@ -434,7 +415,7 @@ def test_non_persistent_buffers_are_compared_and_kept_by_the_reference():
     model = _Rotary()
     parts = LocalCase.compared_parts(model, 2, 0)
     assert "inv_freq" in parts
-    setup = Setup(make_model=_Rotary, batch=_batch, loss=_mse)
+    setup = Setup(make_model=_Rotary, batch=_batch, loss=mean_loss)
     steps = compute_reference(setup, torch.float64, CPU, None, 1e-9, "t",
                               initial=model.double(), keeps=parts)
     assert torch.equal(steps[0].after["inv_freq"], torch.ones(3, dtype=torch.float64))
@@ -442,7 +423,7 @@ def test_non_persistent_buffers_are_compared_and_kept_by_the_reference():
 
 def test_a_loss_nan_on_every_batch_is_refused_as_not_finite():
     setup = Setup(make_model=_linear, batch=_batch,
-                  loss=lambda m, d: _mse(m, d) * math.nan)
+                  loss=lambda m, d: mean_loss(m, d) * math.nan)
     with pytest.raises(UsageError, match="loss \\(or gradient\\) is not finite in step 0"):
         compute_reference(setup, torch.float64, CPU, None, 1e-9, "t")
 
@@ -465,7 +446,7 @@ def test_a_batch_that_n_divides_but_n_times_k_does_not_is_refused():
 def _interrupting_loss(model: nn.Module, data) -> torch.Tensor:
     if ERROR_DIR_VARIABLE in os.environ:  # in the ranks only: the launcher's check passes
         raise KeyboardInterrupt
-    return _mse(model, data)
+    return mean_loss(model, data)
 
 
 def make_interrupting_setup() -> Setup:
@@ -475,7 +456,7 @@ def make_interrupting_setup() -> Setup:
 def _slow_loss(model: nn.Module, data) -> torch.Tensor:
     if ERROR_DIR_VARIABLE in os.environ:
         time.sleep(0.5)
-    return _mse(model, data)
+    return mean_loss(model, data)
 
 
 def make_slow_setup() -> Setup:
