@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # again; under torchrun the ranks check the batches (their reference checks the
         # loss and the optimizer as it uses them).
         setups = _setups(config, world_sizes, batches_too=not launched_by_harness(),
-                         progress=leader and not launched_by_harness())
+                         progress=leader and not config.quiet
+                         and not launched_by_harness())
     except UsageError as error:
         return refuse(error, 0 if leader else 1, PROG)
     except KeyboardInterrupt:
