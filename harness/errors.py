@@ -11,6 +11,8 @@ from pathlib import Path
 
 #: Exit code of bad input (argparse's too).
 USAGE_EXIT = 2
+#: Exit code after Ctrl-C, as a shell gives a command killed by SIGINT (128 + 2).
+INTERRUPTED_EXIT = 130
 #: How long a rank other than 0 waits before exiting on bad input: torchrun stops every
 #: rank once one exits, and rank 0 (the one that prints) must have printed by then.
 QUIET_RANK_EXIT_DELAY_S = 2.0
@@ -49,6 +51,16 @@ def refuse(error: UsageError, rank: int, prog: str = "study.py") -> int:
     else:
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
     return USAGE_EXIT
+
+
+def interrupted(prog: str, speaks: bool) -> int:
+    """Ctrl-C (or a KeyboardInterrupt in the user's code): one line, by the launcher that
+    started the ranks or else by ``speaks`` (rank 0), no traceback; the exit code."""
+    if launched_by_harness():
+        record_error(0, "interrupted")
+    elif speaks:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT
 
 
 def first_sentence(error: BaseException) -> str:

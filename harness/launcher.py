@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.errors import ERROR_DIR_VARIABLE, USAGE_EXIT
+from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, USAGE_EXIT
 from harness.failure import killed_in_case
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,11 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def _quiet_launcher() -> None:
-    for name in LAUNCHER_LOGGERS:
+    # torch gives some of its modules' loggers a level of their own (e.g. the agent's
+    # "Received 2 death signal" warning on Ctrl-C): those are silenced one by one.
+    names = [name for name in logging.root.manager.loggerDict
+             if name.startswith(LAUNCHER_LOGGERS)]
+    for name in {*LAUNCHER_LOGGERS, *names}:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -75,6 +79,7 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     check's randomness in a user's loss) is reported as the launcher-side checks report
     theirs, without a rank number: it is the input's fault, not the rank's.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -86,7 +91,14 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
                               rdzv_endpoint="localhost:0", max_restarts=0)
         try:
             elastic_launch(config, sys.executable)("-m", module, *strip_nproc(argv))
+        except (SignalException, KeyboardInterrupt):
+            # Ctrl-C: torch's agent stops the ranks and raises; one line, nothing else.
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
         except ChildFailedError as failed:
+            if any(f.exitcode == INTERRUPTED_EXIT for f in failed.failures.values()):
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return INTERRUPTED_EXIT
             rank, failure = failed.get_first_failure()
             cause = _first_error_line(Path(error_dir), rank)
             usage = failure.exitcode == USAGE_EXIT

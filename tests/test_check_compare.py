@@ -130,8 +130,8 @@ def linear_setup() -> Setup:
 
 def test_the_rank_compares_the_tensors_its_strategy_gives_it():
     model = make_model().double()
-    everything = {name for name, _ in model.named_parameters()} | {
-        name for name, b in model.named_buffers() if b.is_floating_point()}
+    # Every buffer, integer counters (num_batches_tracked) included: they are compared too.
+    everything = {name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
     halves = [DDPCase.compared_parts(model, 2, rank) for rank in (0, 1)]
     assert set(halves[0]) | set(halves[1]) == everything and not set(halves[0]) & set(halves[1])
     assert set(halves[0].values()) == {None}, "DDP compares whole tensors"

@@ -6,6 +6,15 @@ number of micro-steps, and compares gradients and updates with one process stepp
 once on the whole global batch.
 """
 
-from harness.check.setup import MicroStep, Setup, default_optimizer
-
 __all__ = ["MicroStep", "Setup", "default_optimizer"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, not with the package: every rank runs `python -m
+    # harness.check`, which imports this package before its __main__ can turn a Ctrl-C
+    # that arrives while torch is still importing into a quiet exit.
+    if name in __all__:
+        from harness.check import setup
+
+        return getattr(setup, name)
+    raise AttributeError(f"module 'harness.check' has no attribute {name!r}")

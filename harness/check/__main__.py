@@ -2,7 +2,15 @@
 
 import sys
 
-from harness.check.cli import main
+from harness.errors import INTERRUPTED_EXIT
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ctrl-C reaches every rank too: the launcher says "interrupted" once; a rank says
+    # nothing, even when it comes while the rank is still importing.
+    try:
+        from harness.check.cli import main
+
+        code = main()
+    except KeyboardInterrupt:
+        code = INTERRUPTED_EXIT
+    sys.exit(code)

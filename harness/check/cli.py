@@ -14,11 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
-from harness.check.load import check_model, validated_setup
+from harness.check.load import validated_setup
+from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
 from harness.check.setup import Setup
 from harness.cli import _launch_size, _Parser
 from harness.config import add_dtype_flag, add_timeout_flag
-from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.errors import (
+    UsageError,
+    interrupted,
+    launched_by_harness,
+    record_error,
+    refuse,
+)
 from harness.launch import (
     Launch,
     Placement,
@@ -71,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="drop the samples of a global batch that do not split evenly "
                              "into N x k pieces (default: refuse such a batch)")
     add_timeout_flag(parser, "a collective")
+    parser.add_argument("--fail-on", default=DEFAULT_FAIL_ON, choices=tuple(FAIL_ON),
+                        help="exit code 1 when a case errors (always) or a row's verdict is "
+                             "'differs' (differs), 'differs' or 'scaled' (scaled), or only "
+                             f"on errors (error); default: {DEFAULT_FAIL_ON}")
     parser.add_argument("--quiet", action="store_true", help="no table on the console")
     return parser
 
@@ -87,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         drop_last=args.drop_last,
         quiet=args.quiet,
         timeout=parse_float(args.timeout, "--timeout"),
+        fail_on=args.fail_on,
     )
     check_out_folder(config.out)
     return config
@@ -110,29 +122,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         config = config_from_args(args)
         if args.nproc is not None:
-            nproc = _launch_size(args.nproc)
-            planned = Launch.planned(nproc)
-            world_sizes = config.resolved_world_sizes(nproc)
-            choose_placement("auto", "auto", planned)
-            for target, setup in _setups(config, world_sizes):
-                check_model(setup.make_model(), target)
-            from harness.launcher import launch_ranks
-
-            return launch_ranks(nproc, argv, PROG, module="harness.check",
-                                name_rank_of_bad_input=False)
+            return _launch(config, args.nproc, argv)
         launch = _launch_from_environment()
         world_sizes = config.resolved_world_sizes(launch.world_size)
         placement = choose_placement("auto", "auto", launch)
-        setups = _setups(config, world_sizes)
+        # The launcher has checked the batches and one piece: a rank it started does not
+        # again; under torchrun the ranks check the batches (their reference checks the
+        # loss and the optimizer as it uses them).
+        setups = _setups(config, world_sizes, batches_too=not launched_by_harness(),
+                         progress=leader and not config.quiet
+                         and not launched_by_harness())
     except UsageError as error:
         return refuse(error, 0 if leader else 1, PROG)
+    except KeyboardInterrupt:
+        return interrupted(PROG, leader)
     return _run(config, setups, launch, placement, world_sizes)
 
 
-def _setups(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[str, Setup]]:
+def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
+    """Check the setups here, once, then start the ranks; the exit code from the rows the
+    ranks wrote (see outcome.py)."""
+    nproc = _launch_size(nproc_flag)
+    planned = Launch.planned(nproc)
+    world_sizes = config.resolved_world_sizes(nproc)
+    choose_placement("auto", "auto", planned)
+    _setups(config, world_sizes, batches_too=True, piece_too=True,
+            progress=not config.quiet)
+    from harness.launcher import launch_ranks
+
+    if not config.quiet:
+        print(f"{PROG}: starting {nproc} rank(s)", flush=True)
+    code = launch_ranks(nproc, argv, PROG, module="harness.check",
+                        name_rank_of_bad_input=False)
+    if code != 0:
+        return code
+    return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG)
+
+
+def _setups(config: CheckConfig, world_sizes: tuple[int, ...], batches_too: bool,
+            progress: bool, piece_too: bool = False) -> list[tuple[str, Setup]]:
     """Each target's validated Setup; their names tell their rows apart, so must differ."""
-    setups = [(target, validated_setup(target, _splits(config, world_sizes), config.drop_last))
-              for target in config.targets]
+    splits = _splits(config, world_sizes)
+
+    def say(line: str) -> None:
+        if progress:
+            print(f"{PROG}: {line}", flush=True)
+
+    setups = []
+    for target in config.targets:
+        if progress:  # a factory may load for minutes: say what is being waited for
+            print(f"{PROG}: loading {target}", flush=True)
+        setups.append((target, validated_setup(target, splits, config.drop_last,
+                                               config.torch_dtype, batches_too=batches_too,
+                                               piece_too=piece_too, say=say)))
     names = [setup.name for _, setup in setups]
     for name in names:
         if names.count(name) > 1:
@@ -156,11 +198,13 @@ def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
               f"{','.join(map(str, config.accum_steps))}, strategies "
               f"{','.join(config.strategies)}", flush=True)
     try:
-        code = run.run()
+        run.run()
     except UsageError as error:
         if dist.is_initialized():
             dist.destroy_process_group()
         return refuse(error, launch.rank, PROG)
+    except KeyboardInterrupt:
+        return interrupted(PROG, launch.is_leader)
     except Exception as error:
         if launched_by_harness():  # the launcher prints the line once
             record_error(launch.rank, f"{type(error).__name__}: {error}")
@@ -172,5 +216,7 @@ def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
         for _, setup in setups:
             print(f"\n{setup.name}:\n" + render([row for row in run.rows
                                                    if row["setup"] == setup.name], setup.steps))
-        print(f"{PROG}: {len(run.rows)} rows -> {config.out / CSV_NAME}")
-    return code
+        print(f"{PROG}: {len(run.rows)} rows -> {config.out / CSV_NAME}", flush=True)
+    if launch.is_leader and not launched_by_harness():  # else the launcher judges the CSV
+        return exit_code(run.rows, config.fail_on, PROG)
+    return 0

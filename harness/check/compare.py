@@ -168,15 +168,21 @@ def _summed(rows: torch.Tensor, group: dist.ProcessGroup | None,
     return on_device.cpu()
 
 
+def _model_sums(pairs: Sequence[Pair], index: dict[str, int], group: dist.ProcessGroup | None,
+                device: torch.device) -> torch.Tensor:
+    """Each tensor's :func:`_sums`, a row per name, summed over the ranks of ``group``."""
+    sums = torch.zeros(len(index), 5, dtype=torch.float64)
+    for pair in pairs:
+        if pair.measured is not None or pair.reference is not None:
+            sums[index[pair.name]] += _sums(pair)
+    return _summed(sums, group, device)
+
+
 def compare(pairs: Sequence[Pair], names: Sequence[str], group: dist.ProcessGroup | None,
             device: torch.device, rtol: float) -> Comparison:
     """Fit and judge; every rank of ``group`` calls it with its own pairs (a collective)."""
     index = {name: i for i, name in enumerate(names)}
-    sums = torch.zeros(len(names), 5, dtype=torch.float64)
-    for pair in pairs:
-        if pair.measured is not None or pair.reference is not None:
-            sums[index[pair.name]] += _sums(pair)
-    sums = _summed(sums, group, device)
+    sums = _model_sums(pairs, index, group, device)
     mr, rr, mm = (float(sums[:, i].sum()) for i in range(3))
     scale = mr / rr if rr > ZERO_NORM**2 else math.nan
     residuals = (_residuals(pairs, index, sums, scale, group, device)
@@ -187,6 +193,28 @@ def compare(pairs: Sequence[Pair], names: Sequence[str], group: dist.ProcessGrou
     fit = ScaleFit(scale=scale, residual=residual)
     errors = _tensor_errors(names, residuals, sums[:, 1], sums[:, 2], scale)
     return Comparison(fit, equivalence_verdict(fit, rtol), errors)
+
+
+def compare_each(pairs: Sequence[Pair], names: Sequence[str], exact: set[str],
+                 group: dist.ProcessGroup | None, device: torch.device,
+                 rtol: float) -> Comparison:
+    """Each tensor against its own reference at scale 1, no scale fitted: buffers are not
+    gradients (a sample counter and a running mean share no scale with each other or with
+    the weights), so each must match by itself. Tensors in ``exact`` (integer counters)
+    must be equal; the others within ``rtol``. A collective, as :func:`compare`."""
+    sums = _model_sums(pairs, {name: i for i, name in enumerate(names)}, group, device)
+    _, rr, mm, dd, _ = sums.unbind(dim=1)
+    errors = {}
+    for i, name in enumerate(names):
+        left, expected = math.sqrt(float(dd[i])), math.sqrt(float(rr[i]))
+        errors[name] = (left / expected if expected > ZERO_NORM
+                        else (math.inf if left > 0 else 0.0))
+    agree = all(error <= (0.0 if name in exact else rtol) for name, error in errors.items())
+    norm = math.sqrt(float(mm.sum()))
+    left = math.sqrt(float(dd.sum()))
+    residual = left / norm if norm > ZERO_NORM else (math.inf if left > 0 else 0.0)
+    verdict = Equivalence.MATCHES if agree else Equivalence.DIFFERS
+    return Comparison(ScaleFit(scale=1.0, residual=residual), verdict, errors)
 
 
 def _tensor_errors(names: Sequence[str], residuals: torch.Tensor, ref_sq: torch.Tensor,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
 from harness.config import DTYPES
 from harness.errors import UsageError
 from harness.options import check_known, check_positive_unique, check_timeout
@@ -37,6 +38,8 @@ class CheckConfig:
     quiet: bool = False
     #: Seconds a collective inside a case may wait before the run fails instead of hanging.
     timeout: float = 300.0
+    #: The verdicts that make the run exit 1 (see harness/check/outcome.py).
+    fail_on: str = DEFAULT_FAIL_ON
 
     def __post_init__(self) -> None:
         for target in self.targets:
@@ -56,6 +59,7 @@ class CheckConfig:
         if self.dtype not in DTYPES:
             raise UsageError(f"--dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         check_timeout(self.timeout)
+        check_known("--fail-on", [self.fail_on], tuple(FAIL_ON))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -44,6 +44,10 @@ class Facts:
     #: when needed: it costs a forward of every piece.
     loss_combination: Callable[[], Combination] | None = None
     rtol: float = 1e-9
+    #: The scale of step 0's gradient where it is a pure multiple other than 1: the cause
+    #: of every later row of the case that this scale alone does not explain (an adaptive
+    #: optimizer such as Adam turns it into updates no single scale describes).
+    gradient_scale: float | None = None
 
 
 def batchnorm_tensors(model: nn.Module) -> set[str]:
@@ -114,10 +118,39 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
             "depends on how the batch is split")
 
 
+def buffers_fix(comparison: Comparison, facts: Facts) -> str:
+    """Buffers that do not follow the big batch: running statistics of normalization
+    layers, or a buffer the forward updates once per call (a counter)."""
+    differing = [name for name, error in comparison.errors.items() if error > facts.rtol]
+    if differing and all(name in facts.batchnorm for name in differing):
+        return ("BatchNorm's running statistics are updated once per micro-batch and per "
+                "rank, from that piece alone: expected to differ from one big-batch "
+                "update; " + _batchnorm_fix(facts))
+    shown = ", ".join(differing[:3]) + (", ..." if len(differing) > 3 else "")
+    return (f"the buffers {shown} change differently from the big batch: the forward "
+            f"updates them per call or per piece ({facts.world_size} rank(s) x "
+            f"{facts.accum_steps} micro-step(s)), e.g. a counter of calls or of each rank's "
+            "own samples; update them once per optimizer step, or all-reduce them")
+
+
+def _follows_gradient_scale(point: str, comparison: Comparison, facts: Facts) -> bool:
+    """Whether the row is one of the later rows of a case whose step-0 gradient is scaled
+    and that the same scale does not explain by itself."""
+    if facts.gradient_scale is None or point == "buffers":
+        return False
+    return not (comparison.verdict is Equivalence.SCALED
+                and close(comparison.scale, facts.gradient_scale, facts.rtol))
+
+
 def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
     """The fix for one row; empty where nothing needs fixing."""
     if comparison.verdict is Equivalence.MATCHES:
         return ""
+    if point == "buffers":
+        return buffers_fix(comparison, facts)
+    if _follows_gradient_scale(point, comparison, facts):
+        return (f"step 0's gradient is scaled by {_shown(facts.gradient_scale)}, which "
+                f"this row follows from: {scale_fix('grad', facts.gradient_scale, facts)}")
     if comparison.verdict is Equivalence.SCALED and not math.isnan(comparison.scale):
         return scale_fix(point, comparison.scale, facts)
     return differs_fix(comparison, facts)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from harness.check import batches
-from harness.check.setup import Setup
+from harness.check.setup import Setup, make_optimizer
 from harness.errors import UsageError
 
 #: Modules whose training-mode forward draws random numbers. A big batch and its pieces
@@ -41,6 +43,17 @@ def _import(module_name: str, target: str) -> Any:
                          "from the current folder or the Python path") from None
 
 
+def called(function, what: str) -> Any:
+    """``function()``, its failure one line of bad input. SystemExit too: a factory that
+    calls sys.exit() (a missing file, a failed argument parse) otherwise ends the check
+    silently with the factory's code."""
+    try:
+        return function()
+    except (Exception, SystemExit) as error:  # noqa: BLE001 -- the user's code failing
+        raise UsageError(f"{what} failed: {type(error).__name__}: {error}; allowed: code "
+                         "that runs on this machine as it is") from None
+
+
 def load_setup(target: str) -> Setup:
     """Call ``module:factory`` and return its Setup, named after the factory if unnamed."""
     module_name, _, factory_name = target.partition(":")
@@ -54,11 +67,7 @@ def load_setup(target: str) -> Setup:
     if not callable(factory):
         raise UsageError(f"{target}: {factory_name!r} is a {type(factory).__name__}, not a "
                          "function; allowed: a function that returns a harness.check.Setup")
-    try:
-        setup = factory()
-    except Exception as error:  # noqa: BLE001 -- the user's factory failing is bad input
-        raise UsageError(f"{target}: calling {factory_name}() failed: "
-                         f"{type(error).__name__}: {error}") from None
+    setup = called(factory, f"{target}: calling {factory_name}()")
     if not isinstance(setup, Setup):
         raise UsageError(f"{target}: {factory_name}() returned a {type(setup).__name__}, not "
                          "a harness.check.Setup; allowed: Setup(make_model=..., batch=..., "
@@ -105,20 +114,139 @@ def check_batches(setup: Setup, target: str, splits: list[tuple[int, int]],
             batches.pieces_needed(samples, world_size, accum_steps, drop_last, where)
 
 
-def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool) -> Setup:
-    """The Setup behind ``target``, with its batches checked (each model it builds is
-    checked as it is built: :func:`prepared_model`)."""
+def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
+                    dtype: torch.dtype, say: Callable[[str], None]) -> None:
+    """The loss on the first of ``pieces`` pieces of batch(0), and the optimizer over the
+    model's trainable parameters, checked before any rank starts: otherwise a loss of
+    the wrong type or an optimizer the check cannot step fails every case at once as
+    "rank N failed". (The ranks check the reference's loss and optimizer the same way.)
+    What the check casts, and a loss that computes in a lower precision, are said."""
+    batch = setup.batch(0)
+    piece = batches.take(batch, 0, max(1, batches.sample_count(batch, "batch(0)") // pieces))
+    _say_casts(model, piece, dtype, target, say)
+    _check_precision(setup, model, piece, dtype, target, say)
+    model = model.to(dtype=dtype)
+    piece = batches.prepared(piece, dtype, torch.device("cpu"))
+    check_loss(called(lambda: setup.loss(model, piece), f"{target}: loss(model, piece)"),
+               target)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
+    check_optimizer(optimizer, trainable, target)
+
+
+def _say_casts(model: nn.Module, piece: Any, dtype: torch.dtype, target: str,
+               say: Callable[[str], None]) -> None:
+    """Name the casts that change what is computed: from bfloat16 or float16 (the model is
+    then checked in the run's type, not the precision it trains in), or down to a type of
+    fewer bits. float32 to the default float64 is the check's own rule, not said."""
+    for what, tensors in (("make_model()", [*model.parameters(), *model.buffers()]),
+                          ("batch(0)", batches.tensors_of(piece))):
+        cast = sorted({str(t.dtype).removeprefix("torch.") for t in tensors
+                       if t.is_floating_point() and t.dtype != dtype
+                       and (t.dtype in LOW_PRECISION or t.dtype.itemsize > dtype.itemsize)})
+        if cast:
+            say(f"{target}: {what} gives {', '.join(cast)} tensors, cast to "
+                f"{str(dtype).removeprefix('torch.')} (--dtype) for the check")
+
+
+#: Floating types whose rounding (bfloat16: 2**-8 ~ 4e-3) is above every check tolerance.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _check_precision(setup: Setup, model: nn.Module, piece: Any, dtype: torch.dtype,
+                     target: str, say: Callable[[str], None]) -> None:
+    """Whether the model's modules output bfloat16 or float16 when the model and the batch
+    are float32 (autocast on the CPU casts float32, never float64): their rounding would
+    read as a split that differs at float32; at float64 autocast casts nothing."""
+    seen: set[torch.dtype] = set()
+
+    def record(_module, _inputs, output) -> None:
+        seen.update(t.dtype for t in batches.tensors_of(output) if t.dtype in LOW_PRECISION)
+
+    probe = copy.deepcopy(model).to(dtype=torch.float32)
+    hooks = [module.register_forward_hook(record) for module in probe.modules()]
+    try:
+        with torch.no_grad():
+            called(lambda: setup.loss(probe, batches.prepared(piece, torch.float32,
+                                                              torch.device("cpu"))),
+                   f"{target}: loss(model, piece)")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not seen:
+        return
+    low = ", ".join(sorted(str(d).removeprefix("torch.") for d in seen))
+    if dtype != torch.float64:
+        raise UsageError(f"{target}: the model computes in {low} when given float32 (autocast?): "
+                         f"its rounding (~4e-3) is above the float32 tolerance, so the check "
+                         "would blame it on the split; allowed: --dtype float64 (autocast then "
+                         "casts nothing and the rows judge the recipe's arithmetic)")
+    say(f"{target}: the model computes in {low} when given float32 (autocast?); at float64 "
+        "autocast casts nothing: the rows judge the recipe's arithmetic, not that rounding")
+
+
+def check_loss(loss: Any, target: str) -> None:
+    """A scalar tensor with a graph to backpropagate."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
+        return
+    if isinstance(loss, torch.Tensor):
+        shown = f"a tensor of shape {tuple(loss.shape)}" + (
+            "" if loss.requires_grad else " that requires no gradient")
+    else:
+        shown = f"a {type(loss).__name__}"
+    raise UsageError(f"{target}: loss(model, batch) returned {shown}; allowed: a scalar "
+                     "tensor computed from the model's output (backward() runs on it)")
+
+
+def check_optimizer(optimizer: Any, trainable: list[nn.Parameter], target: str) -> None:
+    """A torch optimizer whose step() needs no closure, over exactly the parameters given."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"{target}: make_optimizer() returned a {type(optimizer).__name__}; "
+                         "allowed: a torch.optim.Optimizer")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise UsageError(f"{target}: {type(optimizer).__name__}.step() needs a closure (it "
+                         "re-evaluates the loss), which no training step of pieces can give; "
+                         "allowed: optimizers whose step() takes no argument (SGD, Adam, ...)")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    given = {id(p) for p in trainable}
+    if held != given:
+        raise UsageError(f"{target}: make_optimizer(params) holds {len(held - given)} tensor(s) "
+                         f"that are not the model's and misses {len(given - held)} of its "
+                         f"{len(given)} trainable parameter(s) (an optimizer over another "
+                         "model's parameters?); allowed: an optimizer over the params it is "
+                         "given")
+
+
+def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool,
+                    dtype: torch.dtype, *, batches_too: bool = True, piece_too: bool = True,
+                    say: Callable[[str], None] = lambda _: None) -> Setup:
+    """The Setup behind ``target``, with its batches checked (``batches_too``) and one
+    piece of a model of its own trained (``piece_too``: a model more, which the ranks
+    spare themselves: their reference checks its own loss and optimizer), notices handed
+    to ``say``. Each model the ranks build is checked as it is built:
+    :func:`prepared_model`."""
     setup = load_setup(target)
-    check_batches(setup, target, splits, drop_last)
+    if batches_too:
+        check_batches(setup, target, splits, drop_last)
+    if piece_too:
+        pieces = max(n * k for n, k in splits)
+        check_one_piece(setup, built_model(setup, target), target, pieces, dtype, say)
     return setup
+
+
+def built_model(setup: Setup, target: str = "make_model") -> nn.Module:
+    """``make_model()``, checked; its failure (a missing checkpoint, a device this machine
+    lacks) one line of bad input."""
+    model = called(setup.make_model, f"{target}: make_model()")
+    check_model(model, target)
+    return model
 
 
 def prepared_model(setup: Setup, dtype: torch.dtype, device: torch.device,
                    target: str = "make_model") -> nn.Module:
     """A fresh, checked model in the run's dtype (floating tensors only) on its device."""
-    model = setup.make_model()
-    check_model(model, target)
-    return model.to(device=device, dtype=dtype)
+    return built_model(setup, target).to(device=device, dtype=dtype)
 
 
 def copy_of(template: nn.Module, setup: Setup, dtype: torch.dtype,

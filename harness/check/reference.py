@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from harness.check import batches
-from harness.check.load import copy_of, prepared_model
-from harness.check.setup import Setup, default_optimizer
+from harness.check.load import check_loss, check_optimizer, copy_of, prepared_model
+from harness.check.setup import Setup, make_optimizer
 from harness.errors import UsageError
 from harness.tolerances import close
 
@@ -34,7 +34,7 @@ class ReferenceStep:
     before: dict[str, torch.Tensor]
     #: ``param.grad`` right before ``optimizer.step()``; None where a parameter got none.
     grads: dict[str, torch.Tensor | None]
-    #: Parameters and floating buffers right after the step.
+    #: Parameters and buffers right after the step.
     after: dict[str, torch.Tensor]
     #: The big-batch loss.
     loss: float
@@ -61,14 +61,23 @@ def _part(tensor: torch.Tensor | None, rows: Rows, copy: bool) -> torch.Tensor |
 
 
 def state_names(model: nn.Module) -> tuple[list[str], list[str]]:
-    """Names of the trainable parameters and of the floating buffers, in module order."""
+    """Names of the trainable parameters and of the buffers, in module order."""
     params = [name for name, p in model.named_parameters() if p.requires_grad]
-    buffers = [name for name, b in model.named_buffers() if b.is_floating_point()]
+    buffers = [name for name, _ in model.named_buffers()]
     return params, buffers
 
 
-def make_optimizer(setup: Setup, params) -> torch.optim.Optimizer:
-    return (setup.make_optimizer or default_optimizer)(params)
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name. Not ``state_dict()``: it leaves out
+    non-persistent buffers (a rotary embedding's ``inv_freq``), which a forward still reads
+    and may change."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def not_finite(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` holds a NaN or an infinity. A NaN compares unequal to everything,
+    so without this test it reads as randomness or as a split that differs."""
+    return tensor is not None and not bool(torch.isfinite(tensor.detach()).all())
 
 
 def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol: float,
@@ -90,19 +99,21 @@ def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol:
 
 
 def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
-                      used_samples: int | None, rtol: float, target: str, *,
+                      used_samples: tuple[int, ...] | None, rtol: float, target: str, *,
                       initial: nn.Module | None = None,
                       keeps: Mapping[str, Rows] | None = None) -> list[ReferenceStep]:
-    """Every step of the reference on the first ``used_samples`` of each global batch
-    (all of them when None), from a copy of ``initial`` (left untouched: step 0's
+    """Every step of the reference on the first ``used_samples[step]`` of each global
+    batch (all of them when None), from a copy of ``initial`` (left untouched: step 0's
     ``before`` is its tensors) or else from a model of its own; only the tensors (and
     rows) ``keeps`` names are kept, every tensor whole without it."""
     model = (copy_of(initial, setup, dtype, device) if initial is not None
              else prepared_model(setup, dtype, device, target))
-    optimizer = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(setup, trainable)
+    check_optimizer(optimizer, trainable, target)
     param_names, buffer_names = state_names(model)
     if keeps is None:
-        keeps = dict.fromkeys([*model.state_dict()])
+        keeps = dict.fromkeys(named_state(model))
     kept_params = [name for name in param_names if name in keeps]
     kept_state = [*kept_params, *(name for name in buffer_names if name in keeps)]
     first_rows = {name: rows[0] for name, rows in keeps.items() if rows is not None}
@@ -111,21 +122,26 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
     for step in range(setup.steps):
         window = window_of(setup, step, used_samples, dtype, device)
         source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
-        state = source.state_dict(keep_vars=True)
+        state = named_state(source)
         before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(FORWARD_SEED)
             loss = setup.loss(model, window)
+        check_loss(loss, target)
         loss.backward()
+        if not_finite(loss) or any(not_finite(params[name].grad) for name in param_names):
+            raise UsageError(f"{target}: the loss (or gradient) is not finite in step {step} "
+                             f"of the big-batch reference (loss {float(loss.detach()):.6g}); "
+                             "allowed: a loss and gradients finite on every global batch")
         if step == 0:
             _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
-        # The reference keeps the gradient tensors themselves (or copies of their rows):
-        # optimizer.step() reads them, and zero_grad(set_to_none) hands the model new ones.
-        grads = {name: _part(params[name].grad, keeps[name], copy=False) for name in kept_params}
+        # Copies, not the gradient tensors: an optimizer may edit .grad in place while it
+        # steps (clipping in a step pre-hook, unscaling), which would rewrite the reference.
+        grads = {name: _part(params[name].grad, keeps[name], copy=True) for name in kept_params}
         optimizer.step()
         last = step == setup.steps - 1
-        state = model.state_dict(keep_vars=True)
+        state = named_state(model)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
@@ -133,10 +149,11 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
     return steps
 
 
-def window_of(setup: Setup, step: int, used_samples: int | None, dtype: torch.dtype,
-              device: torch.device):
-    """Global batch ``step``, cut to ``used_samples`` (--drop-last), in dtype, on device."""
+def window_of(setup: Setup, step: int, used_samples: tuple[int, ...] | None,
+              dtype: torch.dtype, device: torch.device):
+    """Global batch ``step``, cut to ``used_samples[step]`` (--drop-last), in dtype, on
+    device."""
     batch = setup.batch(step)
     if used_samples is not None:
-        batch = batches.take(batch, 0, used_samples)
+        batch = batches.take(batch, 0, used_samples[step])
     return batches.prepared(batch, dtype, device)

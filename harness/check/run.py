@@ -10,6 +10,7 @@ rank and shared by all cases.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,20 +20,39 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check import batches
-from harness.check.compare import Comparison, compare, same_on_every_rank, sampled_fingerprint
+from harness.check.compare import (
+    Comparison,
+    compare,
+    compare_each,
+    same_on_every_rank,
+    sampled_fingerprint,
+)
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import copy_of, prepared_model
-from harness.check.reference import ReferenceStep, Rows, compute_reference, window_of
+from harness.check.reference import (
+    ReferenceStep,
+    Rows,
+    compute_reference,
+    state_names,
+    window_of,
+)
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
-from harness.check.strategies import CASE_MODELS, CaseModel, merged
+from harness.check.strategies import CASE_MODELS, CaseModel, merged, not_finite_message
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.tolerances import check_tolerance
+from harness.verdicts import Equivalence
 
-POINTS = ("grad", "params")
+
+class NotFinite(Exception):
+    """A case's loss or gradient held a NaN or an infinity: its rows say where."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ class SetupCheck:
                                                                   setup, groups)
         self.dtype, self.device = self.config.torch_dtype, self.placement.device
         self.rtol = check_tolerance(self.dtype)
-        self.references: dict[int | None, list[ReferenceStep]] = {}
+        self.references: dict[tuple[int, ...] | None, list[ReferenceStep]] = {}
         #: The initial model: copied for every case but this rank's last, which takes it.
         self.initial: nn.Module | None = prepared_model(setup, self.dtype, self.device, target)
         #: Cases this rank still has to measure.
@@ -104,6 +124,12 @@ class SetupCheck:
         self.parameters_to_keep: set[str] = set()
         #: The tensors (and rows) this rank compares in some case: all the reference keeps.
         self.kept: dict[str, Rows] = {}
+        _, buffer_names = state_names(self.initial)
+        #: What each case compares: the buffers on their own, where the model has some.
+        self.points = ("grad", "params", *(("buffers",) if buffer_names else ()))
+        #: Integer buffers (counters such as BatchNorm's num_batches_tracked) must be equal.
+        self.exact_buffers = {name for name, buffer in self.initial.named_buffers()
+                              if not buffer.is_floating_point()}
 
     def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
         """make_model() and batch(i) must give every rank the same numbers: compared as
@@ -117,15 +143,16 @@ class SetupCheck:
                              "different numbers; allowed: deterministic functions (seed inside "
                              "them, e.g. torch.manual_seed(0) in make_model)")
 
-    def used_samples(self, case: Case) -> int | None:
-        """Samples of each global batch the case uses: all, unless --drop-last cuts some."""
+    def used_samples(self, case: Case) -> tuple[int, ...] | None:
+        """Samples of each step's global batch the case uses: all, unless --drop-last cuts
+        some (each batch by its own size: later batches may be smaller than the first)."""
         if not self.config.drop_last:
             return None
-        samples = batches.sample_count(self.setup.batch(0), "batch(0)")
         pieces = case.world_size * case.accum_steps
-        return samples // pieces * pieces
+        return tuple(batches.sample_count(self.setup.batch(step), f"batch({step})")
+                     // pieces * pieces for step in range(self.setup.steps))
 
-    def reference(self, used: int | None) -> list[ReferenceStep]:
+    def reference(self, used: tuple[int, ...] | None) -> list[ReferenceStep]:
         if used not in self.references:
             self.references[used] = compute_reference(
                 self.setup, self.dtype, self.device, used, self.rtol, self.target,
@@ -155,14 +182,18 @@ class SetupCheck:
         reason = self._unavailable(case)
         if reason is not None:
             return self._rows(case, [(step, point, None, None, "", f"skipped: {reason}", "")
-                                     for step in range(self.setup.steps) for point in POINTS])
+                                     for step in range(self.setup.steps)
+                                     for point in self.points])
         try:
             measured = self._measure(case)
         except UsageError:
             raise
+        except NotFinite as error:
+            return self._rows(case, [(error.step, point, None, None, "", "error", str(error))
+                                     for point in self.points])
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
             return self._rows(case, [(0, point, None, None, "", "error", first_sentence(error))
-                                     for point in POINTS])
+                                     for point in self.points])
         return self._rows(case, measured)
 
     def _unavailable(self, case: Case) -> str | None:
@@ -190,20 +221,40 @@ class SetupCheck:
             samples = batches.sample_count(window, f"batch({step})")
             facts.loss_combination = self._loss_combination(window, samples, case)
             model.backward_window(window, samples, case.accum_steps)
+            self._refuse_not_finite(model, step, case, group)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
                             self.rtol)
             grads_agree = model.ranks_agree("grad")
             self._keep_initial_parameters()
             model.step()
-            update = compare(model.update_pairs(ref), model.state_names, group, self.device,
-                             self.rtol)
-            measured = zip(POINTS, (grads, update), (grads_agree, model.ranks_agree("params")),
-                           strict=True)
+            update = compare(model.update_pairs(ref, model.param_names), model.param_names,
+                             group, self.device, self.rtol)
+            measured = [("grad", grads, grads_agree),
+                        ("params", update, model.ranks_agree("params"))]
+            if model.buffer_names:
+                buffers = compare_each(model.update_pairs(ref, model.buffer_names),
+                                       model.buffer_names, self.exact_buffers, group,
+                                       self.device, self.rtol)
+                measured.append(("buffers", buffers, None))
             for point, comparison, agree in measured:
                 facts.ranks_agree = agree
                 results.append((step, point, comparison, agree,
                                 self._fix(point, comparison, facts), "ok", ""))
+                if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
+                    # The step's later rows (and every later step's) follow from it.
+                    facts.gradient_scale = comparison.scale
         return results
+
+    def _refuse_not_finite(self, model: CaseModel, step: int, case: Case,
+                           group: dist.ProcessGroup | None) -> None:
+        """Every rank of the case raises together (so none waits in a collective) when any
+        rank's loss or gradient was not finite: a NaN matches nothing, not even a NaN."""
+        first = torch.tensor([model.first_not_finite], dtype=torch.float64, device=self.device)
+        if group is not None:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+        if not math.isinf(float(first)):
+            raise NotFinite(step, not_finite_message(float(first), step, case.world_size,
+                                                      case.accum_steps))
 
     def _initial_model(self) -> nn.Module:
         """A model at the initial state: a copy, except for this rank's last case, which

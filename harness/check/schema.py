@@ -12,10 +12,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("world_size", "ranks", "N: ranks the global batch is split across"),
     ACCUM_STEPS,
     Column("step", "steps", "optimizer step compared, from 0 (each on its own global batch)"),
-    Column("point", "`grad`, `params`",
-           "what is compared: `param.grad` right before `optimizer.step()`, or the parameters "
-           "and floating buffers right after it, as updates from where the reference started "
-           "the step"),
+    Column("point", "`grad`, `params`, `buffers`",
+           "what is compared: `param.grad` right before `optimizer.step()`, the parameters "
+           "right after it, or the buffers (models with some), both as updates from where "
+           "the reference started the step; buffers each on their own at scale 1, integer "
+           "ones (counters) exactly"),
     Column("verdict", EQUIVALENCES,
            "against the single-process big-batch step: the same, a pure multiple s of it, or "
            "no multiple"),
@@ -27,10 +28,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("ranks_agree", "`True`, `False`, empty",
            "DDP: whether every rank held the same gradients (`grad`) or parameters "
            "(`params`), as DDP promises; where they differ, each rank's own tensors were "
-           "compared. Empty for `local` and `fsdp`, whose ranks are not meant to"),
+           "compared. Empty for `local` and `fsdp`, whose ranks are not meant to, and for "
+           "`buffers`"),
     Column("fix", "text", "what to change, read from the measurement; empty when it matches"),
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),
-    Column("error", "text", "the exception of a case that failed (`Type: first sentence`)"),
+    Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
+           "or where its loss or gradient first held a NaN or an infinity"),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)

@@ -58,6 +58,11 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def make_optimizer(setup: Setup, params) -> torch.optim.Optimizer:
+    """The setup's optimizer over ``params`` (plain SGD without one)."""
+    return (setup.make_optimizer or default_optimizer)(params)
+
+
 @dataclass(frozen=True)
 class Setup:
     """One user training step, as functions the harness can call on any rank.

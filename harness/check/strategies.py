@@ -8,6 +8,7 @@ the strategy would, and lists the (measured, reference) pairs this rank compares
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,14 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.compare import Pair, same_on_every_rank, sampled_fingerprint
-from harness.check.reference import ReferenceStep, Rows, make_optimizer, state_names
+from harness.check.reference import (
+    ReferenceStep,
+    Rows,
+    make_optimizer,
+    named_state,
+    not_finite,
+    state_names,
+)
 from harness.check.setup import MicroStep, Setup
 
 
@@ -56,6 +64,16 @@ def merged(kept: Rows, more: Rows) -> Rows:
     return min(kept[0], more[0]), max(kept[1], more[1])
 
 
+def not_finite_message(first: float, step: int, world_size: int, accum_steps: int) -> str:
+    """Where a step first went non-finite, from :attr:`CaseModel.first_not_finite`."""
+    pieces = world_size * accum_steps
+    if first > pieces:
+        return f"a gradient is not finite in step {step} after its {pieces} piece(s)"
+    rank, micro = divmod(int(first) - 1, accum_steps)
+    return (f"the loss is not finite in step {step}, piece {int(first)}/{pieces} (rank "
+            f"{rank}, micro-step {micro})")
+
+
 class CaseModel(ABC):
     """A model under one strategy at world size ``world_size``, from the initial state."""
 
@@ -77,6 +95,9 @@ class CaseModel(ABC):
         self.optimizer = make_optimizer(
             setup, [p for p in self.module.parameters() if p.requires_grad])
         self.micro_step = default_micro_step(setup)
+        #: The first piece (1..N*k) of the step whose loss was not finite, N*k + 1 where
+        #: only a gradient was, inf where all was finite: see :func:`not_finite_message`.
+        self.first_not_finite = math.inf
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -93,12 +114,31 @@ class CaseModel(ABC):
     def backward_window(self, window: Any, samples: int, accum_steps: int) -> None:
         """Every micro-step of one optimizer step, the loss of each backpropagated."""
         per_piece = samples // (self.world_size * accum_steps)
+        pieces = self.world_size * accum_steps
+        self.first_not_finite = math.inf
         for micro in range(accum_steps):
             where = MicroStep(micro, accum_steps, self.world_size, samples, window)
             for rank in self.ranks_played():
                 micro_batch = batches.piece(window, per_piece, rank, accum_steps, micro)
-                with self.sync(micro, accum_steps):
-                    self.loss_for_backward(micro_batch, where).backward()
+                with self.sync(micro, accum_steps), self.playing(rank):
+                    loss = self.loss_for_backward(micro_batch, where)
+                    loss.backward()
+                if not_finite(loss):
+                    self.first_not_finite = min(self.first_not_finite,
+                                                rank * accum_steps + micro + 1)
+        self.reduce_played()
+        # Gradients once per step: they accumulate, so a NaN stays once it is in.
+        if math.isinf(self.first_not_finite) and any(
+                not_finite(self.local(p.grad)) for p in self.inner.parameters()):
+            self.first_not_finite = pieces + 1
+
+    def playing(self, rank: int) -> contextlib.AbstractContextManager:
+        """Around the piece of rank ``rank`` (one process playing several ranks: each
+        must see only its own gradients)."""
+        return contextlib.nullcontext()
+
+    def reduce_played(self) -> None:  # noqa: B027 -- a hook only local fills in
+        """After the step's last backward: what the reduction across played ranks does."""
 
     def loss_for_backward(self, micro_batch: Any, where: MicroStep) -> torch.Tensor:
         return self.micro_step(self.module, micro_batch, where)
@@ -115,14 +155,14 @@ class CaseModel(ABC):
 
     @classmethod
     def compared_parts(cls, model: nn.Module, world_size: int, rank: int) -> dict[str, Rows]:
-        """The tensors (parameters and floating buffers) rank ``rank`` compares, with the
+        """The tensors (parameters and buffers) rank ``rank`` compares, with the
         rows it compares of each (None: all). Whole tensors are dealt out to the ranks by
         size (:func:`deal`); a sharding strategy compares its shard of every parameter."""
         params, buffers = state_names(model)
         names = [*params, *buffers]
         if cls.plays_every_rank:
             return dict.fromkeys(names)
-        state = model.state_dict(keep_vars=True)
+        state = named_state(model)
         owners = deal([state[name].numel() for name in names], world_size)
         parts: dict[str, Rows] = {name: None for name, owner in zip(names, owners, strict=True)
                                   if owner == rank}
@@ -151,12 +191,12 @@ class CaseModel(ABC):
                      self.reference_part(ref.grads[name], name, ref.first_rows.get(name, 0)))
                 for name in self.param_names if name in self.compared]
 
-    def update_pairs(self, ref: ReferenceStep) -> list[Pair]:
-        """Parameters and floating buffers after the step, as updates from where the
-        reference started it: the shared starting point would otherwise dominate."""
-        state = self.inner.state_dict(keep_vars=True)
+    def update_pairs(self, ref: ReferenceStep, names: Sequence[str]) -> list[Pair]:
+        """The tensors ``names`` (parameters or buffers) after the step, as updates from
+        where the reference started it: the shared starting point would otherwise dominate."""
+        state = named_state(self.inner)
         pairs = []
-        for name in self.state_names:
+        for name in names:
             if name not in self.compared:
                 continue
             first_row = ref.first_rows.get(name, 0)
@@ -165,14 +205,11 @@ class CaseModel(ABC):
                               origin=self.reference_part(ref.before[name], name, first_row)))
         return pairs
 
-    @property
-    def state_names(self) -> list[str]:
-        return [*self.param_names, *self.buffer_names]
-
 
 class LocalCase(CaseModel):
-    """One process playing the N ranks: their pieces in turn, each loss divided by N
-    because DDP and FSDP average the N ranks' gradients."""
+    """One process playing the N ranks: their pieces in turn, each rank's gradients held
+    apart (a custom micro_step that reads ``.grad`` sees its own rank's, as under DDP's
+    no_sync), averaged over the N at the end of the step as DDP and FSDP average them."""
 
     plays_every_rank = True
 
@@ -182,8 +219,33 @@ class LocalCase(CaseModel):
     def ranks_played(self) -> list[int]:
         return list(range(self.world_size))
 
-    def loss_for_backward(self, micro_batch: Any, where: MicroStep) -> torch.Tensor:
-        return super().loss_for_backward(micro_batch, where) / self.world_size
+    #: Each played rank's own gradients (one per trainable parameter) during a step.
+    _held: dict[int, list[torch.Tensor | None]] | None = None
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.inner.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def playing(self, rank: int):
+        params = self._trainable()
+        if self._held is None:
+            self._held = {r: [None] * len(params) for r in range(self.world_size)}
+        for param, grad in zip(params, self._held[rank], strict=True):
+            param.grad = grad
+        try:
+            yield
+        finally:
+            self._held[rank] = [param.grad for param in params]
+
+    def reduce_played(self) -> None:
+        held, self._held = self._held, None
+        for i, param in enumerate(self._trainable()):
+            grads = [held[rank][i] for rank in held if held[rank][i] is not None]
+            if grads:
+                for grad in grads[1:]:
+                    grads[0].add_(grad)
+                grads[0].div_(self.world_size)
+            param.grad = grads[0] if grads else None
 
 
 class DDPCase(CaseModel):

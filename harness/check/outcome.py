@@ -1,0 +1,66 @@
+"""The exit code of a check, for CI: 1 when a row fails ``--fail-on``, with one line per
+failing case saying which and why; 0 otherwise.
+
+Rows are read as check.csv holds them (strings), so the launcher can judge the file the
+ranks wrote and a rank can judge the rows it holds the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+#: ``--fail-on`` value -> the verdicts that fail the run. A case that errors (its step
+#: raised, or its loss went NaN) always fails: nothing was checked.
+FAIL_ON = {
+    "error": frozenset(),
+    "differs": frozenset({"differs"}),
+    "scaled": frozenset({"differs", "scaled"}),
+}
+#: A pure scale is sometimes meant (a summed loss with the learning rate divided to
+#: match), and the params rows then say whether it is compensated; a difference no
+#: scale explains never is.
+DEFAULT_FAIL_ON = "differs"
+#: Failing cases named one per line before the rest are only counted.
+SHOWN_CASES = 5
+
+
+def _case(row: dict[str, Any]) -> str:
+    return (f"{row['setup']} {row['strategy']} N={row['world_size']} "
+            f"k={row['accum_steps']}")
+
+
+def failing_cases(rows: Sequence[dict[str, Any]], fail_on: str) -> dict[str, str]:
+    """Each failing case's label -> why it fails (its first failing row)."""
+    verdicts = FAIL_ON[fail_on]
+    failing: dict[str, str] = {}
+    for row in rows:
+        if row["status"] == "error":
+            why = f"step {row['step']}: {row['error']}"
+        elif str(row["verdict"]) in verdicts:
+            why = f"step {row['step']} {row['point']} {row['verdict']}"
+        else:
+            continue
+        failing.setdefault(_case(row), why)
+    return failing
+
+
+def exit_code(rows: Sequence[dict[str, Any]], fail_on: str, prog: str) -> int:
+    """0, or 1 after naming the failing cases on stderr."""
+    failing = failing_cases(rows, fail_on)
+    if not failing:
+        return 0
+    lines = [f"{prog}: {case}: {why}" for case, why in list(failing.items())[:SHOWN_CASES]]
+    if len(failing) > SHOWN_CASES:
+        lines.append(f"{prog}: ... and {len(failing) - SHOWN_CASES} more case(s)")
+    lines.append(f"{prog}: {len(failing)} case(s) fail --fail-on {fail_on}: exit code 1")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 1
+
+
+def rows_of(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as file:
+        return list(csv.DictReader(file))
