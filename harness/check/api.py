@@ -41,6 +41,7 @@ from harness.check.load import check_batches, check_model, load_setup
 from harness.check.run import CheckRun, SetupCheck
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
+from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError
 from harness.launch import Launch, choose_placement
@@ -77,6 +78,8 @@ def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
     check_batches(resolved, target, [(n, k) for n in sizes for k in config.accum_steps],
                   drop_last)
     check_model(resolved.make_model(), target)
+    check_step_device(resolved, target,
+                      choose_placement("auto", "auto", Launch.planned(max(sizes))).device)
     launched = [s for s in config.strategies if s != "local"]
     rows = []
     if "local" in config.strategies:

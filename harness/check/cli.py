@@ -16,6 +16,7 @@ from pathlib import Path
 from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.check.load import check_model, validated_setup
 from harness.check.setup import Setup
+from harness.check.step import check_step_device
 from harness.cli import _launch_size, _Parser
 from harness.config import add_dtype_flag, add_timeout_flag
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
@@ -113,9 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc = _launch_size(args.nproc)
             planned = Launch.planned(nproc)
             world_sizes = config.resolved_world_sizes(nproc)
-            choose_placement("auto", "auto", planned)
+            placement = choose_placement("auto", "auto", planned)
             for target, setup in _setups(config, world_sizes):
                 check_model(setup.make_model(), target)
+                check_step_device(setup, target, placement.device)
             from harness.launcher import launch_ranks
 
             return launch_ranks(nproc, argv, PROG, module="harness.check",

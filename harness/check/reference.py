@@ -17,7 +17,8 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.load import copy_of, prepared_model
-from harness.check.setup import Setup, default_optimizer
+from harness.check.setup import MicroStep, Setup, default_optimizer
+from harness.check.step import WholeStep
 from harness.errors import UsageError
 from harness.tolerances import close
 
@@ -42,6 +43,9 @@ class ReferenceStep:
     unused: tuple[str, ...] = ()
     #: The first row (along dim 0) of each tensor kept in part; 0 for the others.
     first_rows: dict[str, int] = field(default_factory=dict)
+    #: The floating type of the loss the user's function returned (float32 where it casts
+    #: to float32 inside a float64 model): the precision the reference really had.
+    loss_dtype: torch.dtype | None = None
 
 
 #: The part of a tensor a rank keeps of the reference: rows [first, stop) along dim 0
@@ -100,6 +104,7 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
     model = (copy_of(initial, setup, dtype, device) if initial is not None
              else prepared_model(setup, dtype, device, target))
     optimizer = make_optimizer(setup, [p for p in model.parameters() if p.requires_grad])
+    whole = WholeStep(setup, model, optimizer, device)
     param_names, buffer_names = state_names(model)
     if keeps is None:
         keeps = dict.fromkeys([*model.state_dict()])
@@ -113,23 +118,26 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
         state = source.state_dict(keep_vars=True)
         before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), whole.forward():
             torch.manual_seed(FORWARD_SEED)
             loss = setup.loss(model, window)
-        loss.backward()
+        whole.backward(loss)
         if step == 0:
-            _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
+            with whole.forward():
+                _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
         # The reference keeps the gradient tensors themselves (or copies of their rows):
         # optimizer.step() reads them, and zero_grad(set_to_none) hands the model new ones.
+        whole.before_step(MicroStep(0, 1, 1, batches.sample_count(window, "batch"), window))
         grads = {name: _part(params[name].grad, keeps[name], copy=False) for name in kept_params}
-        optimizer.step()
+        whole.step()
         last = step == setup.steps - 1
         state = model.state_dict(keep_vars=True)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
                                    first_rows))
+        steps[-1].loss_dtype = loss.dtype
     return steps
 
 

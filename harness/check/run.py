@@ -23,9 +23,12 @@ from harness.check.compare import Comparison, compare, same_on_every_rank, sampl
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import copy_of, prepared_model
+from harness.check.precision import case_precision, unsplit_fix
+from harness.check.precision import name as dtype_name
 from harness.check.reference import ReferenceStep, Rows, compute_reference, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
+from harness.check.step import check_step_device, run_dtype
 from harness.check.strategies import CASE_MODELS, CaseModel, merged
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
@@ -94,6 +97,10 @@ class SetupCheck:
         self.world_sizes, self.target, self.setup, self.groups = (run.world_sizes, target,
                                                                   setup, groups)
         self.dtype, self.device = self.config.torch_dtype, self.placement.device
+        self.dtype = run_dtype(setup, self.dtype)
+        check_step_device(setup, target, self.device)
+        #: The precision each measured case was judged at (see precision.py).
+        self.precisions: dict[Case, torch.dtype] = {}
         self.rtol = check_tolerance(self.dtype)
         self.references: dict[int | None, list[ReferenceStep]] = {}
         #: The initial model: copied for every case but this rank's last, which takes it.
@@ -192,13 +199,17 @@ class SetupCheck:
             samples = batches.sample_count(window, f"batch({step})")
             facts.loss_combination = self._loss_combination(window, samples, case)
             model.backward_window(window, samples, case.accum_steps)
+            precision = case_precision(self.dtype, self.setup,
+                                       [ref.loss_dtype, *model.whole.loss_dtypes])
+            self.precisions[case] = precision
+            facts.rtol = rtol = check_tolerance(precision)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
-                            self.rtol)
+                            rtol)
             grads_agree = model.ranks_agree("grad")
             self._keep_initial_parameters()
             model.step()
             update = compare(model.update_pairs(ref), model.state_names, group, self.device,
-                             self.rtol)
+                             rtol)
             measured = zip(POINTS, (grads, update), (grads_agree, model.ranks_agree("params")),
                            strict=True)
             for point, comparison, agree in measured:
@@ -256,7 +267,11 @@ class SetupCheck:
 
     def _fix(self, point: str, comparison: Comparison, facts: Facts) -> str:
         """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
-        return suggest(point, comparison, facts) if self.launch.is_leader else ""
+        if not self.launch.is_leader:
+            return ""
+        if facts.world_size == facts.accum_steps == 1:
+            return unsplit_fix(point, comparison, self.setup)
+        return suggest(point, comparison, facts)
 
     def _loss_combination(self, window, samples: int, case: Case):
         """How the loss of the step's window combines its pieces' losses: measured once per
@@ -285,7 +300,8 @@ class SetupCheck:
                 "residual": comparison.residual if comparison else float("nan"),
                 "worst_tensors": format_worst(comparison) if comparison else "",
                 "ranks_agree": "" if agree is None else agree,
-                "fix": fix, "dtype": self.config.dtype, "status": status, "error": error,
+                "fix": fix, "dtype": dtype_name(self.dtype), "status": status, "error": error,
+                "precision": dtype_name(self.precisions.get(case, self.dtype)),
             })
         return rows
 

@@ -20,6 +20,7 @@ from harness.check import batches
 from harness.check.compare import Pair, same_on_every_rank, sampled_fingerprint
 from harness.check.reference import ReferenceStep, Rows, make_optimizer, state_names
 from harness.check.setup import MicroStep, Setup
+from harness.check.step import WholeStep
 
 
 def default_micro_step(setup: Setup):
@@ -77,6 +78,7 @@ class CaseModel(ABC):
         self.optimizer = make_optimizer(
             setup, [p for p in self.module.parameters() if p.requires_grad])
         self.micro_step = default_micro_step(setup)
+        self.whole = WholeStep(setup, self.module, self.optimizer, device)
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -98,13 +100,15 @@ class CaseModel(ABC):
             for rank in self.ranks_played():
                 micro_batch = batches.piece(window, per_piece, rank, accum_steps, micro)
                 with self.sync(micro, accum_steps):
-                    self.loss_for_backward(micro_batch, where).backward()
+                    self.whole.backward(self.loss_for_backward(micro_batch, where))
+        self.whole.before_step(where)
 
     def loss_for_backward(self, micro_batch: Any, where: MicroStep) -> torch.Tensor:
-        return self.micro_step(self.module, micro_batch, where)
+        with self.whole.forward():
+            return self.micro_step(self.module, micro_batch, where)
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.whole.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------- comparing

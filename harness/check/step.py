@@ -1,0 +1,76 @@
+"""What a real step does around ``optimizer.step()``: autocast, a GradScaler, the user's
+``before_step`` (clipping) and an LR scheduler, done the same way by the big-batch
+reference and by every case, so that the comparison covers the step people run.
+
+Nothing here makes a pass over the parameters of its own: the scaler's unscale and the
+user's clip are the passes the step itself makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.check.setup import MicroStep, Setup
+from harness.errors import UsageError
+
+
+def run_dtype(setup: Setup, dtype: torch.dtype) -> torch.dtype:
+    """The model's floating type: float32 under autocast, which never casts float64
+    tensors (a float64 model under autocast would run in float64 and test nothing)."""
+    return torch.float32 if setup.autocast is not None and dtype == torch.float64 else dtype
+
+
+def check_step_device(setup: Setup, target: str, device: torch.device) -> None:
+    """Refuse what the device cannot run, before any rank starts."""
+    if setup.autocast == torch.float16 and device.type != "cuda":
+        raise UsageError(f"{target}: Setup.autocast=torch.float16 cannot run on {device}; "
+                         "allowed there: torch.bfloat16 or None (float16 autocast needs CUDA)")
+    if setup.grad_scaler and device.type != "cuda":
+        raise UsageError(f"{target}: Setup.grad_scaler=True needs CUDA, and the check runs "
+                         f"on {device}; allowed there: grad_scaler=False")
+
+
+class WholeStep:
+    """One model's step: its forwards under autocast, its backwards through the scaler,
+    then unscale, ``before_step``, the optimizer step (skipped by the scaler on a
+    non-finite gradient) and the scheduler's step."""
+
+    def __init__(self, setup: Setup, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> None:
+        self.setup, self.module, self.optimizer, self.device = setup, module, optimizer, device
+        self.scheduler: Any = (setup.make_scheduler(optimizer)
+                               if setup.make_scheduler is not None else None)
+        self.scaler = torch.amp.GradScaler(device.type) if setup.grad_scaler else None
+        #: Floating types of the losses backpropagated so far: a loss computed in float32
+        #: (e.g. logits cast with ``.float()``) rounds like float32 whatever the model's type.
+        self.loss_dtypes: set[torch.dtype] = set()
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        """Around the user's loss or micro_step."""
+        if self.setup.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.setup.autocast)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.loss_dtypes.add(loss.dtype)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def before_step(self, where: MicroStep) -> None:
+        """After the window's last backward: the gradients the user's code sees unscaled."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.setup.before_step is not None:
+            self.setup.before_step(self.module, self.optimizer, where)
+
+    def step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
