@@ -60,6 +60,26 @@ def test_clipping_inside_the_micro_step_differs_where_before_step_matches():
                   accum_steps=(2,))
     assert set(wrong["verdict"]) == {"differs"}
     assert set(right["verdict"]) == {"matches"}
+    for fix in wrong["fix"]:
+        assert fix.startswith("clip once per window, in before_step: micro_step calls "
+                              "clip_grad_norm_"), fix
+
+
+def test_clip_grad_norm_still_clips_and_is_restored_after_the_watch():
+    from harness.check.step import watching_gradient_edits
+
+    original = nn.utils.clip_grad._clip_grads_with_norm_
+    seen: set[str] = set()
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    with watching_gradient_edits(seen):
+        from torch.nn.utils import clip_grad_norm_  # bound the way users import it
+
+        clip_grad_norm_(model.parameters(), 1e-3)
+    assert seen == {"clip_grad_norm_"}
+    norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert float(norm) == pytest.approx(1e-3, rel=1e-4)
+    assert nn.utils.clip_grad._clip_grads_with_norm_ is original
 
 
 def test_the_scheduler_steps_after_every_optimizer_step():

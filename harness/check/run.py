@@ -28,12 +28,13 @@ from harness.check.precision import name as dtype_name
 from harness.check.reference import ReferenceStep, Rows, compute_reference, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
-from harness.check.step import check_step_device, run_dtype
+from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.check.strategies import CASE_MODELS, CaseModel, merged
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.tolerances import check_tolerance
+from harness.verdicts import Equivalence
 
 POINTS = ("grad", "params")
 
@@ -101,6 +102,8 @@ class SetupCheck:
         check_step_device(setup, target, self.device)
         #: The precision each measured case was judged at (see precision.py).
         self.precisions: dict[Case, torch.dtype] = {}
+        #: Gradient edits the user's micro_step made in the case being measured.
+        self.edits_in_micro_step: set[str] = set()
         self.rtol = check_tolerance(self.dtype)
         self.references: dict[int | None, list[ReferenceStep]] = {}
         #: The initial model: copied for every case but this rank's last, which takes it.
@@ -202,6 +205,7 @@ class SetupCheck:
             precision = case_precision(self.dtype, self.setup,
                                        [ref.loss_dtype, *model.whole.loss_dtypes])
             self.precisions[case] = precision
+            self.edits_in_micro_step = model.whole.edits_in_forward
             facts.rtol = rtol = check_tolerance(precision)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
                             rtol)
@@ -271,6 +275,8 @@ class SetupCheck:
             return ""
         if facts.world_size == facts.accum_steps == 1:
             return unsplit_fix(point, comparison, self.setup)
+        if self.edits_in_micro_step and comparison.verdict is not Equivalence.MATCHES:
+            return micro_step_edit_fix(self.edits_in_micro_step)
         return suggest(point, comparison, facts)
 
     def _loss_combination(self, window, samples: int, case: Case):

@@ -9,6 +9,8 @@ user's clip are the passes the step itself makes.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +36,55 @@ def check_step_device(setup: Setup, target: str, device: torch.device) -> None:
                          f"on {device}; allowed there: grad_scaler=False")
 
 
+#: Functions that edit gradients, which a loop calls once per window: (module, attribute,
+#: what the fix calls it). clip_grad_norm_ calls ``_clip_grads_with_norm_`` through its
+#: module, so that one is seen however the user imported clip_grad_norm_.
+GRADIENT_EDITS = (
+    (torch.nn.utils.clip_grad, "_clip_grads_with_norm_", "clip_grad_norm_"),
+    (torch.nn.utils, "clip_grad_value_", "clip_grad_value_"),
+    (torch.nn.utils.clip_grad, "clip_grad_value_", "clip_grad_value_"),
+    (torch.amp.GradScaler, "scale", "GradScaler"),
+    (torch.amp.GradScaler, "unscale_", "GradScaler"),
+)
+
+
+@contextlib.contextmanager
+def watching_gradient_edits(seen: set[str]) -> Iterator[None]:
+    """While active, a call of any of :data:`GRADIENT_EDITS` adds its name to ``seen``
+    (the call itself runs unchanged)."""
+    originals = [(owner, attribute, getattr(owner, attribute, None))
+                 for owner, attribute, _ in GRADIENT_EDITS]
+
+    def recording(function, name):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            seen.add(name)
+            return function(*args, **kwargs)
+        return call
+
+    try:
+        for (owner, attribute, original), (_, _, name) in zip(originals, GRADIENT_EDITS,
+                                                              strict=True):
+            if original is not None:
+                setattr(owner, attribute, recording(original, name))
+        yield
+    finally:
+        for owner, attribute, original in originals:
+            if original is not None:
+                setattr(owner, attribute, original)
+
+
+def micro_step_edit_fix(edits: set[str]) -> str:
+    """The fix for a micro-step that edits the gradient it is accumulating."""
+    if "GradScaler" in edits:
+        return ("scale and unscale once per window: micro_step uses a GradScaler, so each "
+                "micro-step's gradient is scaled or unscaled on its own; set "
+                "Setup.grad_scaler=True and return the unscaled loss")
+    shown = " and ".join(sorted(edits))
+    return (f"clip once per window, in before_step: micro_step calls {shown}, which clips "
+            "the gradient of each micro-step (and rank) so far, not the window's")
+
+
 class WholeStep:
     """One model's step: its forwards under autocast, its backwards through the scaler,
     then unscale, ``before_step``, the optimizer step (skipped by the scaler on a
@@ -48,12 +99,17 @@ class WholeStep:
         #: Floating types of the losses backpropagated so far: a loss computed in float32
         #: (e.g. logits cast with ``.float()``) rounds like float32 whatever the model's type.
         self.loss_dtypes: set[torch.dtype] = set()
+        #: Gradient edits (a clip, a scaler) the user's forward code made: a loop makes
+        #: them once per window, after the backward passes, never inside a micro-step.
+        self.edits_in_forward: set[str] = set()
 
-    def forward(self) -> contextlib.AbstractContextManager:
-        """Around the user's loss or micro_step."""
-        if self.setup.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.setup.autocast)
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around the user's loss or micro_step: autocast, and a watch for edits."""
+        autocast = (torch.autocast(self.device.type, dtype=self.setup.autocast)
+                    if self.setup.autocast is not None else contextlib.nullcontext())
+        with autocast, watching_gradient_edits(self.edits_in_forward):
+            yield
 
     def backward(self, loss: torch.Tensor) -> None:
         self.loss_dtypes.add(loss.dtype)
