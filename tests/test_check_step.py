@@ -185,3 +185,30 @@ def test_a_model_built_on_cuda_is_accepted():
                  world_sizes=tuple(range(1, min(2, torch.cuda.device_count()) + 1)),
                  accum_steps=(2,))
     assert set(rows["verdict"]) == {"matches"}, rows
+
+
+def test_the_scaler_path_unscales_before_before_step_and_skips_a_non_finite_step():
+    """The GradScaler code path, on the CPU (the check itself asks CUDA for it)."""
+    seen = []
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  grad_scaler=True, make_scheduler=real_step.linear_warmup,
+                  before_step=lambda model, optimizer, where: seen.append(
+                      model.weight.grad.clone()))
+    model = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    whole = WholeStep(setup, model, optimizer, torch.device("cpu"))
+    where = MicroStep(0, 1, 1, 1)
+    whole.backward(model(torch.ones(1, 2)).sum())
+    whole.before_step(where)
+    assert seen[0].tolist() == [[1.0, 1.0]]  # unscaled: d(sum)/dw = x
+    before = model.weight.detach().clone()
+    whole.step()
+    assert not torch.equal(model.weight, before)
+    optimizer.zero_grad()
+    whole.backward(model(torch.full((1, 2), float("inf"))).sum())
+    whole.before_step(where)
+    before, scale = model.weight.detach().clone(), whole.scaler.get_scale()
+    whole.step()
+    assert torch.equal(model.weight, before)  # skipped on the non-finite gradient
+    assert whole.scaler.get_scale() < scale
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # the scheduler stepped
