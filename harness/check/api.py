@@ -15,7 +15,10 @@ lambda or a function nested in a test), or a :class:`Setup` whose functions pick
 send. ``local`` runs in the calling process, on no process group (one the caller has is
 left alone); ``ddp`` and ``fsdp`` start ``max(world_sizes)`` ranks themselves, which meet
 through a file in a temporary folder (gloo on CPU, nccl where every rank has a GPU), and
-are stopped as soon as one of them fails.
+are stopped as soon as one of them fails. The ranks are forked from a server process
+started at the first such call, which imports the script that called it as
+``multiprocessing`` does: a script (not a test) calling :func:`check` with ``ddp`` or
+``fsdp`` keeps its top-level code under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations

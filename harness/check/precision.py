@@ -45,6 +45,7 @@ def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
              "reference is not deterministic)" if setup.micro_step is not None else
              "the reference is not deterministic: the same loss on the same batch gave "
              "another result")
-    return (f"nothing is split at N = 1, k = 1, yet the {point} differs from the big "
+    what = {"grad": "gradient", "params": "update"}.get(point, point)
+    return (f"nothing is split at N = 1, k = 1, yet the {what} differs from the big "
             f"batch's (scale {comparison.scale:.6g}, residual {comparison.residual:.3g}): "
             f"{cause}")
