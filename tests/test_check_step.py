@@ -212,3 +212,16 @@ def test_the_scaler_path_unscales_before_before_step_and_skips_a_non_finite_step
     assert torch.equal(model.weight, before)  # skipped on the non-finite gradient
     assert whole.scaler.get_scale() < scale
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # the scheduler stepped
+
+
+def from_zero(optimizer: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step / 2)
+
+
+def test_a_warmup_from_lr_0_matches_on_its_zero_first_update():
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  make_scheduler=from_zero, steps=2, name="warmup-from-0")
+    rows = check(lambda: setup, strategies=["local"], world_sizes=(2,), accum_steps=(2,))
+    first_update = rows[(rows["step"] == 0) & (rows["point"] == "params")].iloc[0]
+    assert first_update["verdict"] == "matches" and first_update["residual"] == 0.0
+    assert set(rows["verdict"]) == {"matches"}
