@@ -48,30 +48,40 @@ GRADIENT_EDITS = (
 )
 
 
+#: The sets the active watches record into, innermost last.
+_WATCHES: list[set[str]] = []
+
+
+@functools.cache
+def _recording(function: Any, name: str) -> Any:
+    """``function``, recording ``name`` into the innermost watch: built once per function,
+    so that a watch per micro-step costs a few attribute swaps."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if _WATCHES:
+            _WATCHES[-1].add(name)
+        return function(*args, **kwargs)
+    return call
+
+
 @contextlib.contextmanager
 def watching_gradient_edits(seen: set[str]) -> Iterator[None]:
     """While active, a call of any of :data:`GRADIENT_EDITS` adds its name to ``seen``
     (the call itself runs unchanged)."""
     originals = [(owner, attribute, getattr(owner, attribute, None))
                  for owner, attribute, _ in GRADIENT_EDITS]
-
-    def recording(function, name):
-        @functools.wraps(function)
-        def call(*args, **kwargs):
-            seen.add(name)
-            return function(*args, **kwargs)
-        return call
-
+    _WATCHES.append(seen)
     try:
         for (owner, attribute, original), (_, _, name) in zip(originals, GRADIENT_EDITS,
                                                               strict=True):
             if original is not None:
-                setattr(owner, attribute, recording(original, name))
+                setattr(owner, attribute, _recording(original, name))
         yield
     finally:
         for owner, attribute, original in originals:
             if original is not None:
                 setattr(owner, attribute, original)
+        _WATCHES.pop()
 
 
 def micro_step_edit_fix(edits: set[str]) -> str:
