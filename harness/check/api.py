@@ -211,12 +211,19 @@ def _wait_for(ranks: list, folder: Path) -> None:
     running = list(ranks)
     while running:
         wait([process.sentinel for process in running])
-        for rank, process in enumerate(ranks):
-            if process in running and process.exitcode is not None:
-                running.remove(process)
-                if process.exitcode != 0:
-                    _stop(ranks)
-                    raise _failure(rank, process.exitcode, folder)
+        running = [process for process in running if process.exitcode is None]
+        failed = [rank for rank, process in enumerate(ranks) if process.exitcode]
+        if failed:
+            _stop(ranks)
+            first = min(failed, key=lambda rank: _failed_at(folder, rank))
+            raise _failure(first, ranks[first].exitcode, folder)
+
+
+def _failed_at(folder: Path, rank: int) -> float:
+    """When ``rank`` wrote its error line; a rank that died without one died first, as far
+    as anyone can tell (the others' errors are then about losing it)."""
+    path = folder / f"rank{rank}.txt"
+    return path.stat().st_mtime if path.is_file() else float("-inf")
 
 
 def _failure(rank: int, exitcode: int, folder: Path) -> Exception:
