@@ -225,3 +225,13 @@ def test_a_warmup_from_lr_0_matches_on_its_zero_first_update():
     first_update = rows[(rows["step"] == 0) & (rows["point"] == "params")].iloc[0]
     assert first_update["verdict"] == "matches" and first_update["residual"] == 0.0
     assert set(rows["verdict"]) == {"matches"}
+
+
+def test_a_grad_scaler_inside_the_micro_step_is_seen_and_named_in_the_fix():
+    from harness.check.step import micro_step_edit_fix, watching_gradient_edits
+
+    seen: set[str] = set()
+    with watching_gradient_edits(seen):
+        torch.amp.GradScaler("cpu").scale(torch.ones(()))
+    assert seen == {"GradScaler"}
+    assert micro_step_edit_fix(seen).startswith("scale and unscale once per window")
