@@ -126,9 +126,9 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
             with whole.forward():
                 _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
+        whole.before_step(MicroStep(0, 1, 1, batches.sample_count(window, "batch"), window))
         # The reference keeps the gradient tensors themselves (or copies of their rows):
         # optimizer.step() reads them, and zero_grad(set_to_none) hands the model new ones.
-        whole.before_step(MicroStep(0, 1, 1, batches.sample_count(window, "batch"), window))
         grads = {name: _part(params[name].grad, keeps[name], copy=False) for name in kept_params}
         whole.step()
         last = step == setup.steps - 1
