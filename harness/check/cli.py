@@ -17,6 +17,7 @@ from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.check.load import validated_setup
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
 from harness.check.setup import Setup
+from harness.check.step import check_step_device
 from harness.cli import _launch_size, _Parser
 from harness.config import add_dtype_flag, add_timeout_flag
 from harness.errors import (
@@ -145,9 +146,10 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     nproc = _launch_size(nproc_flag)
     planned = Launch.planned(nproc)
     world_sizes = config.resolved_world_sizes(nproc)
-    choose_placement("auto", "auto", planned)
-    _setups(config, world_sizes, batches_too=True, piece_too=True,
-            progress=not config.quiet)
+    placement = choose_placement("auto", "auto", planned)
+    for target, setup in _setups(config, world_sizes, batches_too=True, piece_too=True,
+                                 progress=not config.quiet):
+        check_step_device(setup, target, placement.device)
     from harness.launcher import launch_ranks
 
     if not config.quiet:

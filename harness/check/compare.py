@@ -185,6 +185,8 @@ def compare(pairs: Sequence[Pair], names: Sequence[str], group: dist.ProcessGrou
     sums = _model_sums(pairs, index, group, device)
     mr, rr, mm = (float(sums[:, i].sum()) for i in range(3))
     scale = mr / rr if rr > ZERO_NORM**2 else math.nan
+    if rr <= ZERO_NORM**2 and mm <= ZERO_NORM**2:
+        scale = 1.0  # both zero (a warm-up from lr 0, a step both skipped): the same
     residuals = (_residuals(pairs, index, sums, scale, group, device)
                  if not math.isnan(scale) else torch.zeros(len(names), dtype=torch.float64))
     norm = math.sqrt(mm)

@@ -80,14 +80,15 @@ def load_setup(target: str) -> Setup:
 
 
 def check_model(model: Any, target: str) -> None:
-    """A module, on the CPU, with no training-mode randomness."""
+    """A module, on the CPU or a CUDA device, with no training-mode randomness."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"{target}: make_model() returned a {type(model).__name__}; allowed: "
                          "a torch.nn.Module")
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.device.type != "cpu":
+        if tensor.device.type not in ("cpu", "cuda"):
             raise UsageError(f"{target}: make_model() put {name!r} on {tensor.device}; allowed: "
-                             "the CPU (the check moves each copy to its rank's device itself)")
+                             "the CPU or a CUDA device (each rank moves its copy to its own "
+                             "device)")
     for name, module in model.named_modules():
         if isinstance(module, RANDOM_MODULES) and module.p > 0:
             raise UsageError(

@@ -17,7 +17,8 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.load import check_loss, check_optimizer, copy_of, prepared_model
-from harness.check.setup import Setup, make_optimizer
+from harness.check.setup import MicroStep, Setup, make_optimizer
+from harness.check.step import WholeStep
 from harness.errors import UsageError
 from harness.tolerances import close
 
@@ -42,6 +43,9 @@ class ReferenceStep:
     unused: tuple[str, ...] = ()
     #: The first row (along dim 0) of each tensor kept in part; 0 for the others.
     first_rows: dict[str, int] = field(default_factory=dict)
+    #: The floating type of the loss the user's function returned (float32 where it casts
+    #: to float32 inside a float64 model): the precision the reference really had.
+    loss_dtype: torch.dtype | None = None
 
 
 #: The part of a tensor a rank keeps of the reference: rows [first, stop) along dim 0
@@ -111,6 +115,7 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(setup, trainable)
     check_optimizer(optimizer, trainable, target)
+    whole = WholeStep(setup, model, optimizer, device)
     param_names, buffer_names = state_names(model)
     if keeps is None:
         keeps = dict.fromkeys(named_state(model))
@@ -124,28 +129,33 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
         state = named_state(source)
         before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), whole.forward():
             torch.manual_seed(FORWARD_SEED)
             loss = setup.loss(model, window)
         check_loss(loss, target)
-        loss.backward()
-        if not_finite(loss) or any(not_finite(params[name].grad) for name in param_names):
+        whole.backward(loss)
+        # Under a GradScaler a scaled gradient may overflow: the scaler skips that step.
+        if not_finite(loss) or (whole.scaler is None and any(
+                not_finite(params[name].grad) for name in param_names)):
             raise UsageError(f"{target}: the loss (or gradient) is not finite in step {step} "
                              f"of the big-batch reference (loss {float(loss.detach()):.6g}); "
                              "allowed: a loss and gradients finite on every global batch")
         if step == 0:
-            _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
+            with whole.forward():
+                _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
+        whole.before_step(MicroStep(0, 1, 1, batches.sample_count(window, "batch"), window))
         # Copies, not the gradient tensors: an optimizer may edit .grad in place while it
         # steps (clipping in a step pre-hook, unscaling), which would rewrite the reference.
         grads = {name: _part(params[name].grad, keeps[name], copy=True) for name in kept_params}
-        optimizer.step()
+        whole.step()
         last = step == setup.steps - 1
         state = named_state(model)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
                                    first_rows))
+        steps[-1].loss_dtype = loss.dtype
     return steps
 
 

@@ -30,6 +30,8 @@ from harness.check.compare import (
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import copy_of, prepared_model
+from harness.check.precision import case_precision, unsplit_fix
+from harness.check.precision import name as dtype_name
 from harness.check.reference import (
     ReferenceStep,
     Rows,
@@ -39,6 +41,7 @@ from harness.check.reference import (
 )
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
+from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.check.strategies import CASE_MODELS, CaseModel, merged, not_finite_message
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
@@ -114,6 +117,12 @@ class SetupCheck:
         self.world_sizes, self.target, self.setup, self.groups = (run.world_sizes, target,
                                                                   setup, groups)
         self.dtype, self.device = self.config.torch_dtype, self.placement.device
+        self.dtype = run_dtype(setup, self.dtype)
+        check_step_device(setup, target, self.device)
+        #: The precision each measured case was judged at (see precision.py).
+        self.precisions: dict[Case, torch.dtype] = {}
+        #: Gradient edits the user's micro_step made in the case being measured.
+        self.edits_in_micro_step: set[str] = set()
         self.rtol = check_tolerance(self.dtype)
         self.references: dict[tuple[int, ...] | None, list[ReferenceStep]] = {}
         #: The initial model: copied for every case but this rank's last, which takes it.
@@ -135,6 +144,8 @@ class SetupCheck:
         """make_model() and batch(i) must give every rank the same numbers: compared as
         scalars (max and min over the ranks of a fingerprint of the initial weights, of
         each step's loss and of each batch)."""
+        if self.launch.world_size == 1:  # one rank: nothing to tell apart, no collective
+            return
         values = [sampled_fingerprint(self.initial.state_dict().values())]
         values += [step.loss for step in reference]
         values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
@@ -222,19 +233,24 @@ class SetupCheck:
             facts.loss_combination = self._loss_combination(window, samples, case)
             model.backward_window(window, samples, case.accum_steps)
             self._refuse_not_finite(model, step, case, group)
+            precision = case_precision(self.dtype, self.setup,
+                                       [ref.loss_dtype, *model.whole.loss_dtypes])
+            self.precisions[case] = precision
+            self.edits_in_micro_step = model.whole.edits_in_forward
+            facts.rtol = rtol = check_tolerance(precision)
             grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
-                            self.rtol)
+                            rtol)
             grads_agree = model.ranks_agree("grad")
             self._keep_initial_parameters()
             model.step()
             update = compare(model.update_pairs(ref, model.param_names), model.param_names,
-                             group, self.device, self.rtol)
+                             group, self.device, rtol)
             measured = [("grad", grads, grads_agree),
                         ("params", update, model.ranks_agree("params"))]
             if model.buffer_names:
                 buffers = compare_each(model.update_pairs(ref, model.buffer_names),
                                        model.buffer_names, self.exact_buffers, group,
-                                       self.device, self.rtol)
+                                       self.device, rtol)
                 measured.append(("buffers", buffers, None))
             for point, comparison, agree in measured:
                 facts.ranks_agree = agree
@@ -305,7 +321,13 @@ class SetupCheck:
 
     def _fix(self, point: str, comparison: Comparison, facts: Facts) -> str:
         """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
-        return suggest(point, comparison, facts) if self.launch.is_leader else ""
+        if not self.launch.is_leader:
+            return ""
+        if facts.world_size == facts.accum_steps == 1:
+            return unsplit_fix(point, comparison, self.setup)
+        if self.edits_in_micro_step and comparison.verdict is not Equivalence.MATCHES:
+            return micro_step_edit_fix(self.edits_in_micro_step)
+        return suggest(point, comparison, facts)
 
     def _loss_combination(self, window, samples: int, case: Case):
         """How the loss of the step's window combines its pieces' losses: measured once per
@@ -334,7 +356,8 @@ class SetupCheck:
                 "residual": comparison.residual if comparison else float("nan"),
                 "worst_tensors": format_worst(comparison) if comparison else "",
                 "ranks_agree": "" if agree is None else agree,
-                "fix": fix, "dtype": self.config.dtype, "status": status, "error": error,
+                "fix": fix, "dtype": dtype_name(self.dtype), "status": status, "error": error,
+                "precision": dtype_name(self.precisions.get(case, self.dtype)),
             })
         return rows
 

@@ -32,6 +32,10 @@ COLUMNS: tuple[Column, ...] = (
            "`buffers`"),
     Column("fix", "text", "what to change, read from the measurement; empty when it matches"),
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
+    Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
+           "the lowest precision the step really ran in (the model's type, the autocast "
+           "type, the type of every loss the setup's functions returned): the row's "
+           "tolerance is that precision's"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),
     Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
            "or where its loss or gradient first held a NaN or an infinity"),

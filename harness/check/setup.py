@@ -51,6 +51,17 @@ class MicroStep:
 #: ``backward()``: the user's own recipe (e.g. dividing by k, or normalizing by the
 #: window's token count). Without one the harness backpropagates ``loss(...) / k``.
 MicroStepFn = Callable[[nn.Module, Batch, MicroStep], torch.Tensor]
+#: ``before_step(model, optimizer, where) -> None``: what the loop does between the
+#: window's last backward and ``optimizer.step()`` (e.g. ``clip_grad_norm_``). ``model``
+#: is the module the loss was called on (DDP's or FSDP's wrapper, whose ``parameters()``
+#: hold the reduced, under FSDP sharded, gradients); ``where`` is the window's last
+#: micro-step.
+BeforeStepFn = Callable[[nn.Module, torch.optim.Optimizer, MicroStep], None]
+#: ``make_scheduler(optimizer) -> LR scheduler``, stepped right after every optimizer step.
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+#: Floating types ``Setup.autocast`` accepts: bfloat16 runs on CPU and CUDA, float16 on
+#: CUDA only.
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -88,6 +99,18 @@ class Setup:
     #: Keyword arguments for DistributedDataParallel under the ``ddp`` strategy (e.g.
     #: ``{"find_unused_parameters": True}``), so that a fix can be checked as it will run.
     ddp_options: dict[str, Any] = field(default_factory=dict)
+    #: Between the window's backward passes and the optimizer step, in the reference and
+    #: in every case alike (see :data:`BeforeStepFn`): clip here, once per window.
+    before_step: BeforeStepFn | None = None
+    #: optimizer -> LR scheduler, stepped after each optimizer step; None: constant lr.
+    make_scheduler: SchedulerFactory | None = None
+    #: ``torch.autocast`` dtype of every forward (the loss or micro_step): torch.bfloat16,
+    #: or torch.float16 (CUDA only); None: no autocast. The model then runs in float32
+    #: (autocast leaves float64 alone), and rows are judged at the autocast's precision.
+    autocast: torch.dtype | None = None
+    #: Scale the loss with a ``torch.amp.GradScaler`` (CUDA only, for float16 autocast):
+    #: unscaled before ``before_step``, its step skipped on a non-finite gradient.
+    grad_scaler: bool = False
 
     def __post_init__(self) -> None:
         for name in ("make_model", "batch", "loss"):
@@ -104,3 +127,19 @@ class Setup:
         if not isinstance(self.ddp_options, dict):
             raise TypeError("Setup.ddp_options must be a dict of DistributedDataParallel "
                             f"keyword arguments, got {type(self.ddp_options).__name__}")
+        _check_whole_step(self)
+
+
+def _check_whole_step(setup: Setup) -> None:
+    """The fields of what a step does around ``optimizer.step()``, each of its own type."""
+    for name in ("before_step", "make_scheduler"):
+        value = getattr(setup, name)
+        if value is not None and not callable(value):
+            raise TypeError(f"Setup.{name}={value!r} is a {type(value).__name__}; allowed: a "
+                            "function, or None")
+    if setup.autocast is not None and setup.autocast not in AUTOCAST_DTYPES:
+        raise TypeError(f"Setup.autocast={setup.autocast!r} is not allowed; allowed: "
+                        "torch.bfloat16, torch.float16 (CUDA only), or None")
+    if not isinstance(setup.grad_scaler, bool):
+        raise TypeError(f"Setup.grad_scaler={setup.grad_scaler!r} is a "
+                        f"{type(setup.grad_scaler).__name__}; allowed: True or False")

@@ -28,6 +28,7 @@ from harness.check.reference import (
     state_names,
 )
 from harness.check.setup import MicroStep, Setup
+from harness.check.step import WholeStep
 
 
 def default_micro_step(setup: Setup):
@@ -98,6 +99,7 @@ class CaseModel(ABC):
         #: The first piece (1..N*k) of the step whose loss was not finite, N*k + 1 where
         #: only a gradient was, inf where all was finite: see :func:`not_finite_message`.
         self.first_not_finite = math.inf
+        self.whole = WholeStep(setup, self.module, self.optimizer, device)
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -122,15 +124,17 @@ class CaseModel(ABC):
                 micro_batch = batches.piece(window, per_piece, rank, accum_steps, micro)
                 with self.sync(micro, accum_steps), self.playing(rank):
                     loss = self.loss_for_backward(micro_batch, where)
-                    loss.backward()
+                    self.whole.backward(loss)
                 if not_finite(loss):
                     self.first_not_finite = min(self.first_not_finite,
                                                 rank * accum_steps + micro + 1)
         self.reduce_played()
-        # Gradients once per step: they accumulate, so a NaN stays once it is in.
-        if math.isinf(self.first_not_finite) and any(
+        # Gradients once per step: they accumulate, so a NaN stays once it is in. Under a
+        # GradScaler a scaled gradient may overflow: the scaler skips that step itself.
+        if math.isinf(self.first_not_finite) and self.whole.scaler is None and any(
                 not_finite(self.local(p.grad)) for p in self.inner.parameters()):
             self.first_not_finite = pieces + 1
+        self.whole.before_step(where)
 
     def playing(self, rank: int) -> contextlib.AbstractContextManager:
         """Around the piece of rank ``rank`` (one process playing several ranks: each
@@ -141,10 +145,11 @@ class CaseModel(ABC):
         """After the step's last backward: what the reduction across played ranks does."""
 
     def loss_for_backward(self, micro_batch: Any, where: MicroStep) -> torch.Tensor:
-        return self.micro_step(self.module, micro_batch, where)
+        with self.whole.forward():
+            return self.micro_step(self.module, micro_batch, where)
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.whole.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---------------------------------------------------------------- comparing

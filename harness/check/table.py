@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-HEADER = ("strategy", "N", "k", "step", "point", "verdict", "scale", "residual",
+HEADER = ("strategy", "N", "k", "step", "point", "verdict", "scale", "residual", "precision",
           "worst tensors", "fix")
 
 
@@ -22,7 +22,8 @@ def _cells(row: dict[str, Any], steps: int) -> tuple[str, ...]:
     worst = row["worst_tensors"] if row["verdict"] == "differs" else ""
     return (row["strategy"], str(row["world_size"]), str(row["accum_steps"]),
             str(row["step"]) if steps > 1 else "", row["point"], verdict,
-            _number(row["scale"]), _number(row["residual"]), worst.replace(";", " "),
+            _number(row["scale"]), _number(row["residual"]), row.get("precision", ""),
+            worst.replace(";", " "),
             row["fix"])
 
 

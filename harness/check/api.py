@@ -1,0 +1,287 @@
+"""The check from Python, for a regression test in your own CI.
+
+    from harness.check import assert_matches
+
+    def test_my_step_equals_the_big_batch_step():
+        assert_matches("my_pkg.my_module:make_setup", world_sizes=(1, 2), accum_steps=(1, 4))
+
+:func:`check` returns the rows of ``check.csv`` as a DataFrame; :func:`assert_matches`
+raises ``AssertionError`` with the console table of the rows that do not match.
+
+``setup`` is what the ranks build the setup from, so it must reach processes of their
+own: ``"module.path:function"`` (imported as ``grad-check`` imports it), a function
+returning a :class:`Setup` that pickle can send (defined at a module's top level, not a
+lambda or a function nested in a test), or a :class:`Setup` whose functions pickle can
+send. ``local`` runs in the calling process, on no process group (one the caller has is
+left alone); ``ddp`` and ``fsdp`` start ``max(world_sizes)`` ranks themselves, which meet
+through a file in a temporary folder (gloo on CPU, nccl where every rank has a GPU), and
+are stopped as soon as one of them fails. The ranks are forked from a server process
+started at the first such call, which imports the script that called it as
+``multiprocessing`` does: a script (not a test) calling :func:`check` with ``ddp`` or
+``fsdp`` keeps its top-level code under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from harness.check.config import CHECK_STRATEGIES, CheckConfig
+from harness.check.load import check_batches, check_model, load_setup
+from harness.check.run import CheckRun, SetupCheck
+from harness.check.schema import COLUMN_NAMES
+from harness.check.setup import Setup
+from harness.check.step import check_step_device
+from harness.check.table import render
+from harness.errors import USAGE_EXIT, UsageError
+from harness.launch import Launch, choose_placement
+from harness.launcher import _describe_exit
+
+#: What ``setup`` may be: see the module's docstring.
+SetupSource = str | Callable[[], Setup] | Setup
+#: Modules the rank server imports once, before the first ranks are forked from it: every
+#: later launch starts ranks that have them already (torch's DDP imports torch._dynamo on
+#: first use, seconds on a small machine).
+PRELOADED = ["harness.check.api", "torch._dynamo"]
+#: Seconds a rank that is told to stop may take before it is killed.
+STOP_GRACE_S = 2.0
+ROWS_FILE = "rows.pkl"
+#: Marks a rank's error line as bad input rather than a failure of the rank.
+BAD_INPUT = "bad input: "
+
+
+def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
+          accum_steps: Sequence[int] = (1, 2),
+          strategies: Sequence[str] = tuple(CHECK_STRATEGIES), dtype: str = "float64",
+          drop_last: bool = False, timeout: float = 300.0) -> pd.DataFrame:
+    """Every strategy x world size x micro-steps against the big-batch step: the rows
+    ``grad-check`` writes to check.csv, same columns, same order.
+
+    Bad input raises :class:`harness.errors.UsageError` (a ValueError) before any rank
+    starts; a rank that fails raises RuntimeError naming the rank and its error.
+    """
+    config = CheckConfig(targets=(_target(setup),), accum_steps=tuple(accum_steps),
+                         strategies=tuple(strategies), world_sizes=tuple(world_sizes),
+                         dtype=dtype, drop_last=drop_last, quiet=True, timeout=timeout)
+    sizes = config.resolved_world_sizes(max(config.world_sizes))
+    target, resolved = resolve(setup)
+    check_batches(resolved, target, [(n, k) for n in sizes for k in config.accum_steps],
+                  drop_last)
+    check_model(resolved.make_model(), target)
+    check_step_device(resolved, target,
+                      choose_placement("auto", "auto", Launch.planned(max(sizes))).device)
+    launched = [s for s in config.strategies if s != "local"]
+    rows = []
+    if "local" in config.strategies:
+        rows += _in_this_process(replace(config, strategies=("local",)), target, resolved,
+                                 sizes)
+    if launched:
+        rows += _on_ranks(setup, replace(config, strategies=tuple(launched)), sizes)
+    order = {strategy: i for i, strategy in enumerate(config.strategies)}
+    rows.sort(key=lambda row: order[row["strategy"]])  # stable: each part is in order
+    return pd.DataFrame(rows, columns=list(COLUMN_NAMES))
+
+
+def assert_matches(setup: SetupSource, **options: Any) -> pd.DataFrame:
+    """:func:`check`, raising ``AssertionError`` unless every row matches the big-batch
+    step (skipped rows aside); the message is the console table of the other rows."""
+    rows = check(setup, **options)
+    failing = rows[(rows["verdict"] != "matches") & ~rows["status"].str.startswith("skipped")]
+    if len(failing):
+        name = rows["setup"].iloc[0]
+        table = render(failing.to_dict("records"), int(rows["step"].max()) + 1)
+        raise AssertionError(f"{name}: {len(failing)} of {len(rows)} rows do not match the "
+                             f"big-batch step:\n{table}")
+    return rows
+
+
+# ------------------------------------------------------------------ the setup
+def _target(source: SetupSource) -> str:
+    """How rows and messages name ``source``: ``module:function``."""
+    if isinstance(source, str):
+        return source
+    named = source.make_model if isinstance(source, Setup) else source
+    module = getattr(named, "__module__", None) or "?"
+    return f"{module}:{getattr(named, '__qualname__', type(named).__name__)}"
+
+
+def resolve(source: SetupSource) -> tuple[str, Setup]:
+    """The Setup behind ``source``, named (after its factory) if unnamed."""
+    target = _target(source)
+    if isinstance(source, str):
+        return target, load_setup(source)
+    if isinstance(source, Setup):
+        return target, source if source.name else replace(source, name=target.split(":")[1])
+    if not callable(source):
+        raise UsageError(f"setup {source!r} is a {type(source).__name__}; allowed: "
+                         "'module.path:function', a function returning a harness.check.Setup, "
+                         "or a Setup")
+    try:
+        made = source()
+    except Exception as error:  # noqa: BLE001 -- the user's factory failing is bad input
+        raise UsageError(f"{target}: calling it failed: {type(error).__name__}: {error}"
+                         ) from None
+    if not isinstance(made, Setup):
+        raise UsageError(f"{target} returned a {type(made).__name__}; allowed: a function "
+                         "returning a harness.check.Setup")
+    return target, made if made.name else replace(made, name=target.split(":")[1])
+
+
+def _sendable(source: SetupSource) -> None:
+    """The ranks are processes of their own: ``source`` must pickle."""
+    try:
+        pickle.dumps(source)
+    except Exception as error:  # noqa: BLE001 -- whatever pickle refuses
+        raise UsageError(f"setup {_target(source)} cannot be sent to the ranks ({error}); "
+                         "allowed: 'module.path:function', or a function defined at the top "
+                         "level of a module (not a lambda or a nested function)") from None
+
+
+# ------------------------------------------------------------------ running
+class RowsRun(CheckRun):
+    """The matrix of one setup, its rows handed back instead of written to check.csv."""
+
+    def __init__(self, config: CheckConfig, target: str, setup: Setup, launch: Launch,
+                 world_sizes: tuple[int, ...], process_group: bool) -> None:
+        super().__init__(config, [(target, setup)], launch,
+                         choose_placement("auto", "auto", launch), world_sizes)
+        self.process_group = process_group
+
+    def _init_distributed(self) -> dict:
+        # `local` communicates nothing: it runs on no process group at all.
+        return super()._init_distributed() if self.process_group else {}
+
+    def measured_rows(self) -> list[dict[str, Any]]:
+        groups = self._init_distributed()
+        for target, setup in self.setups:
+            self.rows += SetupCheck(self, target, setup, groups).run()
+        return self.rows
+
+
+def _single_launch() -> Launch:
+    return Launch(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                  hostname=socket.gethostname(), slurm_job_id="")
+
+
+def _in_this_process(config: CheckConfig, target: str, setup: Setup,
+                     sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    return RowsRun(config, target, setup, _single_launch(), sizes,
+                   process_group=False).measured_rows()
+
+
+def _on_ranks(source: SetupSource, config: CheckConfig,
+              sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Start max(sizes) ranks, wait for all of them, and return rank 0's rows."""
+    _sendable(source)
+    nproc = max(sizes)
+    # Forked from a server process that holds nothing of the caller's (no CUDA context,
+    # no process group, no OpenMP threads), which a plain fork of the caller could hold.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    with tempfile.TemporaryDirectory(prefix="grad-check-") as folder:
+        ranks = [context.Process(target=_rank_main, name=f"grad-check rank {rank}",
+                                 args=(rank, nproc, folder, source, config, sizes),
+                                 daemon=True)
+                 for rank in range(nproc)]
+        try:
+            for process in ranks:
+                process.start()
+            _wait_for(ranks, Path(folder))
+        finally:
+            _stop(ranks)
+        with open(Path(folder) / ROWS_FILE, "rb") as rows:
+            return pickle.load(rows)
+
+
+def _wait_for(ranks: list, folder: Path) -> None:
+    """Until every rank has ended; the first that fails ends the others and raises."""
+    running = list(ranks)
+    while running:
+        wait([process.sentinel for process in running])
+        running = [process for process in running if process.exitcode is None]
+        failed = [rank for rank, process in enumerate(ranks) if process.exitcode]
+        if failed:
+            _stop(ranks)
+            first = min(failed, key=lambda rank: _failed_at(folder, rank))
+            raise _failure(first, ranks[first].exitcode, folder)
+
+
+def _failed_at(folder: Path, rank: int) -> float:
+    """When ``rank`` wrote its error line; a rank that died without one died first, as far
+    as anyone can tell (the others' errors are then about losing it)."""
+    path = folder / f"rank{rank}.txt"
+    return path.stat().st_mtime if path.is_file() else float("-inf")
+
+
+def _failure(rank: int, exitcode: int, folder: Path) -> Exception:
+    line = _error_line(folder, rank)
+    if exitcode == USAGE_EXIT and line.startswith(BAD_INPUT):
+        return UsageError(line.removeprefix(BAD_INPUT))
+    return RuntimeError(f"grad-check rank {rank} failed: {line or _describe_exit(exitcode)}")
+
+
+def _error_line(folder: Path, rank: int) -> str:
+    path = folder / f"rank{rank}.txt"
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def _stop(ranks: list) -> None:
+    """Terminate the ranks still running, kill those that do not stop, reap all."""
+    for process in ranks:
+        if process.is_alive():
+            process.terminate()
+    for process in ranks:
+        if process.pid is not None:
+            process.join(STOP_GRACE_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _rank_main(rank: int, nproc: int, folder: str, source: SetupSource, config: CheckConfig,
+               sizes: tuple[int, ...]) -> None:
+    """One rank: join the others through a file in ``folder``, run the matrix, and leave
+    rank 0's rows (or this rank's error line) there."""
+    torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun's default
+    try:
+        launch = Launch(rank=rank, world_size=nproc, local_rank=rank, local_world_size=nproc,
+                        hostname=socket.gethostname(), slurm_job_id="")
+        placement = choose_placement("auto", "auto", launch)
+        if placement.device.type == "cuda":
+            torch.cuda.set_device(placement.device)
+        dist.init_process_group(placement.backend,
+                                store=dist.FileStore(str(Path(folder) / "store"), nproc),
+                                rank=rank, world_size=nproc,
+                                timeout=timedelta(seconds=config.timeout))
+        target, setup = resolve(source)
+        rows = RowsRun(config, target, setup, launch, sizes, process_group=True).measured_rows()
+        if rank == 0:
+            with open(Path(folder) / ROWS_FILE, "wb") as out:
+                pickle.dump(rows, out)
+        code = 0
+    except UsageError as error:
+        code = _leave(folder, rank, BAD_INPUT + str(error), USAGE_EXIT)
+    except BaseException as error:  # noqa: BLE001 -- reported to the caller, who raises it
+        code = _leave(folder, rank, f"{type(error).__name__}: {error}", 1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
+
+
+def _leave(folder: str, rank: int, line: str, code: int) -> int:
+    (Path(folder) / f"rank{rank}.txt").write_text(line.splitlines()[0] if line else "")
+    return code

@@ -1,0 +1,51 @@
+"""The precision a row is judged at, and what a difference means where nothing is split.
+
+A float64 check of a loss that casts to float32 (Hugging Face's causal-LM loss calls
+``logits.float()``) rounds like float32 in every case: judged at float64's tolerance,
+every row would read ``differs`` at a residual of ~1e-8. So a row's tolerance follows
+the lowest precision the computation really had: the model's type, the autocast type,
+and the type of every loss the user's functions returned, reference and case alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from harness.check.compare import Comparison
+from harness.check.setup import Setup
+from harness.verdicts import Equivalence
+
+
+def lowest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The floating type with the coarsest rounding (largest machine epsilon)."""
+    return max((d for d in dtypes if d.is_floating_point), key=lambda d: torch.finfo(d).eps)
+
+
+def case_precision(run_dtype: torch.dtype, setup: Setup,
+                   loss_dtypes: Iterable[torch.dtype | None]) -> torch.dtype:
+    """The lowest of the model's type, the autocast type and the losses' types."""
+    found = [run_dtype, *(d for d in loss_dtypes if d is not None)]
+    if setup.autocast is not None:
+        found.append(setup.autocast)
+    return lowest(found)
+
+
+def name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
+    """At N = 1, k = 1 the case feeds the whole batch to one micro-step, as the reference
+    does: a difference cannot come from any split."""
+    if comparison.verdict is Equivalence.MATCHES:
+        return ""
+    cause = ("the custom micro_step computes something other than Setup.loss (or the "
+             "reference is not deterministic)" if setup.micro_step is not None else
+             "the reference is not deterministic: the same loss on the same batch gave "
+             "another result")
+    what = {"grad": "gradient", "params": "update"}.get(point, point)
+    return (f"nothing is split at N = 1, k = 1, yet the {what} differs from the big "
+            f"batch's (scale {comparison.scale:.6g}, residual {comparison.residual:.3g}): "
+            f"{cause}")

@@ -1,0 +1,237 @@
+"""The whole step: ``before_step`` (clipping), the LR scheduler, bf16 autocast, and the
+fields' bad values. Setups the ranks build are defined at the top of this module."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from examples import mlp, real_step
+from harness.check import MicroStep, Setup, check
+from harness.check.cli import main
+from harness.check.step import WholeStep
+from harness.errors import UsageError
+
+CLIP_RTOL = 1e-12
+
+
+def make_norm_recording_setup(folder: str) -> Setup:
+    """Clips in before_step and leaves each total norm clip_grad_norm_ returned (one file
+    per process: its reference's, then each case's) and the norm's type."""
+    def before_step(model: nn.Module, optimizer, where: MicroStep) -> None:
+        total = nn.utils.clip_grad_norm_(model.parameters(), real_step.MAX_NORM)
+        value = total.full_tensor() if hasattr(total, "full_tensor") else total
+        with open(Path(folder) / f"norms-{os.getpid()}.txt", "a") as out:
+            out.write(f"{type(total).__name__} {float(value)!r}\n")
+
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 before_step=before_step, name="clip-recording")
+
+
+def _recorded_norms(folder: Path) -> list[tuple[str, float]]:
+    return [(kind, float(value)) for path in sorted(folder.glob("norms-*.txt"))
+            for kind, value in (line.split() for line in path.read_text().splitlines())]
+
+
+@pytest.mark.launches(seconds=15)
+def test_clip_in_before_step_sees_the_big_batch_norm_under_every_strategy(tmp_path):
+    rows = check(functools.partial(make_norm_recording_setup, str(tmp_path)),
+                 strategies=["local", "ddp", "fsdp"], world_sizes=(2,), accum_steps=(2,))
+    assert set(rows["verdict"]) == {"matches"}, rows
+    norms = _recorded_norms(tmp_path)
+    # This process: reference + local; each of 2 ranks: reference + ddp + fsdp.
+    assert len(norms) == 2 + 2 * 3
+    big_batch = norms[0][1]
+    assert big_batch > real_step.MAX_NORM  # the clip is active
+    assert [value for _, value in norms] == pytest.approx([big_batch] * 8, rel=CLIP_RTOL)
+    # Under FSDP the norm is a DTensor's: the whole model's, not the rank's shard's.
+    assert sum(kind == "DTensor" for kind, _ in norms) == 2
+
+
+def test_clipping_inside_the_micro_step_differs_where_before_step_matches():
+    wrong = check(real_step.make_micro_clip_setup, strategies=["local"], world_sizes=(1,),
+                  accum_steps=(2,))
+    right = check(real_step.make_clip_setup, strategies=["local"], world_sizes=(1,),
+                  accum_steps=(2,))
+    assert set(wrong["verdict"]) == {"differs"}
+    assert set(right["verdict"]) == {"matches"}
+    for fix in wrong["fix"]:
+        assert fix.startswith("clip once per window, in before_step: micro_step calls "
+                              "clip_grad_norm_"), fix
+
+
+def test_clip_grad_norm_still_clips_and_is_restored_after_the_watch():
+    from harness.check.step import watching_gradient_edits
+
+    original = nn.utils.clip_grad._clip_grads_with_norm_
+    seen: set[str] = set()
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    with watching_gradient_edits(seen):
+        from torch.nn.utils import clip_grad_norm_  # bound the way users import it
+
+        clip_grad_norm_(model.parameters(), 1e-3)
+    assert seen == {"clip_grad_norm_"}
+    norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    assert float(norm) == pytest.approx(1e-3, rel=1e-4)
+    assert nn.utils.clip_grad._clip_grads_with_norm_ is original
+
+
+def test_the_scheduler_steps_after_every_optimizer_step():
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    setup = real_step.make_warmup_setup()
+    whole = WholeStep(setup, model, optimizer, torch.device("cpu"))
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        whole.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+
+def test_adamw_with_warmup_has_a_matching_row_per_step_and_point():
+    rows = check(real_step.make_warmup_setup, strategies=["local"], world_sizes=(2,),
+                 accum_steps=(2,))
+    assert sorted(zip(rows["step"], rows["point"], strict=True)) == [
+        (step, point) for step in range(real_step.WARMUP_STEPS)
+        for point in ("grad", "params")]
+    assert set(rows["verdict"]) == {"matches"}
+
+
+def test_bf16_autocast_runs_and_is_judged_at_bfloat16():
+    rows = check(real_step.make_bf16_setup, strategies=["local"], world_sizes=(2,),
+                 accum_steps=(2,))
+    assert set(rows["precision"]) == {"bfloat16"} and set(rows["dtype"]) == {"float32"}
+    assert set(rows["verdict"]) == {"matches"}
+    # bfloat16 rounding, far above float32's: the forward really ran under autocast.
+    assert (rows["residual"] > 1e-4).all()
+
+
+def make_fp16_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 autocast=torch.float16, grad_scaler=True, name="fp16-scaler")
+
+
+def make_bad_before_step_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 before_step=3)
+
+
+def make_bad_autocast_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 autocast="bf16")
+
+
+def make_cpu_scaler_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 grad_scaler=True)
+
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="refused on CPU only")
+
+
+@pytest.mark.parametrize(("factory", "words"), [
+    ("make_bad_before_step_setup", ["Setup.before_step=3 is a int", "a function, or None"]),
+    ("make_bad_autocast_setup", ["Setup.autocast='bf16' is not allowed", "torch.bfloat16"]),
+    pytest.param("make_fp16_setup", ["Setup.autocast=torch.float16 cannot run on cpu"],
+                 marks=needs_no_cuda),
+    pytest.param("make_cpu_scaler_setup", ["Setup.grad_scaler=True needs CUDA"],
+                 marks=needs_no_cuda),
+])
+def test_bad_step_fields_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_path,
+                                                                    factory, words):
+    out = tmp_path / "out"
+    assert main(["--nproc", "2", f"tests.test_check_step:{factory}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("check.py: error: "), err
+    assert f"test_check_step:{factory}" in err
+    for word in words:
+        assert word in err, err
+    assert not out.exists()
+
+
+@needs_no_cuda
+def test_the_api_refuses_float16_autocast_on_cpu_before_any_rank_starts():
+    with pytest.raises(UsageError, match="float16 cannot run on cpu"):
+        check(make_fp16_setup, strategies=["ddp"], world_sizes=(2,))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_float16_autocast_with_a_grad_scaler_matches_on_cuda():
+    rows = check(make_fp16_setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))
+    assert set(rows["precision"]) == {"float16"}
+    assert set(rows["verdict"]) == {"matches"}, rows
+
+
+def make_cuda_model_setup() -> Setup:
+    def make_model():
+        torch.manual_seed(0)
+        return mlp.make_model().cuda()
+
+    return Setup(make_model=make_model, batch=mlp.batch, loss=mlp.mean_loss, name="on-cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_built_on_cuda_is_accepted():
+    rows = check(make_cuda_model_setup, strategies=["local", "ddp"],
+                 world_sizes=tuple(range(1, min(2, torch.cuda.device_count()) + 1)),
+                 accum_steps=(2,))
+    assert set(rows["verdict"]) == {"matches"}, rows
+
+
+def test_the_scaler_path_unscales_before_before_step_and_skips_a_non_finite_step():
+    """The GradScaler code path, on the CPU (the check itself asks CUDA for it)."""
+    seen = []
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  grad_scaler=True, make_scheduler=real_step.linear_warmup,
+                  before_step=lambda model, optimizer, where: seen.append(
+                      model.weight.grad.clone()))
+    model = nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    whole = WholeStep(setup, model, optimizer, torch.device("cpu"))
+    where = MicroStep(0, 1, 1, 1)
+    whole.backward(model(torch.ones(1, 2)).sum())
+    whole.before_step(where)
+    assert seen[0].tolist() == [[1.0, 1.0]]  # unscaled: d(sum)/dw = x
+    before = model.weight.detach().clone()
+    whole.step()
+    assert not torch.equal(model.weight, before)
+    optimizer.zero_grad()
+    whole.backward(model(torch.full((1, 2), float("inf"))).sum())
+    whole.before_step(where)
+    before, scale = model.weight.detach().clone(), whole.scaler.get_scale()
+    whole.step()
+    assert torch.equal(model.weight, before)  # skipped on the non-finite gradient
+    assert whole.scaler.get_scale() < scale
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.75)  # the scheduler stepped
+
+
+def from_zero(optimizer: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step / 2)
+
+
+def test_a_warmup_from_lr_0_matches_on_its_zero_first_update():
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  make_scheduler=from_zero, steps=2, name="warmup-from-0")
+    rows = check(lambda: setup, strategies=["local"], world_sizes=(2,), accum_steps=(2,))
+    first_update = rows[(rows["step"] == 0) & (rows["point"] == "params")].iloc[0]
+    assert first_update["verdict"] == "matches" and first_update["residual"] == 0.0
+    assert set(rows["verdict"]) == {"matches"}
+
+
+def test_a_grad_scaler_inside_the_micro_step_is_seen_and_named_in_the_fix():
+    from harness.check.step import micro_step_edit_fix, watching_gradient_edits
+
+    seen: set[str] = set()
+    with watching_gradient_edits(seen):
+        torch.amp.GradScaler("cpu").scale(torch.ones(()))
+    assert seen == {"GradScaler"}
+    assert micro_step_edit_fix(seen).startswith("scale and unscale once per window")
