@@ -52,6 +52,10 @@ class Strategy:
     #: When the accumulation study's micro-steps reduce: DDP can defer its all-reduce
     #: (``no_sync``), DataParallel reduces in every backward, one process never.
     syncs: tuple[str, ...] = ("every-micro-step",)
+    #: True for the single-process reference every other strategy is compared with.
+    reference: bool = False
+    #: True: each rank holds a shard of every parameter, so comparing parameters gathers them.
+    sharded: bool = False
     #: Why the strategy cannot run at world size k here (a row's status), or None.
     #: The same answer on every rank, so that all skip a collective case together.
     unavailable: Callable[[int, RunContext], str | None] = _available
@@ -63,6 +67,11 @@ class Strategy:
     def participants(self, world_size: int) -> int:
         """Ranks a case of this world size occupies."""
         return world_size if self.collective else 1
+
+    def sync(self, accum_steps: int) -> str:
+        """When k micro-steps reduce: deferred to the last one where the strategy can
+        (``syncs``' last choice), else its only choice."""
+        return self.syncs[-1] if accum_steps > 1 else self.syncs[0]
 
 
 def _gloo_or_collective_ms(world_size: int) -> float:
@@ -78,7 +87,7 @@ def _one_process_ms(world_size: int) -> float:
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("local", "one process (local)",
              "one process, no reduction: the single-device reference",
-             collective=False, step_ms=_one_process_ms, syncs=("none",),
+             collective=False, step_ms=_one_process_ms, syncs=("none",), reference=True,
              trainer=lambda module, k, run: local.LocalTrainer(module, run.device)),
     Strategy("ddp", "DDP",
              "torch.nn.parallel.DistributedDataParallel over a process subgroup",
@@ -88,9 +97,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              trainer=lambda module, k, run: ddp.DDPTrainer(module, run.group(k), run.device)),
     Strategy("fsdp", "FSDP",
              "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
-             collective=True, step_ms=_gloo_or_collective_ms,
+             collective=True, step_ms=_gloo_or_collective_ms, sharded=True,
+             syncs=("every-micro-step", "no_sync"),
              unavailable=lambda k, run: fsdp.unavailable_reason(run.placement),
-             measure=lambda spec, k, run: fsdp.measure_step(spec, run.group(k), run.device)),
+             measure=lambda spec, k, run: fsdp.measure_step(spec, run.group(k), run.device),
+             trainer=lambda module, k, run: fsdp.FSDPTrainer(module, run.group(k), run.device)),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",
              "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
              collective=False, step_ms=_one_process_ms, emulated=True,

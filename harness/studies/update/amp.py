@@ -34,6 +34,7 @@ from torch import nn
 from harness.context import RunContext
 from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.strategies import STRATEGIES
 from harness.strategies.common import flat_grad
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.clipping import (
@@ -76,11 +77,6 @@ BF16_SETTINGS = ("float32", "autocast-bfloat16", "bfloat16")
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _sync(strategy: str, accum_steps: int) -> str:
-    return "none" if strategy == "local" else ("no_sync" if accum_steps > 1 else
-                                                "every-micro-step")
 
 
 # ---------------------------------------------------------------- grad-scaler
@@ -141,7 +137,7 @@ def grad_scaler(strategy: str, world_size: int, accum_steps: int, steps: int,
             "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients[i]),
             "clip_coef_min": min(coefficients[i]), "clip_coef_max": max(coefficients[i])}
         rows.append({
-            "loss": "mean/k", "sync": _sync(strategy, accum_steps), "optimizer": PLAIN,
+            "loss": "mean/k", "sync": STRATEGIES[strategy].sync(accum_steps), "optimizer": PLAIN,
             "optimizer_settings": spec.settings, "learning_rate": spec.lr, "steps": steps,
             "setting": setting, "dtype_used": dtype_name(dtype), **clip_columns,
             "scale_before": scales[0], "scale_after": scales[-1],
@@ -198,7 +194,7 @@ def non_finite(strategy: str, world_size: int, accum_steps: int, run_context: Ru
         error = update_error(parameters[w], reference[w], start)
         after = [float(rank[w, 2]) for rank in every_rank]
         rows.append({
-            "loss": "mean/k", "sync": _sync(strategy, accum_steps), "optimizer": PLAIN,
+            "loss": "mean/k", "sync": STRATEGIES[strategy].sync(accum_steps), "optimizer": PLAIN,
             "optimizer_settings": spec.settings, "learning_rate": spec.lr,
             "steps": NON_FINITE_WINDOWS, "dtype_used": dtype_name(dtype),
             "setting": (f"inf in sample 0 of micro-step {INJECTED_MICRO_STEP} of device "
@@ -216,8 +212,8 @@ def non_finite(strategy: str, world_size: int, accum_steps: int, run_context: Ru
 
 def _every_rank(mine: torch.Tensor, strategy: str, world_size: int, run_context: RunContext
                 ) -> list[torch.Tensor]:
-    """This rank's per-window record, or every rank's on rank 0 (DDP)."""
-    if strategy != "ddp":
+    """This rank's per-window record, or every rank's on rank 0 (a collective case)."""
+    if not STRATEGIES[strategy].collective:
         return [mine]
     return gather_to_leader(mine, run_context.group(world_size), run_context.device) or []
 

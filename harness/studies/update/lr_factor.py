@@ -25,6 +25,7 @@ import torch
 
 from harness.context import RunContext
 from harness.fit import fit_scale, relative_error
+from harness.strategies import STRATEGIES
 from harness.studies.update.fleet import (
     Fleet,
     every_member_parameters,
@@ -55,7 +56,8 @@ CANDIDATES = (SAME_LR, INVERSE_SCALE)
 
 
 def optimizers_for(strategy: str, full: bool) -> list[OptimizerSpec]:
-    names = FSDP_DEFAULT_OPTIMIZERS if strategy == "fsdp" and not full else tuple(OPTIMIZERS)
+    sharded = STRATEGIES[strategy].sharded
+    names = FSDP_DEFAULT_OPTIMIZERS if sharded and not full else tuple(OPTIMIZERS)
     return [OPTIMIZERS[name] for name in names]
 
 
@@ -70,11 +72,7 @@ def sync_of(strategy: str, accum_steps: int) -> str:
     """When the strategy reduces: DDP under ``no_sync`` and FSDP2 with
     ``set_requires_gradient_sync(False)`` but for the last micro-step when accumulating;
     DataParallel in every backward; one process never."""
-    if strategy == "local":
-        return "none"
-    if strategy in ("ddp", "fsdp") and accum_steps > 1:
-        return "no_sync"
-    return "every-micro-step"
+    return STRATEGIES[strategy].sync(accum_steps)
 
 
 def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool,
