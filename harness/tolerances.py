@@ -13,18 +13,24 @@ verdicts that neither flicker with rounding nor miss a real effect.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 # close() lives with the verdict words, torch-free for the report; the studies import it here.
 from harness.verdicts import close  # noqa: F401
+
+if TYPE_CHECKING:
+    import torch
+
+#: Tables are keyed by dtype name, so that the report and ``grad-compare`` read the very
+#: tolerances the studies judged with without importing torch.
 
 #: Relative tolerance on a fitted scale or weight, and on a fit's relative residual.
 #: float64: rounding ~1e-15, effects >= 1e-3; 1e-9 sits six orders from each.
 #: float32: rounding ~1e-7 (accumulated over a few hundred terms, ~1e-5); 1e-4
 #: still resolves 1e-3 effects, with one order of margin either side.
-RELATIVE_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-4,
+RELATIVE_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-4,
 }
 
 #: Below this norm a gradient counts as zero: a fit against it is meaningless.
@@ -32,15 +38,19 @@ RELATIVE_TOLERANCE: dict[torch.dtype, float] = {
 ZERO_NORM = 1e-30
 
 
-def _for_dtype(table: dict[torch.dtype, float], dtype: torch.dtype, what: str) -> float:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``float64`` for ``torch.float64`` or ``"float64"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _for_dtype(table: dict[str, float], dtype: torch.dtype | str, what: str) -> float:
     try:
-        return table[dtype]
+        return table[dtype_name(dtype)]
     except KeyError:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in table)
-        raise ValueError(f"no {what} for dtype {dtype}; allowed: {allowed}") from None
+        raise ValueError(f"no {what} for dtype {dtype}; allowed: {', '.join(table)}") from None
 
 
-def relative_tolerance(dtype: torch.dtype) -> float:
+def relative_tolerance(dtype: torch.dtype | str) -> float:
     """The tolerance for verdicts on numbers computed in ``dtype``."""
     return _for_dtype(RELATIVE_TOLERANCE, dtype, "tolerance")
 
@@ -60,9 +70,9 @@ def relative_tolerance(dtype: torch.dtype) -> float:
 #: four below the effect. Caveat, measured: a float32 rounding difference can put one
 #: ReLU input on the other side of 0 (step 88 of 150 in the default run), after which the
 #: runs really part (1e-3); the study then reports them as not identical, as they are.
-TRAJECTORY_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-4,
+TRAJECTORY_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-4,
 }
 
 
@@ -82,9 +92,9 @@ def trajectory_tolerance(dtype: torch.dtype) -> float:
 #: which turns the rounding of small gradient entries into whole steps); 1e-5 leaves
 #: 20x above it. Adam's eps effects below 1e-5 are then not resolved in float32 -- they
 #: are below what float32 training itself can tell apart.
-UPDATE_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-5,
+UPDATE_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-5,
 }
 
 
@@ -122,9 +132,9 @@ LINEAR_SCALING_TOLERANCE = 0.1
 #: check, DDP N=2 k=2, a recipe equal to the big batch): residual 2.1e-6 on gradients,
 #: 2.9e-5 on updates; 1e-3 sits 35x above the larger. Effects smaller than 1e-3 are not
 #: resolved in float32 -- the float64 default resolves them.
-CHECK_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-3,
+CHECK_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-3,
 }
 
 

@@ -13,7 +13,6 @@ Reads CSVs and JSON only (no torch), like the report.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.manifest import RunManifest, read_manifest
 from harness.report.text import code, integers, small, table
 from harness.studies import STUDY_PACKAGES, study_columns
 from harness.studies.frameworks.report import at_k
@@ -50,8 +50,8 @@ class Results:
     def csv(self, name: str, sub: str = "") -> pd.DataFrame:
         return pd.read_csv(self.folder / sub / f"{name}.csv")
 
-    def manifest(self, sub: str = "") -> dict:
-        return json.loads((self.folder / sub / "run.json").read_text())
+    def manifest(self, sub: str = "") -> RunManifest:
+        return read_manifest(self.folder / sub)
 
 
 def require(holds: bool, sentence: str, rows: str) -> None:
@@ -253,13 +253,13 @@ def answers(results: Results) -> str:
 def run_line(results: Results) -> str:
     """What the default run is, from its run.json."""
     run = results.manifest()
-    cases = sum(int(s["cases"]) for s in run["studies"].values())
-    studies = len(run["studies"])
-    context = ", ".join(str(run[key]) for key in ("backend", "device", "dtype"))
+    cases = sum(s.cases for s in run.studies.values())
+    studies = len(run.studies)
+    context = ", ".join(str(run.value(key)) for key in ("backend", "device", "dtype"))
     wrote = f"{studies} {'study' if studies == 1 else 'studies'}, {cases} cases"
-    return (f"`results/` holds what `{run['command']}` wrote: {wrote}, {run['wall_time_s']:.1f} s "
-            f"in all on {run['launch_world_size']} ranks ({context}, torch "
-            f"{run['torch_version']}).")
+    return (f"`results/` holds what `{run.command}` wrote: {wrote}, {run.wall_time_s:.1f} s "
+            f"in all on {run.value('launch_world_size')} ranks ({context}, torch "
+            f"{run.value('torch_version')}).")
 
 
 def times(results: Results) -> str:
@@ -267,12 +267,12 @@ def times(results: Results) -> str:
     body = []
     for sub in ("", "frameworks"):
         run = results.manifest(sub)
-        for study, entry in run["studies"].items():
-            body.append([code(study), str(entry["cases"]), f"{entry['wall_time_s']:.1f} s",
-                         code(run["command"])])
+        for study, entry in run.studies.items():
+            body.append([code(study), str(entry.cases), f"{entry.wall_time_s:.1f} s",
+                         code(run.command)])
         # The run as its run.json times it, besides the studies alone.
-        body.append(["the whole run", str(sum(int(e["cases"]) for e in run["studies"].values())),
-                     f"{run['wall_time_s']:.1f} s", code(run["command"])])
+        body.append(["the whole run", str(sum(e.cases for e in run.studies.values())),
+                     f"{run.wall_time_s:.1f} s", code(run.command)])
     return table(["study", "cases", "wall time", "run"], body, [False, True, True, False])
 
 
