@@ -71,11 +71,12 @@ def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Sectio
 
 
 def _read_by(section: Section) -> tuple[str, ...]:
-    """The columns ``section`` reads: those it names, else its study's whole schema."""
+    """The columns ``section`` reads: its study's schema and the run-context columns every
+    CSV ends with."""
     from harness.studies import study_columns
-    from harness.studies.schema import names
+    from harness.studies.schema import TRAILING_COLUMNS, names
 
-    return section.columns or names(study_columns(section.study))
+    return names(study_columns(section.study)) + names(TRAILING_COLUMNS)
 
 
 def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:

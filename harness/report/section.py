@@ -133,9 +133,6 @@ class Section:
     title: str
     #: One sentence under the heading: what the study measures.
     intro: str
-    #: Columns the section reads; empty: every column of the study's schema. A CSV without
-    #: them is refused before anything is written.
-    columns: tuple[str, ...] = ()
     #: Columns computed once from the measured rows and the tolerance, for every part to read.
     derive: Callable[[pd.DataFrame, float], pd.DataFrame] | None = None
     #: What each derived column means when a ``where`` names it: how citations say it.

@@ -11,7 +11,7 @@ here because every one of its rows is.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harness.report import spec
@@ -28,17 +28,11 @@ from harness.report.text import (
     words,
     worst,
 )
-from harness.verdicts import HookVerdict, close
+from harness.verdicts import HookVerdict
 
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = (
-    "strategy", "variant", "world_size", "step", "wire_dtype", "buckets", "collective_calls",
-    "collective_bytes", "full_batch_scale", "fit_residual", "relative_error", "error_bound",
-    "verdict", "cumulative_error", "param_distance", "grad_rank_spread", "param_rank_spread",
-    "rank0_state_elements",
-)
 #: How a sentence says what a variant whose every row is a pure multiple of ḡ did.
 SCALE_VERBS = {
     HookVerdict.SUMMED: "summed the ranks' gradients instead of averaging them",
@@ -52,25 +46,10 @@ SCALE_FIXES = {"k": "divide by k once (as the exact variants do)",
 ERRING = (HookVerdict.COMPRESSED, HookVerdict.DIFFERS)
 
 
-#: Ratios a sentence can name instead of listing numbers, as functions of k.
-#: Checked in this order: at k = 1 all three coincide and "1" is the plain word for it.
-NAMED_RATIOS = {"1": lambda k: 1.0, "1/k": lambda k: 1.0 / k, "k": lambda k: float(k)}
-
-
-
-def named_ratio(ks: Iterable[float], values: Iterable[float], rtol: float
-                ) -> tuple[str | None, float]:
-    """The name ("1", "1/k" or "k") every value equals within ``rtol``, and the largest deviation.
-
-    None (and NaN) when no single name fits every (k, value) pair.
-    """
-    pairs = list(zip(ks, values, strict=True))
-    for name, ratio in NAMED_RATIOS.items():
-        expected = [ratio(k) for k, _ in pairs]
-        if pairs and all(not math.isnan(v) and close(v, e, rtol)
-                         for (_, v), e in zip(pairs, expected, strict=True)):
-            return name, max(abs(v - e) for (_, v), e in zip(pairs, expected, strict=True))
-    return None, math.nan
+#: The multiple of ḡ that a verdict names (the study judged it, hooks/measure.py), as a
+#: function of k: the report reads it from the verdict instead of judging the scale again.
+NAMED_SCALES = {HookVerdict.SUMMED: ("k", float),
+                HookVerdict.OVER_AVERAGED: ("1/k", lambda k: 1 / k)}
 
 
 # ------------------------------------------------------------------ grouping
@@ -169,10 +148,14 @@ def _bytes_ratio(rows: pd.DataFrame, every: pd.DataFrame) -> pd.Series:
     return (rows["collective_bytes"] / reference).dropna()
 
 
-def _scale_name(rows: pd.DataFrame, rtol: float) -> tuple[str | None, float]:
-    """The named ratio (1, 1/k, k) of full_batch_scale, judged as the study judged it."""
-    return named_ratio(rows["world_size"], rows["full_batch_scale"],
-                       max(rtol, rows["error_bound"].max()))
+def _scale_name(rows: pd.DataFrame, verdict: HookVerdict) -> tuple[str | None, float]:
+    """The multiple of ḡ (k, 1/k) the rows' ``verdict`` names, and the largest deviation of
+    full_batch_scale from it; None (and NaN) for a scale the verdict does not name."""
+    if verdict not in NAMED_SCALES:
+        return None, math.nan
+    name, multiple = NAMED_SCALES[verdict]
+    return name, max(abs(scale - multiple(k)) for k, scale in
+                     zip(rows["world_size"], rows["full_batch_scale"], strict=True))
 
 
 # ------------------------------------------------------------------- answers
@@ -189,7 +172,7 @@ def answers(rows: spec.Rows) -> list[spec.Answer]:
     scaled = [(verdict, _always(ok, verdict)) for verdict in SCALE_VERBS]
     scaled = [(verdict, group) for verdict, group in scaled if not group.empty]
     if scaled:
-        named = [(group, *_scale_name(group, rows.rtol)) for _, group in scaled]
+        named = [(group, *_scale_name(group, verdict)) for verdict, group in scaled]
         made.append(spec.Answer(
             "Which settings scale the average (a hook that forgets to divide, or divides twice)?",
             "; ".join(f"{_variants(g)}: × {name or span(g['full_batch_scale'], number)}"
@@ -287,7 +270,7 @@ def scale_findings(rows: spec.Rows) -> list[spec.Finding]:
         group = _always(rows.ok, verdict)
         if group.empty:
             continue
-        name, deviation = _scale_name(group, rows.rtol)
+        name, deviation = _scale_name(group, verdict)
         scale = (f"full_batch_scale = {name} at k = {integers(group['world_size'])} (largest "
                  f"deviation {small(deviation)})" if name else
                  f"full_batch_scale {span(group['full_batch_scale'], number)}")
@@ -459,7 +442,6 @@ SECTION = spec.Section(
            "`relative_error` against the rounding bound of the wire format, `error_bound`), "
            "the gradient collectives are counted as called, and the weights are compared with "
            "an exact one-process run (`param_distance`)."),
-    columns=COLUMNS,
     derive=derive,
     terms={"erring": "a compressed or differing step at that k"},
     answers=(answers,),
