@@ -23,6 +23,8 @@ import pandas as pd
 
 from harness.manifest import RunManifest, read_manifest
 from harness.report.text import code, integers, small, table
+from harness.strategies import emulated_names
+from harness.strategies import names as strategy_names
 from harness.studies import STUDY_PACKAGES, study_columns
 from harness.studies.frameworks.report import at_k
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
@@ -89,9 +91,10 @@ def _share(rows: pd.DataFrame, mask: pd.Series) -> str:
 def reduction_answer(results: Results) -> str:
     """DDP and FSDP average, DataParallel sums; with a mean loss each gives the big batch."""
     rows = results.csv("reduction").query(MULTI)
-    ddp_fsdp = rows[rows["strategy"].isin(["ddp", "fsdp"])]
-    dp = rows[rows["strategy"] == "dp-emulated"]
-    real = results.csv("reduction").query("strategy == 'dp'")
+    ddp_fsdp = rows[rows["strategy"].isin(strategy_names(collective=True))]
+    dp = rows[rows["strategy"].isin(strategy_names(emulated=True))]
+    every = results.csv("reduction")
+    real = every[every["strategy"].isin(emulated_names())]
     require((ddp_fsdp["reduce_op"] == "mean").all() and len(ddp_fsdp) > 0,
             "DDP and FSDP average", "reduction.csv: strategy in ddp, fsdp, devices_used >= 2")
     require((dp["reduce_op"] == "sum").all() and len(dp) > 0, "DataParallel sums",

@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 
 from harness.models import device_slot
-from harness.strategies import ddp
+from harness.strategies import STRATEGIES, ddp
 from harness.strategies.common import flat_grad, flat_params
 from harness.studies.hooks.measure import RecordingState, recording
 from harness.studies.hooks.schema import LEARNING_RATE, MOMENTUM, POWERSGD_STEPS, STEPS
@@ -336,6 +336,6 @@ class FSDPReplica(Replica):
 
 def build_replica(variant: Variant, module: nn.Module, group: dist.ProcessGroup,
                   device: torch.device, seed: int) -> Replica:
-    if variant.strategy == "ddp":
-        return DDPReplica(variant, module, group, device, seed)
-    return FSDPReplica(variant, module, group, device)
+    if STRATEGIES[variant.strategy].sharded:
+        return FSDPReplica(variant, module, group, device)
+    return DDPReplica(variant, module, group, device, seed)
