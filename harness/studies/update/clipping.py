@@ -154,21 +154,26 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, run_contex
     for i, (setting, ratio) in enumerate(plan):
         reference, reference_coefficient = clipped_reference(
             references, initial, data, recorder.max_norms[i], (seed, dtype, shape, steps))
-        coefficients = every_rank[i]
         error = update_error(final[i], reference, start)
         rows.append({
             "loss": loss, "sync": spec.sync(1),  # DDP and FSDP reduce in every backward here
             "optimizer": PLAIN, "optimizer_settings": OPTIMIZERS[PLAIN].settings,
             "learning_rate": OPTIMIZERS[PLAIN].lr, "steps": steps, "setting": setting,
             "dtype_used": str(dtype).removeprefix("torch."),
-            "max_norm": recorder.max_norms[i], "max_norm_ratio": ratio,
-            "clip_coef_reference": reference_coefficient,
-            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
-            "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients),
+            **clip_columns(recorder.max_norms[i], ratio, reference_coefficient, every_rank[i]),
             "param_distance": relative_error(final[i], reference), "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })
     return rows
+
+
+def clip_columns(max_norm: float, ratio: float, reference_coefficient: float,
+                 coefficients: Sequence[float]) -> dict[str, Any]:
+    """The columns saying where clipping was set and what it applied at the first step."""
+    return {"max_norm": max_norm, "max_norm_ratio": ratio,
+            "clip_coef_reference": reference_coefficient,
+            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
+            "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients)}
 
 
 def _single_trainer_runs(strategy, plan, runs, recorder, data, shape, initial, run_context):

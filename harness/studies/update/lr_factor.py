@@ -88,14 +88,7 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool
     trainer = fleet_trainer(strategy, Fleet(initial, len(runs)), world_size, run_context)
     optimizer = FleetOptimizers([member for member, _ in runs], members(trainer))
     no_sync = sync_of(strategy, accum_steps) == "no_sync"
-    scales: dict[str, Any] = {}
-    for t, window in enumerate(data):
-        accumulate_window(trainer, [m for m, _ in runs], window, shape, no_sync)
-        if t == 0:
-            scales = _gradient_scales(trainer, runs, big_batch_gradient(initial, window))
-            for i, (member, candidate) in enumerate(runs):
-                optimizer.set_lr_factor(i, candidate_factor(candidate, scales[member.loss].scale))
-        optimizer.step()
+    scales = _train(trainer, optimizer, runs, data, shape, initial, no_sync)
     final = every_member_parameters(trainer)
     if not reports:
         return None
@@ -121,6 +114,21 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool
             **lr_factor_columns(errors, fit.scale, tolerance),
         })
     return rows
+
+
+def _train(trainer, optimizer: FleetOptimizers, runs, data, shape: Shape, initial, no_sync: bool
+           ) -> dict[str, Any]:
+    """Every window, each copy at its candidate's learning rate: set after the first window,
+    once its recipe's gradient scale is known; the scales, per loss recipe."""
+    scales: dict[str, Any] = {}
+    for t, window in enumerate(data):
+        accumulate_window(trainer, [m for m, _ in runs], window, shape, no_sync)
+        if t == 0:
+            scales = _gradient_scales(trainer, runs, big_batch_gradient(initial, window))
+            for i, (member, candidate) in enumerate(runs):
+                optimizer.set_lr_factor(i, candidate_factor(candidate, scales[member.loss].scale))
+        optimizer.step()
+    return scales
 
 
 def _gradient_scales(trainer, runs, reference: torch.Tensor) -> dict[str, Any]:
