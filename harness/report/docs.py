@@ -332,30 +332,12 @@ PROG = "docs.py"
 def main(argv: Sequence[str] | None = None) -> int:
     """Rewrite the generated parts of README.md and docs/ (or, with --check, only say which
     are out of date: exit 1)."""
-    import argparse
-
     from harness.errors import UsageError, refuse
-    from harness.report.cli import _Parser
 
-    parser = _Parser(prog=PROG, description=(
-        "Fill the generated parts of README.md, docs/results.md and docs/speed.md from the "
-        "schema declarations and a results folder (run.json and CSVs, with frameworks/ "
-        "inside). Rerun after regenerating the results or changing a study's columns."),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default="results", metavar="FOLDER",
-                        help="results folder to quote (default: results)")
-    parser.add_argument("--root", default=".", metavar="DIR",
-                        help="repository root holding README.md and docs/ (default: .)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when a document is out of date")
     try:
-        args = parser.parse_args(argv)
+        args = _parser().parse_args(argv)
         root, folder = Path(args.root), Path(args.results)
-        missing = [str(p) for p in (*(root / d for d in DOCUMENTS), folder / "run.json",
-                                    folder / "frameworks" / "run.json") if not p.is_file()]
-        if missing:
-            raise UsageError(f"missing {', '.join(missing)}: --root must be the repository "
-                             f"and --results a finished run with frameworks/ inside")
+        _require_documents(root, folder)
         changed = stale(root, Results(folder))
     except UsageError as error:
         return refuse(error, rank=0, prog=PROG)
@@ -371,3 +353,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(text)
     print(f"{PROG}: wrote {names}" if changed else f"{PROG}: up to date, nothing written")
     return 0
+
+
+def _parser():
+    import argparse
+
+    from harness.report.cli import _Parser
+
+    parser = _Parser(prog=PROG, description=(
+        "Fill the generated parts of README.md, docs/results.md and docs/speed.md from the "
+        "schema declarations and a results folder (run.json and CSVs, with frameworks/ "
+        "inside). Rerun after regenerating the results or changing a study's columns."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="results", metavar="FOLDER",
+                        help="results folder to quote (default: results)")
+    parser.add_argument("--root", default=".", metavar="DIR",
+                        help="repository root holding README.md and docs/ (default: .)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when a document is out of date")
+    return parser
+
+
+def _require_documents(root: Path, folder: Path) -> None:
+    """UsageError unless ``root`` holds the documents and ``folder`` both runs' manifests."""
+    from harness.errors import UsageError
+
+    missing = [str(p) for p in (*(root / d for d in DOCUMENTS), folder / "run.json",
+                                folder / "frameworks" / "run.json") if not p.is_file()]
+    if missing:
+        raise UsageError(f"missing {', '.join(missing)}: --root must be the repository "
+                         f"and --results a finished run with frameworks/ inside")
