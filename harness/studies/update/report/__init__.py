@@ -3,7 +3,7 @@
 Every number and word comes from the rows of ``update.csv``: the verdicts
 (``verdict``, ``lr_factor_verdict``) were written by the study. The section is
 declared like every other one; each part reads the rows of one experiment
-(``lr_factor.py``: the what-to-change table; ``clipping.py``: clipping and
+(``lr_factor.py``: the what-to-change table; ``clipping.py``; ``scaler.py``:
 GradScaler; ``scaling.py``: bf16, the linear scaling rule, momentum and the
 figure). It knows the experiments' names and columns, never their outcomes.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from harness.report.rows import ordered
 from harness.report.section import Finding, Part, Rows, Section, SectionInputs
 from harness.report.text import count, strategy_name
-from harness.studies.update.report import clipping, lr_factor, scaling
+from harness.studies.update.report import clipping, lr_factor, scaler, scaling
 from harness.studies.update.report.scaling import WARM_UP_SCHEDULES
 
 if TYPE_CHECKING:
@@ -61,14 +61,14 @@ def _non_finite_answers(rows: Rows) -> list:
     non_finite = _present(rows, NON_FINITE)
     if non_finite is None:
         return []
-    return clipping.non_finite_answers(non_finite, _present(rows, GRAD_SCALER), rows.inputs)
+    return scaler.non_finite_answers(non_finite, _present(rows, GRAD_SCALER), rows.inputs)
 
 
 def _scaler_table(rows: Rows) -> str | None:
-    scaler, non_finite = _present(rows, GRAD_SCALER), _present(rows, NON_FINITE)
-    if scaler is None and non_finite is None:
+    recipes, non_finite = _present(rows, GRAD_SCALER), _present(rows, NON_FINITE)
+    if recipes is None and non_finite is None:
         return None
-    return clipping.scaler_table(scaler, non_finite, rows.inputs)
+    return scaler.scaler_table(recipes, non_finite, rows.inputs)
 
 
 def _figure(rows: Rows) -> str | None:
@@ -103,8 +103,8 @@ SECTION = Section(
     findings=(
         _of(LR_FACTOR, lr_factor.lr_answers, lr_factor.lr_findings),
         _of(CLIPPING, clipping.clipping_answers, clipping.clipping_findings),
-        _of(GRAD_SCALER, clipping.scaler_findings),
-        _of(NON_FINITE, clipping.non_finite_findings),
+        _of(GRAD_SCALER, scaler.scaler_findings),
+        _of(NON_FINITE, scaler.non_finite_findings),
         _non_finite_answers,
         _of(BF16, scaling.bf16_findings),
         _of(ONE_STEP, scaling.scaling_findings, scaling.scaling_answers),
