@@ -150,33 +150,33 @@ class UpdateStudy(Study):
             return None
         return [self._row(case, row) for row in rows]
 
-    def _lr_factor(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _lr_factor(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return lr_factor.run(case["strategy"], case["world_size"], case["accum_steps"],
                              self.options.steps, run.config.matrix == "full", run, reports,
                              self._references)
 
-    def _clipping(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _clipping(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return clipping.run(case["strategy"], case["world_size"], case["accum_steps"],
                             self.options.steps, run, reports, self._references)
 
-    def _grad_scaler(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _grad_scaler(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return amp.grad_scaler(case["strategy"], case["world_size"], case["accum_steps"],
                                self.options.steps, run, reports, self._references)
 
-    def _non_finite(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _non_finite(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return amp.non_finite(case["strategy"], case["world_size"], case["accum_steps"], run,
                               reports)
 
-    def _bf16(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _bf16(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return amp.bf16_accumulation(run.config.matrix == "full", run)
 
-    def _linear_scaling(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _linear_scaling(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         # Early training over 2W windows is the costly part: the widest N alone by default.
         n = case["world_size"]
         early = run.config.matrix == "full" or n == max(run.world_sizes)
         return linear_scaling.run(n, self.options.lrs, run, early)
 
-    def _momentum(self, case: Case, run: RunContext, reports: bool) -> Rows:
+    def _momentum(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
         return momentum.run(case["world_size"], self.options.steps, run)
 
     @staticmethod
@@ -231,14 +231,14 @@ def _clipping_grid(strategies: list[str], sizes: list[int], k: int
             for n in ([1] if SPECS[s].reference else sizes)]
 
 
-Rows = list[dict[str, Any]] | None
+MeasuredRows = list[dict[str, Any]] | None
 
 
 @dataclass(frozen=True)
 class Experiment:
     """One question of the study: how to measure a case of it, and its rough cost."""
 
-    measure: Callable[[UpdateStudy, Case, RunContext, bool], Rows]
+    measure: Callable[[UpdateStudy, Case, RunContext, bool], MeasuredRows]
     #: Rough milliseconds per micro-step, for spreading single-process cases over idle ranks.
     cost_ms: float
 
