@@ -71,12 +71,19 @@ def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Sectio
 
 
 def _read_by(section: Section) -> tuple[str, ...]:
-    """The columns ``section`` reads: its study's schema and the run-context columns every
-    CSV ends with."""
+    """The columns ``section`` reads: its study's schema."""
     from harness.studies import study_columns
+    from harness.studies.schema import names
+
+    return names(study_columns(section.study))
+
+
+def _context_columns() -> tuple[str, ...]:
+    """The run-context columns every CSV the runner writes ends with (``backend``, ...):
+    kept where present, for sections that say where the run computed."""
     from harness.studies.schema import TRAILING_COLUMNS, names
 
-    return names(study_columns(section.study)) + names(TRAILING_COLUMNS)
+    return names(TRAILING_COLUMNS)
 
 
 def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
@@ -94,9 +101,10 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     missing = [c for c in required if c not in frame.columns]
     if missing:
         raise ReportError(f"{path}: missing column(s) {', '.join(missing)} that the report reads")
-    # Only the declared columns: a section cannot read what it did not declare, and every
-    # row selection copies less.
-    return frame[list(dict.fromkeys(required))]
+    # Only the schema's columns (and the run's context): a section cannot read what its
+    # study does not write, and every row selection copies less.
+    context = [c for c in _context_columns() if c in frame.columns]
+    return frame[list(dict.fromkeys((*required, *context)))]
 
 
 def _check_dtype(dtype: str) -> None:
