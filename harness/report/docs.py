@@ -115,7 +115,7 @@ def mean_loss_answer(results: Results) -> str:
     require((exact["full_batch_verdict"] == "matches").all(), "a mean loss gives the big batch",
             "reduction.csv: loss_reduction = mean, model without BatchNorm")
     summed = rows[(rows["loss_reduction"] == "sum") & plain & rows["strategy"].isin(
-        ["ddp", "fsdp"])]
+        strategy_names(collective=True))]
     require((summed["full_batch_multiple"] == "1/k").all(), "a sum loss gives 1/k under DDP",
             "reduction.csv: loss_reduction = sum, strategy in ddp, fsdp")
     norm = rows[~plain]
