@@ -57,9 +57,18 @@ def _studies():
 
 def build_parser() -> argparse.ArgumentParser:
     studies = _studies()
+    parser = _new_parser(studies)
+    _add_run_flags(parser)
+    for study in studies.values():
+        _add_study_flags(parser, study.name, study.Options)
+    return parser
+
+
+def _new_parser(studies: dict) -> argparse.ArgumentParser:
+    """The parser with its description and every study's example."""
     examples = "\n".join(f"  # {cls.name}: {cls.summary}\n  {cls.example}\n"
                          for cls in studies.values())
-    parser = _Parser(
+    return _Parser(
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\
@@ -73,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
               torchrun --standalone --nproc_per_node=4 scripts/study.py      # the same
             """),
     )
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The run-wide flags (the study's own come from their options dataclasses)."""
     parser.add_argument("--nproc", metavar="N", default=None,
                         help="start N ranks on this machine (torch's elastic launch, as "
                              "torchrun --standalone does) after checking every flag; a failed "
@@ -110,9 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no progress bar, no summary tables")
     parser.add_argument("--no-report", dest="report", action="store_false",
                         help="skip REPORT.md and its plots")
-    for study in studies.values():
-        _add_study_flags(parser, study.name, study.Options)
-    return parser
 
 
 def _shown_default(value: object) -> str:

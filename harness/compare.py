@@ -23,7 +23,7 @@ from typing import Any
 
 from harness.context import CONTEXT_COLUMNS
 from harness.errors import USAGE_EXIT, UsageError
-from harness.report.data import csv_name, read_manifest
+from harness.manifest import RunManifest, read_manifest
 
 PROG = "compare.py"
 #: Difference lines printed at most; the counts below them cover the rest.
@@ -44,8 +44,7 @@ def rules() -> str:
     """The rules in words, from the constants that implement them (the ``--help`` text)."""
     from harness.tolerances import COLUMN_TOLERANCES, RELATIVE_TOLERANCE
 
-    tolerances = ", ".join(f"{rtol:g} for {str(dtype).removeprefix('torch.')}"
-                           for dtype, rtol in RELATIVE_TOLERANCE.items())
+    tolerances = ", ".join(f"{rtol:g} for {dtype}" for dtype, rtol in RELATIVE_TOLERANCE.items())
     declared = ", ".join(f"{study}.{column} ±{tolerance:.3g}"
                          for (study, column), tolerance in COLUMN_TOLERANCES.items())
     paragraphs = [
@@ -121,7 +120,7 @@ class ResultsFolder:
     """A results folder: its run.json and, on demand, the rows of a study's CSV."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: RunManifest
 
     @classmethod
     def load(cls, text: str) -> ResultsFolder:
@@ -130,11 +129,11 @@ class ResultsFolder:
 
     @property
     def studies(self) -> list[str]:
-        return list(self.manifest["studies"])
+        return list(self.manifest.studies)
 
     @property
     def dtype(self) -> str:
-        dtype = self.manifest.get("dtype")
+        dtype = self.manifest.value("dtype")
         if not isinstance(dtype, str):
             raise UsageError(f"{self.path / 'run.json'}: has no dtype; allowed: the run.json "
                              "of scripts/study.py, which names the run's dtype")
@@ -142,16 +141,16 @@ class ResultsFolder:
 
     def settings(self) -> dict[str, Any]:
         """Every setting of the run (``settings``, or ``config`` in older runs), flattened."""
-        settings = self.manifest.get("settings", self.manifest.get("config", {}))
+        settings = self.manifest.settings or self.manifest.config
         return dict(_flattened(settings if isinstance(settings, dict) else {}))
 
     def facts(self) -> dict[str, Any]:
         """The run's context and when and how it ran."""
-        return {key: self.manifest.get(key, "") for key in (*CONTEXT_COLUMNS, *RUN_FACTS)}
+        return {key: self.manifest.value(key, "") for key in (*CONTEXT_COLUMNS, *RUN_FACTS)}
 
     def rows(self, study: str) -> tuple[list[str], list[dict[str, str]]]:
         """Columns and rows (text cells, as written) of ``study``'s CSV."""
-        path = self.path / csv_name(self.manifest, study)
+        path = self.path / self.manifest.csv_name(study)
         try:
             with open(path, newline="") as handle:
                 reader = csv.DictReader(handle)
@@ -271,15 +270,14 @@ def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparis
 
 def tolerance_for(a: ResultsFolder, b: ResultsFolder) -> float:
     """The relative tolerance of the runs' dtype (the looser one if they differ)."""
-    from harness.config import DTYPES
-    from harness.tolerances import relative_tolerance
+    from harness.tolerances import RELATIVE_TOLERANCE
 
     tolerances = []
     for folder in (a, b):
-        if folder.dtype not in DTYPES:
+        if folder.dtype not in RELATIVE_TOLERANCE:
             raise UsageError(f"{folder.path / 'run.json'}: dtype {folder.dtype!r} is unknown; "
-                             f"allowed: {', '.join(DTYPES)}")
-        tolerances.append(relative_tolerance(DTYPES[folder.dtype]))
+                             f"allowed: {', '.join(RELATIVE_TOLERANCE)}")
+        tolerances.append(RELATIVE_TOLERANCE[folder.dtype])
     return max(tolerances)
 
 

@@ -1,7 +1,8 @@
 """``run.json``: what a run was, typed, and the fingerprint that guards ``--resume``.
 
-The manifest is written once at the end of a run (atomically) and read back by
-the report and by ``compare.py``. Its keys are the fields below; ``settings``
+The manifest is written once at the end of a run (atomically) and read back,
+typed and without torch, by :func:`read_manifest`: the report, ``compare.py`` and
+the docs generator. Its keys are the fields below; ``settings``
 holds every setting that can change a measured number (the run-wide ones and
 each study's own options), and the fingerprint hashes exactly that, so a
 setting added tomorrow is covered by ``--resume``'s refusal the day it is added.
@@ -11,14 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from harness.errors import UsageError
+from harness.results import MANIFEST
 
-from harness.config import RunConfig
-from harness.launch import Placement
+if TYPE_CHECKING:
+    from harness.config import RunConfig
+    from harness.launch import Placement
+
+
+class ManifestError(UsageError):
+    """A folder without a readable ``run.json``: the message names the file and what is wrong."""
 
 
 def json_ready(value: Any) -> Any:
@@ -35,6 +42,8 @@ def results_settings(config: RunConfig, placement: Placement,
                      world_sizes: tuple[int, ...]) -> dict[str, Any]:
     """Everything that changes the numbers: the config's results settings, where the
     run computed, the world sizes measured, and the torch version."""
+    import torch
+
     return json_ready({**config.results_settings(), "backend": placement.backend,
                         "device": placement.device.type, "world_sizes": list(world_sizes),
                         "torch": torch.__version__})
@@ -76,3 +85,66 @@ class RunManifest:
         data = asdict(self)
         context = data.pop("context")
         return json.dumps({**data, **context}, indent=2) + "\n"
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A context column (``backend``, ``torch_version``, ...) or a field, by its JSON key."""
+        if key in self.context:
+            return self.context[key]
+        return getattr(self, key, default) if key in _FIELDS else default
+
+    @property
+    def dtype(self) -> str:
+        return str(self.context.get("dtype", "float64"))
+
+    def csv_name(self, study: str) -> str:
+        """The CSV the manifest names for ``study`` (``<study>.csv`` when it names none)."""
+        entry = self.studies.get(study)
+        return entry.csv if entry is not None and entry.csv else f"{study}.csv"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunManifest:
+        """The manifest of a parsed ``run.json``; keys it does not know are context columns.
+        Fields missing from an older run's file are empty."""
+        studies = {name: StudyEntry(csv=_text(entry, "csv"), cases=int(_number(entry, "cases")),
+                                    wall_time_s=_number(entry, "wall_time_s"))
+                   for name, entry in data.get("studies", {}).items()}
+        known = {name: data[name] for name in _FIELDS if name in data and name != "studies"}
+        context = {key: value for key, value in data.items() if key not in _FIELDS}
+        return cls(**{"command": "", "settings": {}, "config": {}, "world_sizes": [],
+                      "started": "", "wall_time_s": float("nan"), **known},
+                   context=context, studies=studies)
+
+
+_FIELDS = {f.name for f in fields(RunManifest)} - {"context"}
+
+
+def _text(entry: Any, key: str) -> str:
+    value = entry.get(key) if isinstance(entry, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _number(entry: Any, key: str) -> float:
+    value = entry.get(key) if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def read_manifest(out: Path) -> RunManifest:
+    """``out/run.json``, typed; ManifestError when ``out`` is not the folder of a finished run."""
+    if not out.exists():
+        raise ManifestError(f"{str(out)!r} does not exist; give the --out folder of a study run")
+    if not out.is_dir():
+        raise ManifestError(f"{str(out)!r} is not a folder; give the --out folder of a study run")
+    path = out / MANIFEST
+    if not path.exists():
+        what = "is empty" if not any(out.iterdir()) else f"has no {MANIFEST}"
+        raise ManifestError(f"{str(out)!r} {what}; a finished run of scripts/study.py writes "
+                            f"{MANIFEST} next to its CSVs")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ManifestError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("studies"), dict):
+        raise ManifestError(f"{path}: has no 'studies' object naming the run's studies and CSVs")
+    if not data["studies"]:
+        raise ManifestError(f"{path}: lists no studies")
+    return RunManifest.from_json(data)

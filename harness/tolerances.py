@@ -13,18 +13,24 @@ verdicts that neither flicker with rounding nor miss a real effect.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 # close() lives with the verdict words, torch-free for the report; the studies import it here.
 from harness.verdicts import close  # noqa: F401
+
+if TYPE_CHECKING:
+    import torch
+
+#: Tables are keyed by dtype name, so that the report and ``grad-compare`` read the very
+#: tolerances the studies judged with without importing torch.
 
 #: Relative tolerance on a fitted scale or weight, and on a fit's relative residual.
 #: float64: rounding ~1e-15, effects >= 1e-3; 1e-9 sits six orders from each.
 #: float32: rounding ~1e-7 (accumulated over a few hundred terms, ~1e-5); 1e-4
 #: still resolves 1e-3 effects, with one order of margin either side.
-RELATIVE_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-4,
+RELATIVE_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-4,
 }
 
 #: Below this norm a gradient counts as zero: a fit against it is meaningless.
@@ -32,15 +38,19 @@ RELATIVE_TOLERANCE: dict[torch.dtype, float] = {
 ZERO_NORM = 1e-30
 
 
-def _for_dtype(table: dict[torch.dtype, float], dtype: torch.dtype, what: str) -> float:
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``float64`` for ``torch.float64`` or ``"float64"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _for_dtype(table: dict[str, float], dtype: torch.dtype | str, what: str) -> float:
     try:
-        return table[dtype]
+        return table[dtype_name(dtype)]
     except KeyError:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in table)
-        raise ValueError(f"no {what} for dtype {dtype}; allowed: {allowed}") from None
+        raise ValueError(f"no {what} for dtype {dtype}; allowed: {', '.join(table)}") from None
 
 
-def relative_tolerance(dtype: torch.dtype) -> float:
+def relative_tolerance(dtype: torch.dtype | str) -> float:
     """The tolerance for verdicts on numbers computed in ``dtype``."""
     return _for_dtype(RELATIVE_TOLERANCE, dtype, "tolerance")
 
@@ -60,13 +70,13 @@ def relative_tolerance(dtype: torch.dtype) -> float:
 #: 9.1e-7, among the smallest real entries; 1e-5 sits ten times above it, so in float32
 #: entries below 1e-5 of their layer's largest count as dead (float32 cannot tell them
 #: from rounding).
-NEGLIGIBLE_RELATIVE: dict[torch.dtype, float] = {
-    torch.float64: 1e-12,
-    torch.float32: 1e-5,
+NEGLIGIBLE_RELATIVE: dict[str, float] = {
+    "float64": 1e-12,
+    "float32": 1e-5,
 }
 
 
-def negligible_relative(dtype: torch.dtype) -> float:
+def negligible_relative(dtype: torch.dtype | str) -> float:
     """Below this fraction of its scale, a value computed in ``dtype`` counts as zero."""
     return _for_dtype(NEGLIGIBLE_RELATIVE, dtype, "negligible fraction")
 
@@ -84,9 +94,9 @@ def negligible_relative(dtype: torch.dtype) -> float:
 #: four below the effect. Caveat, measured: a float32 rounding difference can put one
 #: ReLU input on the other side of 0 (step 88 of 150 in the default run), after which the
 #: runs really part (1e-3); the study then reports them as not identical, as they are.
-TRAJECTORY_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-4,
+TRAJECTORY_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-4,
 }
 
 
@@ -123,9 +133,9 @@ def column_tolerance(study: str, column: str) -> float:
 #: which turns the rounding of small gradient entries into whole steps); 1e-5 leaves
 #: 20x above it. Adam's eps effects below 1e-5 are then not resolved in float32 -- they
 #: are below what float32 training itself can tell apart.
-UPDATE_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-5,
+UPDATE_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-5,
 }
 
 
@@ -174,11 +184,11 @@ LINEAR_SCALING_TOLERANCE = 0.1
 #: float16: rounds 8x finer than bfloat16 (2^-12): 3.9e-4 expected from the bfloat16
 #: measurement, not measured (float16 autocast runs on CUDA only, and the machine these
 #: were measured on has none); 4e-3 sits 10x above it and 10x below BatchNorm's 0.043.
-CHECK_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-3,
-    torch.bfloat16: 3.2e-2,
-    torch.float16: 4e-3,
+CHECK_TOLERANCE: dict[str, float] = {
+    "float64": 1e-9,
+    "float32": 1e-3,
+    "bfloat16": 3.2e-2,
+    "float16": 4e-3,
 }
 
 

@@ -325,6 +325,25 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]
     return ["", *("| " + " | ".join(cells) + " |" for cells in (header, rule, *rows))]
 
 
+def check_lines(check: dict) -> list[str]:
+    """The check benchmark: its model, then check.py against a bare DDP loop."""
+    model = check["model"]
+    lines = ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
+             f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step"]
+    return lines + table(["run", "wall time (slowest rank)", "peak RSS (largest rank)"], [
+        ["bare DDP loop", f"{check['bare']['seconds']:.2f} s",
+         f"{check['bare']['peak_rss_mb']:.0f} MB"],
+        ["`check.py --strategies ddp`", f"{check['check']['seconds']:.2f} s",
+         f"{check['check']['peak_rss_mb']:.0f} MB"],
+        ["check / bare", f"{model['time_ratio']:.2f}x (target <= 1.5x)",
+         f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
+        ["bare DDP loop, each rank holding one more model copy",
+         f"{check['bare_holding']['seconds']:.2f} s",
+         f"{check['bare_holding']['peak_rss_mb']:.0f} MB"],
+        ["check / bare holding as much", f"{model['time_ratio_holding']:.2f}x", ""]],
+        right=2)
+
+
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
     lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
     benchmarks = []
@@ -355,21 +374,7 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
                          f"{entry['cases_per_s']:.0f}"]
                         for scale, entry in timings["scaling"].items()])
     if "check" in timings:
-        check, model = timings["check"], timings["check"]["model"]
-        lines += ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
-                  f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step"]
-        lines += table(["run", "wall time (slowest rank)", "peak RSS (largest rank)"], [
-            ["bare DDP loop", f"{check['bare']['seconds']:.2f} s",
-             f"{check['bare']['peak_rss_mb']:.0f} MB"],
-            ["`check.py --strategies ddp`", f"{check['check']['seconds']:.2f} s",
-             f"{check['check']['peak_rss_mb']:.0f} MB"],
-            ["check / bare", f"{model['time_ratio']:.2f}x (target <= 1.5x)",
-             f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
-            ["bare DDP loop, each rank holding one more model copy",
-             f"{check['bare_holding']['seconds']:.2f} s",
-             f"{check['bare_holding']['peak_rss_mb']:.0f} MB"],
-            ["check / bare holding as much", f"{model['time_ratio_holding']:.2f}x", ""]],
-            right=2)
+        lines += check_lines(timings["check"])
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",

@@ -331,3 +331,9 @@ def test_the_report_section_of_a_run_without_cases_says_nothing(tmp_path):
     empty = pd.DataFrame(columns=HooksStudy.column_names())
     output = SECTION.summarize(empty, SectionInputs("hooks.csv", RTOL, FigureWriter(tmp_path)))
     assert output.findings == [] and output.blocks == [] and output.answers == []
+
+
+def test_the_schema_documents_every_variant_the_study_builds_in_row_order():
+    from harness.studies.hooks.schema import VARIANT_NAMES
+
+    assert tuple(variant.name for variant in VARIANTS) == VARIANT_NAMES

@@ -92,9 +92,9 @@ def test_the_answer_sentences_quote_the_rows():
     summed = reduction[reduction["strategy"] == "dp-emulated"]
     assert f"**DataParallel sums** them ({len(summed)} cases" in README
     run = RESULTS.manifest()
-    assert f"{run['wall_time_s']:.1f} s in all on {run['launch_world_size']} ranks" in README
-    frameworks = RESULTS.manifest("frameworks")["studies"]["frameworks"]
-    assert f"| `frameworks` | {frameworks['cases']} | {frameworks['wall_time_s']:.1f} s |" in (
+    assert f"{run.wall_time_s:.1f} s in all on {run.value('launch_world_size')} ranks" in README
+    frameworks = RESULTS.manifest("frameworks").studies["frameworks"]
+    assert f"| `frameworks` | {frameworks.cases} | {frameworks.wall_time_s:.1f} s |" in (
         ROOT / "docs" / "speed.md").read_text()
 
 

@@ -26,7 +26,7 @@ from harness.studies.update.fleet import Fleet
 from harness.studies.update.linear_scaling import WARMUP_WINDOWS, early_windows
 from harness.studies.update.optimizers import OPTIMIZERS
 from harness.studies.update.recipes import TASK, Shape, initial_model
-from harness.studies.update.report import render
+from harness.studies.update.report import SECTION
 from harness.studies.update.training import FleetOptimizers, Member, fleet_loss
 from harness.tasks import Batch
 from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE, update_tolerance
@@ -338,7 +338,7 @@ def test_real_dataparallel_rows_say_why_they_are_skipped(frame):
 # -------------------------------------------------------------------- report
 def test_report_opens_with_what_to_change_and_a_figure(frame, tmp_path):
     with style():
-        output = render(frame, SectionInputs("update.csv", TOL, FigureWriter(tmp_path)))
+        output = SECTION.summarize(frame, SectionInputs("update.csv", TOL, FigureWriter(tmp_path)))
     table, figure = output.blocks[:2]
     assert table.startswith(f"**What to change** at N = {WORLD}")
     # DDP averages: a per-rank sum over b = 4 samples is 4 times the big batch's mean.

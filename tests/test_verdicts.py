@@ -291,7 +291,7 @@ def test_reduction_verdict_reduce_op_and_full_batch_verdict(dtype, factor, holds
 
 
 # ---------------------------------------------------- tolerances against their reasons
-F64, F32 = torch.float64, torch.float32
+F64 = torch.float64
 #: Every tolerance of harness/tolerances.py: (the rounding it must ignore, the effect it must
 #: resolve), per dtype, as its comment there states them:
 #: - RELATIVE_TOLERANCE: a gradient's rounding is a few ulps times the terms summed, < 1e-13
@@ -301,14 +301,14 @@ F64, F32 = torch.float64, torch.float32
 #:   a forgotten zero_grad moves the parameters by more than their norm (distance > 1);
 #: - ZERO_NORM: above float64's smallest normal number, below any gradient of the
 #:   harness's models (norms 1e-2..1e2).
-BRACKETS: dict[str, dict[torch.dtype | None, tuple[float, float]]] = {
-    "RELATIVE_TOLERANCE": {F64: (1e-13, 1e-3), F32: (1e-5, 1e-3)},
-    "TRAJECTORY_TOLERANCE": {F64: (1e-14, 1.0), F32: (1e-6, 1.0)},
+BRACKETS: dict[str, dict[str | None, tuple[float, float]]] = {
+    "RELATIVE_TOLERANCE": {"float64": (1e-13, 1e-3), "float32": (1e-5, 1e-3)},
+    "TRAJECTORY_TOLERANCE": {"float64": (1e-14, 1.0), "float32": (1e-6, 1.0)},
     "ZERO_NORM": {None: (torch.finfo(F64).tiny, 1e-2)},
     # The update study's, with the numbers their comments in tolerances.py measured:
     # identical updates (1e-15 / 4.3e-7) against the smallest real effect (Adam's eps
     # under a scaled gradient, 1.7e-7, in float64; coupled weight decay, 0.13, in float32).
-    "UPDATE_TOLERANCE": {F64: (1e-15, 1.7e-7), F32: (4.3e-7, 0.13)},
+    "UPDATE_TOLERANCE": {"float64": (1e-15, 1.7e-7), "float32": (4.3e-7, 0.13)},
     # Adam's "up to eps" (at most 1.0e-4) against every factor that really fails (>= 0.13).
     "APPROXIMATE_UPDATE_TOLERANCE": {None: (1.0e-4, 0.13)},
     # A definition: the rule holding at lr = 1e-3 (<= 1%) against two unrelated runs (~1).
@@ -317,8 +317,8 @@ BRACKETS: dict[str, dict[torch.dtype | None, tuple[float, float]]] = {
     # against the smallest effect the examples show (BatchNorm's residual 0.043); under
     # bfloat16 autocast, 3.1e-3 measured against a factor 2 (0.5); float16's rounding
     # expected 8x finer, against BatchNorm's 0.043.
-    "CHECK_TOLERANCE": {F64: (1e-12, 1e-3), F32: (2.9e-5, 0.043),
-                        torch.bfloat16: (3.1e-3, 0.5), torch.float16: (3.9e-4, 0.043)},
+    "CHECK_TOLERANCE": {"float64": (1e-12, 1e-3), "float32": (2.9e-5, 0.043),
+                        "bfloat16": (3.1e-3, 0.5), "float16": (3.9e-4, 0.043)},
 }
 
 
@@ -345,13 +345,15 @@ def test_every_tolerance_sits_strictly_between_rounding_and_effect(name):
         # At least an order of magnitude of margin on each side, as tolerances.py promises.
         assert tolerance / rounding >= 10 and effect / tolerance >= 10, (name, dtype)
         if dtype is not None:
-            assert torch.finfo(dtype).eps < tolerance, "above the dtype's own rounding"
+            eps = torch.finfo(getattr(torch, dtype)).eps
+            assert eps < tolerance, "above the dtype's own rounding"
 
 
 def test_the_float64_tolerances_are_the_documented_ones():
     """The numbers the README and the verdict columns' docs quote."""
-    assert RELATIVE_TOLERANCE[F64] == 1e-9 and TRAJECTORY_TOLERANCE[F64] == 1e-9
-    assert RELATIVE_TOLERANCE[F32] > RELATIVE_TOLERANCE[F64]
+    assert RELATIVE_TOLERANCE["float64"] == 1e-9 and TRAJECTORY_TOLERANCE["float64"] == 1e-9
+    assert RELATIVE_TOLERANCE["float32"] > RELATIVE_TOLERANCE["float64"]
+    assert relative_tolerance(torch.float32) == relative_tolerance("float32")
     with pytest.raises(ValueError, match="allowed: float64, float32"):
         relative_tolerance(torch.float16)
 

@@ -25,7 +25,8 @@ __all__ = ["REPORT_NAME", "ReportError", "write_report"]
 
 def write_report(out: Path) -> Path:
     """Write ``out/REPORT.md`` and ``out/figures/*.png`` from the run in ``out``; its path."""
-    from harness.report.data import load_results, read_manifest, tolerance
+    from harness.manifest import read_manifest
+    from harness.report.data import load_results, tolerance
 
     out = Path(out)
     manifest = read_manifest(out)  # first, and cheap: a wrong folder fails before heavy imports
@@ -35,7 +36,7 @@ def write_report(out: Path) -> Path:
     from harness.studies import report_section
 
     # Only the run's studies: a section is imported without its study (nor torch).
-    sections = {name: section for name in manifest["studies"]
+    sections = {name: section for name in manifest.studies
                 if (section := report_section(name))}
     results = load_results(out, manifest, sections)
     rtol = tolerance(results.dtype)

@@ -8,28 +8,25 @@ number from another run is presented under this run's header.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from harness.errors import UsageError
+from harness.manifest import ManifestError, RunManifest
 from harness.results import MANIFEST
+from harness.tolerances import RELATIVE_TOLERANCE
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from harness.report.section import Section
 
-#: harness/tolerances.py's RELATIVE_TOLERANCE by dtype name: the report draws it (figures,
-#: captions) without importing torch, which that module's keys need; a test keeps them equal.
-TOLERANCES = {"float64": 1e-9, "float32": 1e-4}
 #: Columns every study's CSV has (docs/results.md), that the report relies on.
 COMMON_COLUMNS = ("study", "case_id", "status")
 
 
-class ReportError(UsageError):
+class ReportError(ManifestError):
     """The folder cannot be reported on: the message names the file and what is wrong."""
 
 
@@ -38,7 +35,7 @@ class RunResults:
     """One run's manifest and the CSVs of its studies."""
 
     out: Path
-    manifest: dict[str, Any]
+    manifest: RunManifest
     #: Study -> its rows, for every study of the run that has a report section.
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     #: Study -> number of rows, for studies of the run without a report section (yet).
@@ -48,66 +45,45 @@ class RunResults:
 
     @property
     def dtype(self) -> str:
-        return str(self.manifest.get("dtype", "float64"))
+        return self.manifest.dtype
 
     def csv_name(self, study: str) -> str:
-        return csv_name(self.manifest, study)
+        return self.manifest.csv_name(study)
 
 
-def csv_name(manifest: dict[str, Any], study: str) -> str:
-    """The CSV the manifest names for ``study`` (``<study>.csv`` when it names none)."""
-    entry = manifest["studies"].get(study)
-    name = entry.get("csv") if isinstance(entry, dict) else None
-    return name if isinstance(name, str) and name else f"{study}.csv"
-
-
-def load_results(out: Path, manifest: dict[str, Any], sections: Mapping[str, Section]
+def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Section]
                  ) -> RunResults:
     """The run in ``out`` (``manifest`` from :func:`read_manifest`); ReportError if malformed."""
     results = RunResults(out=out, manifest=manifest)
-    studies = manifest["studies"]
+    studies = manifest.studies
     for study in studies:
         section = sections.get(study)
         required = COMMON_COLUMNS + (_read_by(section) if section else ())
-        frame = _read_csv(out / csv_name(manifest, study), required)
+        frame = _read_csv(out / manifest.csv_name(study), required)
         if section:
             results.frames[study] = frame
         else:
             results.unsummarized[study] = len(frame)
-    listed = {csv_name(manifest, study) for study in studies}
+    listed = {manifest.csv_name(study) for study in studies}
     results.foreign_csvs = sorted(p.name for p in out.glob("*.csv") if p.name not in listed)
     _check_dtype(results.dtype)
     return results
 
 
 def _read_by(section: Section) -> tuple[str, ...]:
-    """The columns ``section`` reads: those it names, else its study's whole schema."""
+    """The columns ``section`` reads: its study's schema."""
     from harness.studies import study_columns
     from harness.studies.schema import names
 
-    return section.columns or names(study_columns(section.study))
+    return names(study_columns(section.study))
 
 
-def read_manifest(out: Path) -> dict[str, Any]:
-    """``out/run.json``, checked; ReportError when ``out`` is not the folder of a finished run."""
-    if not out.exists():
-        raise ReportError(f"{str(out)!r} does not exist; give the --out folder of a study run")
-    if not out.is_dir():
-        raise ReportError(f"{str(out)!r} is not a folder; give the --out folder of a study run")
-    path = out / MANIFEST
-    if not path.exists():
-        what = "is empty" if not any(out.iterdir()) else f"has no {MANIFEST}"
-        raise ReportError(f"{str(out)!r} {what}; a finished run of scripts/study.py writes "
-                          f"{MANIFEST} next to its CSVs")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ReportError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("studies"), dict):
-        raise ReportError(f"{path}: has no 'studies' object naming the run's studies and CSVs")
-    if not manifest["studies"]:
-        raise ReportError(f"{path}: lists no studies")
-    return manifest
+def _context_columns() -> tuple[str, ...]:
+    """The run-context columns every CSV the runner writes ends with (``backend``, ...):
+    kept where present, for sections that say where the run computed."""
+    from harness.studies.schema import TRAILING_COLUMNS, names
+
+    return names(TRAILING_COLUMNS)
 
 
 def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
@@ -125,17 +101,18 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     missing = [c for c in required if c not in frame.columns]
     if missing:
         raise ReportError(f"{path}: missing column(s) {', '.join(missing)} that the report reads")
-    # Only the declared columns: a section cannot read what it did not declare, and every
-    # row selection copies less.
-    return frame[list(dict.fromkeys(required))]
+    # Only the schema's columns (and the run's context): a section cannot read what its
+    # study does not write, and every row selection copies less.
+    context = [c for c in _context_columns() if c in frame.columns]
+    return frame[list(dict.fromkeys((*required, *context)))]
 
 
 def _check_dtype(dtype: str) -> None:
-    if dtype not in TOLERANCES:
+    if dtype not in RELATIVE_TOLERANCE:
         raise ReportError(f"{MANIFEST}: dtype {dtype!r} is unknown; allowed: "
-                          + ", ".join(TOLERANCES))
+                          + ", ".join(RELATIVE_TOLERANCE))
 
 
 def tolerance(dtype: str) -> float:
     """The relative tolerance the study judged its verdicts with, for the run's dtype."""
-    return TOLERANCES[dtype]
+    return RELATIVE_TOLERANCE[dtype]

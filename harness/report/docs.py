@@ -13,7 +13,6 @@ Reads CSVs and JSON only (no torch), like the report.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -22,7 +21,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.manifest import RunManifest, read_manifest
 from harness.report.text import code, integers, small, table
+from harness.strategies import emulated_names
+from harness.strategies import names as strategy_names
 from harness.studies import STUDY_PACKAGES, study_columns
 from harness.studies.frameworks.report import at_k
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
@@ -50,8 +52,8 @@ class Results:
     def csv(self, name: str, sub: str = "") -> pd.DataFrame:
         return pd.read_csv(self.folder / sub / f"{name}.csv")
 
-    def manifest(self, sub: str = "") -> dict:
-        return json.loads((self.folder / sub / "run.json").read_text())
+    def manifest(self, sub: str = "") -> RunManifest:
+        return read_manifest(self.folder / sub)
 
 
 def require(holds: bool, sentence: str, rows: str) -> None:
@@ -89,9 +91,10 @@ def _share(rows: pd.DataFrame, mask: pd.Series) -> str:
 def reduction_answer(results: Results) -> str:
     """DDP and FSDP average, DataParallel sums; with a mean loss each gives the big batch."""
     rows = results.csv("reduction").query(MULTI)
-    ddp_fsdp = rows[rows["strategy"].isin(["ddp", "fsdp"])]
-    dp = rows[rows["strategy"] == "dp-emulated"]
-    real = results.csv("reduction").query("strategy == 'dp'")
+    ddp_fsdp = rows[rows["strategy"].isin(strategy_names(collective=True))]
+    dp = rows[rows["strategy"].isin(strategy_names(emulated=True))]
+    every = results.csv("reduction")
+    real = every[every["strategy"].isin(emulated_names())]
     require((ddp_fsdp["reduce_op"] == "mean").all() and len(ddp_fsdp) > 0,
             "DDP and FSDP average", "reduction.csv: strategy in ddp, fsdp, devices_used >= 2")
     require((dp["reduce_op"] == "sum").all() and len(dp) > 0, "DataParallel sums",
@@ -112,7 +115,7 @@ def mean_loss_answer(results: Results) -> str:
     require((exact["full_batch_verdict"] == "matches").all(), "a mean loss gives the big batch",
             "reduction.csv: loss_reduction = mean, model without BatchNorm")
     summed = rows[(rows["loss_reduction"] == "sum") & plain & rows["strategy"].isin(
-        ["ddp", "fsdp"])]
+        strategy_names(collective=True))]
     require((summed["full_batch_multiple"] == "1/k").all(), "a sum loss gives 1/k under DDP",
             "reduction.csv: loss_reduction = sum, strategy in ddp, fsdp")
     norm = rows[~plain]
@@ -253,13 +256,13 @@ def answers(results: Results) -> str:
 def run_line(results: Results) -> str:
     """What the default run is, from its run.json."""
     run = results.manifest()
-    cases = sum(int(s["cases"]) for s in run["studies"].values())
-    studies = len(run["studies"])
-    context = ", ".join(str(run[key]) for key in ("backend", "device", "dtype"))
+    cases = sum(s.cases for s in run.studies.values())
+    studies = len(run.studies)
+    context = ", ".join(str(run.value(key)) for key in ("backend", "device", "dtype"))
     wrote = f"{studies} {'study' if studies == 1 else 'studies'}, {cases} cases"
-    return (f"`results/` holds what `{run['command']}` wrote: {wrote}, {run['wall_time_s']:.1f} s "
-            f"in all on {run['launch_world_size']} ranks ({context}, torch "
-            f"{run['torch_version']}).")
+    return (f"`results/` holds what `{run.command}` wrote: {wrote}, {run.wall_time_s:.1f} s "
+            f"in all on {run.value('launch_world_size')} ranks ({context}, torch "
+            f"{run.value('torch_version')}).")
 
 
 def times(results: Results) -> str:
@@ -267,12 +270,12 @@ def times(results: Results) -> str:
     body = []
     for sub in ("", "frameworks"):
         run = results.manifest(sub)
-        for study, entry in run["studies"].items():
-            body.append([code(study), str(entry["cases"]), f"{entry['wall_time_s']:.1f} s",
-                         code(run["command"])])
+        for study, entry in run.studies.items():
+            body.append([code(study), str(entry.cases), f"{entry.wall_time_s:.1f} s",
+                         code(run.command)])
         # The run as its run.json times it, besides the studies alone.
-        body.append(["the whole run", str(sum(int(e["cases"]) for e in run["studies"].values())),
-                     f"{run['wall_time_s']:.1f} s", code(run["command"])])
+        body.append(["the whole run", str(sum(e.cases for e in run.studies.values())),
+                     f"{run.wall_time_s:.1f} s", code(run.command)])
     return table(["study", "cases", "wall time", "run"], body, [False, True, True, False])
 
 
@@ -329,30 +332,12 @@ PROG = "docs.py"
 def main(argv: Sequence[str] | None = None) -> int:
     """Rewrite the generated parts of README.md and docs/ (or, with --check, only say which
     are out of date: exit 1)."""
-    import argparse
-
     from harness.errors import UsageError, refuse
-    from harness.report.cli import _Parser
 
-    parser = _Parser(prog=PROG, description=(
-        "Fill the generated parts of README.md, docs/results.md and docs/speed.md from the "
-        "schema declarations and a results folder (run.json and CSVs, with frameworks/ "
-        "inside). Rerun after regenerating the results or changing a study's columns."),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default="results", metavar="FOLDER",
-                        help="results folder to quote (default: results)")
-    parser.add_argument("--root", default=".", metavar="DIR",
-                        help="repository root holding README.md and docs/ (default: .)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when a document is out of date")
     try:
-        args = parser.parse_args(argv)
+        args = _parser().parse_args(argv)
         root, folder = Path(args.root), Path(args.results)
-        missing = [str(p) for p in (*(root / d for d in DOCUMENTS), folder / "run.json",
-                                    folder / "frameworks" / "run.json") if not p.is_file()]
-        if missing:
-            raise UsageError(f"missing {', '.join(missing)}: --root must be the repository "
-                             f"and --results a finished run with frameworks/ inside")
+        _require_documents(root, folder)
         changed = stale(root, Results(folder))
     except UsageError as error:
         return refuse(error, rank=0, prog=PROG)
@@ -368,3 +353,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(text)
     print(f"{PROG}: wrote {names}" if changed else f"{PROG}: up to date, nothing written")
     return 0
+
+
+def _parser():
+    import argparse
+
+    from harness.report.cli import _Parser
+
+    parser = _Parser(prog=PROG, description=(
+        "Fill the generated parts of README.md, docs/results.md and docs/speed.md from the "
+        "schema declarations and a results folder (run.json and CSVs, with frameworks/ "
+        "inside). Rerun after regenerating the results or changing a study's columns."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="results", metavar="FOLDER",
+                        help="results folder to quote (default: results)")
+    parser.add_argument("--root", default=".", metavar="DIR",
+                        help="repository root holding README.md and docs/ (default: .)")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when a document is out of date")
+    return parser
+
+
+def _require_documents(root: Path, folder: Path) -> None:
+    """UsageError unless ``root`` holds the documents and ``folder`` both runs' manifests."""
+    from harness.errors import UsageError
+
+    missing = [str(p) for p in (*(root / d for d in DOCUMENTS), folder / "run.json",
+                                folder / "frameworks" / "run.json") if not p.is_file()]
+    if missing:
+        raise UsageError(f"missing {', '.join(missing)}: --root must be the repository "
+                         f"and --results a finished run with frameworks/ inside")

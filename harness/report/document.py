@@ -6,6 +6,7 @@ import re
 from datetime import datetime
 from typing import Any
 
+from harness.manifest import RunManifest
 from harness.report.data import RunResults
 from harness.report.section import Section, SectionOutput
 from harness.report.text import code, count, integers, table, words
@@ -22,7 +23,7 @@ def render_document(results: RunResults, sections: dict[str, Section],
     """
     parts = [f"# {TITLE}", _context_table(results.manifest)]
     parts += [_answers(results, sections, outputs), _preamble(), _contents(results, sections)]
-    for study in results.manifest["studies"]:
+    for study in results.manifest.studies:
         if study in results.frames:
             parts.append(_section(sections[study], results, outputs[study]))
         elif study in results.unsummarized:
@@ -41,31 +42,31 @@ def _preamble() -> str:
             "Regenerate with `python scripts/report.py <results folder>`.")
 
 
-def _context_table(manifest: dict[str, Any]) -> str:
+def _context_table(manifest: RunManifest) -> str:
     def field(key: str, default: str = "unknown") -> str:
-        value = manifest.get(key)
+        value = manifest.value(key)
         return default if value in (None, "") else str(value)
 
     rows = [
         ["torch", field("torch_version")],
         ["backend · device · dtype",
          f"{field('backend')} · {field('device')} · {field('dtype')}"],
-        ["world sizes", integers(manifest.get("world_sizes") or []) or "unknown"],
+        ["world sizes", integers(manifest.world_sizes) or "unknown"],
         ["launch", _launch(manifest)],
         ["date", _date(field("started"))],
-        ["wall time", _seconds(manifest.get("wall_time_s"))],
+        ["wall time", _seconds(manifest.wall_time_s)],
         ["command", code(field("command"))],
         ["studies", _studies(manifest)],
     ]
     return table(["setting", "value"], rows)
 
 
-def _launch(manifest: dict[str, Any]) -> str:
-    ranks, hosts = manifest.get("launch_world_size"), manifest.get("hosts")
-    nodes, per_node = manifest.get("nodes"), manifest.get("ranks_per_node")
+def _launch(manifest: RunManifest) -> str:
+    ranks, hosts = manifest.value("launch_world_size"), manifest.value("hosts")
+    nodes, per_node = manifest.value("nodes"), manifest.value("ranks_per_node")
     text = f"{ranks} rank(s) on {hosts} host(s): {nodes} node(s) x {per_node} rank(s)"
-    if manifest.get("slurm_job_id"):
-        text += f", Slurm job {manifest['slurm_job_id']}"
+    if manifest.value("slurm_job_id"):
+        text += f", Slurm job {manifest.value('slurm_job_id')}"
     return text
 
 
@@ -78,20 +79,13 @@ def _date(started: str) -> str:
 
 
 def _seconds(value: Any) -> str:
-    return f"{float(value):.1f} s" if isinstance(value, (int, float)) else "unknown"
+    known = isinstance(value, (int, float)) and value == value  # NaN: an older run's gap
+    return f"{float(value):.1f} s" if known else "unknown"
 
 
-def _studies(manifest: dict[str, Any]) -> str:
-    entries = []
-    for study, entry in manifest["studies"].items():
-        entry = entry if isinstance(entry, dict) else {}
-        details = []
-        if "cases" in entry:
-            details.append(count(int(entry["cases"]), "case"))
-        if "wall_time_s" in entry:
-            details.append(_seconds(entry["wall_time_s"]))
-        entries.append(f"{study} ({', '.join(details)})" if details else study)
-    return ", ".join(entries)
+def _studies(manifest: RunManifest) -> str:
+    return ", ".join(f"{study} ({count(entry.cases, 'case')}, {_seconds(entry.wall_time_s)})"
+                     for study, entry in manifest.studies.items())
 
 
 def anchor(title: str) -> str:
@@ -102,7 +96,7 @@ def anchor(title: str) -> str:
 
 def _contents(results: RunResults, sections: dict[str, Section]) -> str:
     lines = ["**Studies in this run**"]
-    for study in results.manifest["studies"]:
+    for study in results.manifest.studies:
         title = sections[study].title if study in results.frames else study
         lines.append(f"- [{title}](#{anchor(title)})")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from harness.report.text import (
     value_name,
     words,
 )
+from harness.strategies import STRATEGIES, emulated_names
 from harness.verdicts import Equivalence
 
 if TYPE_CHECKING:
@@ -203,9 +204,11 @@ def emulation_only(every: pd.DataFrame, values: dict | None = None) -> str:
     """``CPU emulation only; the 32 real DataParallel cases were skipped``, where the rows (of
     the group's strategy, if it names one) rest on the emulation because the real DataParallel
     was not measured; empty otherwise."""
-    if values and values.get("strategy", "dp-emulated") != "dp-emulated":
+    named = values.get("strategy") if values else None
+    if named is not None and not (named in STRATEGIES and STRATEGIES[named].emulated):
         return ""
-    real = every[every["strategy"] == "dp"] if "strategy" in every else every.iloc[:0]
+    real = (every[every["strategy"].isin(emulated_names())] if "strategy" in every
+            else every.iloc[:0])
     if (real["status"] == "ok").any():
         return ""
     skipped_ = f"; the {count(len(real), 'real DataParallel case')} skipped" if len(real) else ""

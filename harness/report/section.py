@@ -4,9 +4,7 @@ Every part is a callable ``part(rows: Rows)`` returning one item, a list, or
 None: :class:`Answer` rows for the table that opens the report, :class:`Finding`
 sentences, or Markdown blocks (tables, figures), each put where its kind belongs
 (a finding and the answer it rests on come from one part); see :mod:`harness.report.spec`.
-A section written as one function, ``render(frame, inputs) -> SectionOutput``,
-still works: its output comes first, the declared parts after it. Every sentence
-is assembled from the rows and names the rows it was built from.
+Every sentence is assembled from the rows and names the rows it was built from.
 """
 
 from __future__ import annotations
@@ -135,11 +133,6 @@ class Section:
     title: str
     #: One sentence under the heading: what the study measures.
     intro: str
-    #: Columns the section reads; empty: every column of the study's schema. A CSV without
-    #: them is refused before anything is written.
-    columns: tuple[str, ...] = ()
-    #: The escape hatch: one function building (part of) the section from every row.
-    render: Callable[[pd.DataFrame, SectionInputs], SectionOutput] | None = None
     #: Columns computed once from the measured rows and the tolerance, for every part to read.
     derive: Callable[[pd.DataFrame, float], pd.DataFrame] | None = None
     #: What each derived column means when a ``where`` names it: how citations say it.
@@ -151,7 +144,7 @@ class Section:
 
     def summarize(self, frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
         """The section's answers, findings and blocks, from the study's rows."""
-        output = self.render(frame, inputs) if self.render else SectionOutput()
+        output = SectionOutput()
         # An empty text is a missing value, as when the CSV is read (rows built in memory).
         ok = measured(frame).replace({"": None})
         if self.derive is not None and not ok.empty:

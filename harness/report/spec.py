@@ -2,7 +2,7 @@
 
     from harness.report import spec
 
-    SECTION = spec.Section(study=..., title=..., intro=..., columns=...,
+    SECTION = spec.Section(study=..., title=..., intro=...,
                            answers=(...), findings=(...), tables=(...), figures=(...))
 
 Each part is a callable of :class:`~harness.report.section.Rows`; the generic

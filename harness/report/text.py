@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from harness.strategies import STRATEGIES
+
 
 def _formatted(value: float, plain_below: float, plain: str, otherwise: str) -> str:
     """``value`` with format ``plain`` when 1e-3 <= |value| < ``plain_below``, else
@@ -96,18 +98,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
-#: How the report names each strategy of ``--strategies`` in sentences.
-STRATEGY_NAMES = {
-    "local": "one process (local)",
-    "ddp": "DDP",
-    "fsdp": "FSDP",
-    "dp-emulated": "DataParallel (CPU emulation)",
-    "dp": "DataParallel",
-}
-
-
 def strategy_name(strategy: str) -> str:
-    return STRATEGY_NAMES.get(strategy, strategy)
+    """How the report names a strategy in sentences: its spec's label."""
+    return STRATEGIES[strategy].label if strategy in STRATEGIES else strategy
 
 
 def value_name(column: str, value: object) -> str:

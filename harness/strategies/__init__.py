@@ -8,22 +8,24 @@
 
 A study asks the spec (``STRATEGIES[name]``) instead of testing names: whether
 cases run collectively, where rows say they computed, what DDP-like
-synchronisation choices exist, how to measure one step or build a trainer.
+synchronisation choices exist, how to measure one step or build a trainer. The
+specs import no torch (each strategy's module is imported when first used), so
+the report asks them too.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from harness.strategies import ddp, dp, dp_emulated, fsdp, local
-from harness.strategies.common import StepMeasurement, StepSpec, Trainer
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
 
     from harness.context import RunContext
+    from harness.strategies.common import StepMeasurement, StepSpec, Trainer
 
 
 def _available(world_size: int, run: RunContext) -> str | None:
@@ -45,13 +47,18 @@ class Strategy:
     #: Rough milliseconds of one forward/backward step at world size k, for balancing
     #: work across ranks (measured on a 2-core CPU running 4 gloo ranks).
     step_ms: Callable[[int], float]
-    #: The row's ``emulated`` column.
-    emulated: bool = False
+    #: The strategy this one emulates, whose rows it stands in for where that one is
+    #: skipped ("" for a real one).
+    emulates: str = ""
     #: The device a row records when it is not the run's (real DataParallel is CUDA).
     row_device: str | None = None
     #: When the accumulation study's micro-steps reduce: DDP can defer its all-reduce
     #: (``no_sync``), DataParallel reduces in every backward, one process never.
     syncs: tuple[str, ...] = ("every-micro-step",)
+    #: True for the single-process reference every other strategy is compared with.
+    reference: bool = False
+    #: True: each rank holds a shard of every parameter, so comparing parameters gathers them.
+    sharded: bool = False
     #: Why the strategy cannot run at world size k here (a row's status), or None.
     #: The same answer on every rank, so that all skip a collective case together.
     unavailable: Callable[[int, RunContext], str | None] = _available
@@ -63,6 +70,21 @@ class Strategy:
     def participants(self, world_size: int) -> int:
         """Ranks a case of this world size occupies."""
         return world_size if self.collective else 1
+
+    @property
+    def emulated(self) -> bool:
+        """The row's ``emulated`` column."""
+        return bool(self.emulates)
+
+    def sync(self, accum_steps: int) -> str:
+        """When k micro-steps reduce: deferred to the last one where the strategy can
+        (``syncs``' last choice), else its only choice."""
+        return self.syncs[-1] if accum_steps > 1 else self.syncs[0]
+
+
+def _module(name: str) -> ModuleType:
+    """A strategy's module, imported on first use: it imports torch."""
+    return importlib.import_module(f"harness.strategies.{name}")
 
 
 def _gloo_or_collective_ms(world_size: int) -> float:
@@ -78,31 +100,38 @@ def _one_process_ms(world_size: int) -> float:
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("local", "one process (local)",
              "one process, no reduction: the single-device reference",
-             collective=False, step_ms=_one_process_ms, syncs=("none",),
-             trainer=lambda module, k, run: local.LocalTrainer(module, run.device)),
+             collective=False, step_ms=_one_process_ms, syncs=("none",), reference=True,
+             trainer=lambda module, k, run: _module("local").LocalTrainer(module, run.device)),
     Strategy("ddp", "DDP",
              "torch.nn.parallel.DistributedDataParallel over a process subgroup",
              collective=True, step_ms=_gloo_or_collective_ms,
              syncs=("every-micro-step", "no_sync"),
-             measure=lambda spec, k, run: ddp.measure_step(spec, run.group(k), run.device),
-             trainer=lambda module, k, run: ddp.DDPTrainer(module, run.group(k), run.device)),
+             measure=lambda spec, k, run: _module("ddp").measure_step(spec, run.group(k),
+                                                                      run.device),
+             trainer=lambda module, k, run: _module("ddp").DDPTrainer(module, run.group(k),
+                                                                      run.device)),
     Strategy("fsdp", "FSDP",
              "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
-             collective=True, step_ms=_gloo_or_collective_ms,
-             unavailable=lambda k, run: fsdp.unavailable_reason(run.placement),
-             measure=lambda spec, k, run: fsdp.measure_step(spec, run.group(k), run.device)),
+             collective=True, step_ms=_gloo_or_collective_ms, sharded=True,
+             syncs=("every-micro-step", "no_sync"),
+             unavailable=lambda k, run: _module("fsdp").unavailable_reason(run.placement),
+             measure=lambda spec, k, run: _module("fsdp").measure_step(spec, run.group(k),
+                                                                       run.device),
+             trainer=lambda module, k, run: _module("fsdp").FSDPTrainer(module, run.group(k),
+                                                                        run.device)),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",
              "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
-             collective=False, step_ms=_one_process_ms, emulated=True,
-             measure=lambda spec, k, run: dp_emulated.measure_step(spec, k, run.device),
-             trainer=lambda module, k, run: dp_emulated.EmulatedDPTrainer(module, k,
-                                                                         run.device)),
+             collective=False, step_ms=_one_process_ms, emulates="dp",
+             measure=lambda spec, k, run: _module("dp_emulated").measure_step(spec, k,
+                                                                              run.device),
+             trainer=lambda module, k, run: _module("dp_emulated").EmulatedDPTrainer(
+                 module, k, run.device)),
     Strategy("dp", "DataParallel",
              "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
              collective=False, step_ms=_one_process_ms, row_device="cuda",
-             unavailable=lambda k, run: dp.unavailable_reason(k),
-             measure=lambda spec, k, run: dp.measure_step(spec, k),
-             trainer=lambda module, k, run: dp.DPTrainer(module, k)),
+             unavailable=lambda k, run: _module("dp").unavailable_reason(k),
+             measure=lambda spec, k, run: _module("dp").measure_step(spec, k),
+             trainer=lambda module, k, run: _module("dp").DPTrainer(module, k)),
 )}
 
 
@@ -128,3 +157,15 @@ def unavailable_reason(strategy: str, world_size: int, run: RunContext) -> str |
 
 def step_cost(strategy: str, world_size: int) -> float:
     return STRATEGIES[strategy].step_ms(world_size)
+
+
+def names(**facts: Any) -> list[str]:
+    """The strategies whose spec has every one of ``facts`` (``collective=True``), in order:
+    how code that selects rows or cases by what a strategy is avoids spelling names."""
+    return [s.name for s in STRATEGIES.values()
+            if all(getattr(s, fact) == value for fact, value in facts.items())]
+
+
+def emulated_names() -> list[str]:
+    """The strategies an emulation stands in for (real DataParallel), in order."""
+    return [s.emulates for s in STRATEGIES.values() if s.emulated]

@@ -13,6 +13,7 @@ a copy of the same weights, and rank 0 gathers them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.models import device_slot
-from harness.strategies.common import StepMeasurement, StepSpec, buffers_of
+from harness.strategies.common import StepMeasurement, StepSpec, Trainer, buffers_of
 from harness.strategies.ddp import measurement_on_leader
 from harness.strategies.local import local_gradient
 
@@ -77,3 +78,30 @@ def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
     local = local_gradient(spec.task, spec.model, [spec.shards[rank]], spec.reduction,
                            slots=[rank])
     return measurement_on_leader(spec, grads, local, buffers, group, device)
+
+
+class FSDPTrainer(Trainer):
+    """FSDP2's ``fully_shard`` on a subgroup: each rank feeds its own shard."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+        super().__init__()
+        self.module = shard(module, group, device)
+        self.group, self.device = group, device
+        self.rank = dist.get_rank(group)
+        self.average_divisor = dist.get_world_size(group)
+
+    def batch_for_this_process(self, shards):
+        return shards[self.rank].to(self.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """FSDP2's ``no_sync``: the enclosed backward keeps the unsharded gradient and
+        reduce-scatters nothing; the next synchronized backward reduces the sum."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)

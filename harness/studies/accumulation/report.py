@@ -13,6 +13,7 @@ from __future__ import annotations
 from harness.report import spec
 from harness.report.rows import ordered
 from harness.report.text import cite_cases, count, integers, number, small, words, worst
+from harness.strategies import STRATEGIES
 from harness.studies.accumulation.schema import default_scaling
 from harness.verdicts import Equivalence
 
@@ -131,7 +132,8 @@ def _one_axis_fixes(failing_units, matching) -> str:
 
 def _no_sync(rows) -> tuple[spec.Finding, spec.Answer] | None:
     """DDP's cases with sync = every-micro-step paired with no_sync on every other axis."""
-    ddp = rows.ok[rows.ok["strategy"] == "ddp"]
+    deferring = [s.name for s in STRATEGIES.values() if "no_sync" in s.syncs]
+    ddp = rows.ok[rows.ok["strategy"].isin(deferring)]
     pairs = ddp[ddp["sync"] == "every-micro-step"].merge(
         ddp[ddp["sync"] == "no_sync"], suffixes=("", "_no_sync"),
         on=["world_size", "accum_steps", *RECIPE, *SETTING])

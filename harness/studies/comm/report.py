@@ -30,11 +30,6 @@ from harness.report.text import cite_cases, count, integers, words
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = (
-    "operation", "world_size", "size_bytes", "model", "sync", "message_bytes", "buckets",
-    "iterations", "time_s", "forward_s", "backward_s", "reduction_s", "algbw_GBps",
-    "busbw_GBps", "wrong", "backend", "device",
-)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 #: Row selections (pandas queries; findings cite them).
 COLLECTIVE_ROWS = f"operation in {list(COLLECTIVES)}"
@@ -294,7 +289,6 @@ SECTION = Section(
            "and a DDP step of the toy models split into forward, backward and gradient "
            "all-reduce, with and without `no_sync`. Times are measurements of this machine and "
            "vary from run to run."),
-    columns=COLUMNS,
     answers=(_correctness_answer, _ddp_answer),
     findings=(_on_collectives(_correctness), _on_collectives(_peaks), _latency, _ddp_cost,
               _dataparallel, skipped(unit="row", by="operation")),

@@ -24,13 +24,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from harness.models import device_slot
 from harness.seeding import generator_for
 from harness.strategies.ddp import wrap
+from harness.studies.comm.schema import SHARD_SIZE
 from harness.studies.comm.timing import Clock, Timing, median, summed_over_ranks
 from harness.tasks import Batch, Task, make_shards, task_by_name
 
 #: The harness's toy models (harness/tasks.py), smallest first.
 STEP_MODELS = ("toy", "mlp", "mlp-batchnorm")
-#: Samples per device, as in the reduction study's default.
-SHARD_SIZE = 4
 #: DDP all-reduces every step, or not at all (``no_sync``); DataParallel always reduces.
 SYNC_MODES = ("every-step", "no_sync")
 #: Per-iteration quantities, in the order they travel between ranks.

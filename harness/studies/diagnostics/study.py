@@ -46,7 +46,8 @@ from harness.diagnostics import (
 )
 from harness.errors import first_sentence
 from harness.seeding import generator_for
-from harness.strategies import ddp
+from harness.strategies import STRATEGIES as SPECS
+from harness.strategies import ddp, names
 from harness.strategies.common import flat_grad, relative_spread
 from harness.studies.base import Case, Study
 from harness.studies.diagnostics.schema import COLUMNS
@@ -144,7 +145,7 @@ def _blank_row(case: Case, setting: str) -> dict[str, Any]:
 
 
 def judged_row(row: dict[str, Any], rtol: float,
-               negligible: float = NEGLIGIBLE_RELATIVE[torch.float64]) -> dict[str, Any]:
+               negligible: float = NEGLIGIBLE_RELATIVE["float64"]) -> dict[str, Any]:
     """The verdicts on a row's numbers; each empty where its number was not measured.
     A relative change of at most ``negligible`` (by default float64's, the committed run's)
     is rounding, not a move: an exact ``> 0`` would hang on whether a tiny update rounded
@@ -195,15 +196,16 @@ class DiagnosticsStudy(Study):
     # ----------------------------------------------------------------- cases
     def cases(self, run: RunContext) -> list[Case]:
         cases, strategies = [], run.strategies(STRATEGIES)
-        if "local" in strategies:
-            local = {"strategy": "local", "world_size": 1}
-            cases += [Case.of(self.name, experiment="lr-sweep", **local, learning_rate=lr)
-                      for lr in self.setup.learning_rates]
-            cases += [Case.of(self.name, experiment=experiment, **local)
-                      for experiment in EXPERIMENTS[1:]]
-        if "ddp" in strategies:
+        for strategy in strategies:
+            if not SPECS[strategy].collective:
+                local = {"strategy": strategy, "world_size": 1}
+                cases += [Case.of(self.name, experiment="lr-sweep", **local, learning_rate=lr)
+                          for lr in self.setup.learning_rates]
+                cases += [Case.of(self.name, experiment=experiment, **local)
+                          for experiment in EXPERIMENTS[1:]]
+                continue
             cases += [Case.of(self.name, participants=k, collective=True,
-                              experiment="frozen-layer", strategy="ddp", world_size=k,
+                              experiment="frozen-layer", strategy=strategy, world_size=k,
                               middle=state, find_unused_parameters=find_unused)
                       for k in ddp_world_sizes(run) for state in MIDDLE_STATES
                       for find_unused in (False, True)]
@@ -217,7 +219,7 @@ class DiagnosticsStudy(Study):
 
     def _measure(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         experiment = case["experiment"]
-        if case["strategy"] == "ddp":
+        if SPECS[case["strategy"]].collective:
             return self._ddp_frozen_layer(case, run)
         if experiment == "lr-sweep":
             return self._lr_sweep(case, run)
@@ -376,7 +378,8 @@ class DiagnosticsStudy(Study):
         sweep = frame[(frame["experiment"] == "lr-sweep") & (frame["parameter"] == "input.weight")]
         table = sweep.pivot_table(index="step", columns="setting", values="zero_grad_fraction",
                                   aggfunc="first")[list(dict.fromkeys(sweep["setting"]))]
-        ddp_rows = frame[frame["strategy"] == "ddp"].groupby("setting", sort=False).first()
+        collective = frame["strategy"].isin(names(collective=True))
+        ddp_rows = frame[collective].groupby("setting", sort=False).first()
         lines = ["fraction of dead entries in input.weight.grad, by learning rate:",
                  table.to_string()]
         if len(ddp_rows):

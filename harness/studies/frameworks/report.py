@@ -13,8 +13,6 @@ from harness.report import spec
 from harness.report.text import count, few, integers, number, small, words, worst
 from harness.verdicts import Equivalence
 
-COLUMNS = ("framework", "framework_version", "setting", "loss", "accum_steps", "point",
-           "verdict", "scale", "residual", "rank_spread", "error")
 GRAD = "point == 'grad'"
 #: How a clause names a verdict, the scale filled in where it is a multiple.
 PHRASES = {Equivalence.MATCHES: "the big batch's", Equivalence.SCALED: "{scale} × the big "
@@ -117,7 +115,6 @@ SECTION = spec.Section(
            "are fitted against one process's big batch (one backward on the whole global "
            "batch, one SGD step). `mean`: every micro-batch holds as many tokens; `token`: "
            "padded sequences of random lengths, micro-batches holding different numbers."),
-    columns=COLUMNS,
     answers=(framework_answers,),
     findings=(
         spec.Verdicts(column="verdict", per=("framework", "loss"), where=GRAD,

@@ -10,8 +10,6 @@ here because every one of its rows is.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from harness.report import spec
@@ -28,17 +26,24 @@ from harness.report.text import (
     words,
     worst,
 )
-from harness.verdicts import HookVerdict, close
+from harness.studies.hooks.rows import (
+    always,
+    at_each_k,
+    by_step,
+    bytes_ratio,
+    derive,
+    last_steps,
+    per_world_size,
+    scale_name,
+    step_runs,
+    variant_names,
+    where_variants,
+)
+from harness.verdicts import HookVerdict
 
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = (
-    "strategy", "variant", "world_size", "step", "wire_dtype", "buckets", "collective_calls",
-    "collective_bytes", "full_batch_scale", "fit_residual", "relative_error", "error_bound",
-    "verdict", "cumulative_error", "param_distance", "grad_rank_spread", "param_rank_spread",
-    "rank0_state_elements",
-)
 #: How a sentence says what a variant whose every row is a pure multiple of ḡ did.
 SCALE_VERBS = {
     HookVerdict.SUMMED: "summed the ranks' gradients instead of averaging them",
@@ -48,182 +53,65 @@ SCALE_VERBS = {
 #: What undoes a named scale of the average.
 SCALE_FIXES = {"k": "divide by k once (as the exact variants do)",
                "1/k": "divide by k once, not twice"}
-#: Verdicts whose error is not a scale: the figure draws their variants.
-ERRING = (HookVerdict.COMPRESSED, HookVerdict.DIFFERS)
-
-
-#: Ratios a sentence can name instead of listing numbers, as functions of k.
-#: Checked in this order: at k = 1 all three coincide and "1" is the plain word for it.
-NAMED_RATIOS = {"1": lambda k: 1.0, "1/k": lambda k: 1.0 / k, "k": lambda k: float(k)}
-
-
-
-def named_ratio(ks: Iterable[float], values: Iterable[float], rtol: float
-                ) -> tuple[str | None, float]:
-    """The name ("1", "1/k" or "k") every value equals within ``rtol``, and the largest deviation.
-
-    None (and NaN) when no single name fits every (k, value) pair.
-    """
-    pairs = list(zip(ks, values, strict=True))
-    for name, ratio in NAMED_RATIOS.items():
-        expected = [ratio(k) for k, _ in pairs]
-        if pairs and all(not math.isnan(v) and close(v, e, rtol)
-                         for (_, v), e in zip(pairs, expected, strict=True)):
-            return name, max(abs(v - e) for (_, v), e in zip(pairs, expected, strict=True))
-    return None, math.nan
-
-
-# ------------------------------------------------------------------ grouping
-def derive(ok: pd.DataFrame, rtol: float) -> pd.DataFrame:
-    """``name`` (strategy and variant, as sentences say them), ``erring`` (the variant had a
-    compressed or differing step at that world size), and for the figure ``via`` (one
-    series: compressed rows by their wire format, the others by variant) and ``at`` (its
-    panel: ``k = 2``)."""
-    names = [f"{strategy_name(s)} {v}" for s, v in zip(ok["strategy"], ok["variant"],
-                                                        strict=True)]
-    erring = ok["verdict"].isin(ERRING).groupby(ok["case_id"]).transform("any")
-    compressed = (ok["verdict"] == HookVerdict.COMPRESSED).groupby(ok["case_id"]).transform("any")
-    via = [wire if squeezed else variant for squeezed, wire, variant in
-           zip(compressed, ok["wire_dtype"], ok["variant"], strict=True)]
-    return ok.assign(name=names, erring=erring, via=via,
-                     at=[f"k = {int(k)}" for k in ok["world_size"]])
-
-
-def _always(rows: pd.DataFrame, verdict: HookVerdict) -> pd.DataFrame:
-    """The rows of the variants every row of which has ``verdict``."""
-    every = (rows["verdict"] == verdict).groupby(rows["variant"]).transform("all")
-    return rows[every]
-
-
-def _variants(rows: pd.DataFrame) -> str:
-    return words(ordered(rows, "name"))
-
-
-def _where(rows: pd.DataFrame) -> str:
-    return "variant in " + ", ".join(ordered(rows, "variant"))
-
-
-def _last_steps(rows: pd.DataFrame) -> pd.DataFrame:
-    """Each case's last measured step."""
-    return rows[rows["step"] == rows.groupby("case_id")["step"].transform("max")]
-
-
-def _steps(steps: list) -> str:
-    """``1-2``, ``3``, ``1, 3-5``: steps in runs."""
-    runs: list[list[int]] = []
-    for step in sorted(int(s) for s in steps):
-        if runs and step == runs[-1][-1] + 1:
-            runs[-1].append(step)
-        else:
-            runs.append([step])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
-def _integer(value: float) -> str:
-    return "n/a" if value != value else str(int(value))  # NaN != NaN
-
-
-def by_step(rows: pd.DataFrame, column: str, fmt: Callable[[object], str] = _integer,
-            sentence: bool = False) -> str:
-    """One value, or the values with their steps when they change: ``1 (1-2), 3 (3-5)``, or
-    in a ``sentence``: ``1 in steps 1-2, 3 in steps 3-5``."""
-    runs: list[tuple[str, list]] = []
-    for step, value in rows.sort_values("step")[["step", column]].itertuples(index=False):
-        text = fmt(value)
-        if runs and runs[-1][0] == text:
-            runs[-1][1].append(step)
-        else:
-            runs.append((text, [step]))
-    if len(runs) == 1:
-        return runs[0][0]
-    if sentence:
-        return ", ".join(f"{text} in step{'s' if len(steps) > 1 else ''} {_steps(steps)}"
-                         for text, steps in runs)
-    return ", ".join(f"{text} ({_steps(steps)})" for text, steps in runs)
-
-
-def per_world_size(rows: pd.DataFrame, column: str) -> str:
-    """:func:`by_step` (in a sentence) at each world size, said once when they agree."""
-    texts = {int(k): by_step(rows[rows["world_size"] == k], column, sentence=True)
-             for k in sorted(rows["world_size"].unique())}
-    if len(set(texts.values())) == 1:
-        return next(iter(texts.values()))
-    return "; ".join(f"{text} at k = {k}" for k, text in texts.items())
-
-
-def _at_each_k(rows: pd.DataFrame, column: str) -> str:
-    """``32 at k = 2, 4`` or ``29 at k = 2, 19 at k = 4``: the values of a per-case constant."""
-    by_value: dict[str, list] = {}
-    for k, value in rows.groupby("world_size")[column].first().items():
-        by_value.setdefault(_integer(value), []).append(k)
-    return ", ".join(f"{value} at k = {integers(ks)}" for value, ks in by_value.items())
-
-
-def _bytes_ratio(rows: pd.DataFrame, every: pd.DataFrame) -> pd.Series:
-    """collective_bytes of each row over the fewest bytes of an exact row of the same
-    strategy, world size and step."""
-    exact = every[every["verdict"] == HookVerdict.EXACT]
-    least = exact.groupby(["strategy", "world_size", "step"])["collective_bytes"].min()
-    reference = [least.get(key, float("nan")) for key in
-                 zip(rows["strategy"], rows["world_size"], rows["step"], strict=True)]
-    return (rows["collective_bytes"] / reference).dropna()
-
-
-def _scale_name(rows: pd.DataFrame, rtol: float) -> tuple[str | None, float]:
-    """The named ratio (1, 1/k, k) of full_batch_scale, judged as the study judged it."""
-    return named_ratio(rows["world_size"], rows["full_batch_scale"],
-                       max(rtol, rows["error_bound"].max()))
-
-
 # ------------------------------------------------------------------- answers
-def answers(rows: spec.Rows) -> list[spec.Answer]:
+def exact_answer(rows: spec.Rows) -> spec.Answer | None:
+    exact = always(rows.ok, HookVerdict.EXACT)
+    if exact.empty:
+        return None
+    return spec.Answer(
+        "Which DDP comm hooks, DDP options, ZeRO and FSDP2 settings keep the exact average?",
+        few(ordered(exact, "name")),
+        worst(len(exact), "step", exact["relative_error"].max(), "relative_error")
+        + f" (k = {integers(exact['world_size'])})")
+
+
+def scaled_answer(rows: spec.Rows) -> spec.Answer | None:
+    scaled = [(verdict, always(rows.ok, verdict)) for verdict in SCALE_VERBS]
+    named = [(group, *scale_name(group, verdict)) for verdict, group in scaled if not group.empty]
+    if not named:
+        return None
+    return spec.Answer(
+        "Which settings scale the average (a hook that forgets to divide, or divides twice)?",
+        "; ".join(f"{variant_names(g)}: × {name or span(g['full_batch_scale'], number)}"
+                  for g, name, _ in named),
+        f"{count(sum(len(g) for g, _, _ in named), 'step')}; largest deviation "
+        f"{small(max(d for _, _, d in named))}",
+        "; ".join(f"{variant_names(g)}: {SCALE_FIXES[name]}" for g, name, _ in named
+                  if name in SCALE_FIXES))
+
+
+def compressed_answer(rows: spec.Rows) -> spec.Answer | None:
+    compressed = always(rows.ok, HookVerdict.COMPRESSED)
+    if compressed.empty:
+        return None
+    wires = words(ordered(compressed, "wire_dtype"), "or")
+    return spec.Answer(
+        f"How far does reducing in {wires} move the gradient?",
+        "relative_error " + "; ".join(
+            f"{span(g['relative_error'])} in {wire}"
+            for wire, g in compressed.groupby("wire_dtype", sort=False))
+        + ", each within its rounding bound",
+        f"{count(len(compressed), 'step')}; at most "
+        f"{number((compressed['relative_error'] / compressed['error_bound']).max())} of "
+        f"the bound; bytes × {span(bytes_ratio(compressed, rows.ok), number)}")
+
+
+def differing_answer(rows: spec.Rows) -> spec.Answer | None:
     ok = rows.ok
-    made = []
-    exact = _always(ok, HookVerdict.EXACT)
-    if not exact.empty:
-        made.append(spec.Answer(
-            "Which DDP comm hooks, DDP options, ZeRO and FSDP2 settings keep the exact average?",
-            few(ordered(exact, "name")),
-            worst(len(exact), "step", exact["relative_error"].max(), "relative_error")
-            + f" (k = {integers(exact['world_size'])})"))
-    scaled = [(verdict, _always(ok, verdict)) for verdict in SCALE_VERBS]
-    scaled = [(verdict, group) for verdict, group in scaled if not group.empty]
-    if scaled:
-        named = [(group, *_scale_name(group, rows.rtol)) for _, group in scaled]
-        made.append(spec.Answer(
-            "Which settings scale the average (a hook that forgets to divide, or divides twice)?",
-            "; ".join(f"{_variants(g)}: × {name or span(g['full_batch_scale'], number)}"
-                      for g, name, _ in named),
-            f"{count(sum(len(g) for g, _, _ in named), 'step')}; largest deviation "
-            f"{small(max(d for _, _, d in named))}",
-            "; ".join(f"{_variants(g)}: {SCALE_FIXES[name]}" for g, name, _ in named
-                      if name in SCALE_FIXES)))
-    compressed = _always(ok, HookVerdict.COMPRESSED)
-    if not compressed.empty:
-        wires = words(ordered(compressed, "wire_dtype"), "or")
-        made.append(spec.Answer(
-            f"How far does reducing in {wires} move the gradient?",
-            "relative_error " + "; ".join(
-                f"{span(g['relative_error'])} in {wire}"
-                for wire, g in compressed.groupby("wire_dtype", sort=False))
-            + ", each within its rounding bound",
-            f"{count(len(compressed), 'step')}; at most "
-            f"{number((compressed['relative_error'] / compressed['error_bound']).max())} of "
-            f"the bound; bytes × {span(_bytes_ratio(compressed, ok), number)}"))
     differing = ok[ok["variant"].isin(ok.loc[ok["verdict"] == HookVerdict.DIFFERS, "variant"])]
-    if not differing.empty:
-        made.append(spec.Answer(
-            "Which settings give neither the average nor a multiple of it, and how far off?",
-            _differing_answer(differing),
-            f"{count(len(differing), 'step')}; param_distance after the last step "
-            f"{span(_last_steps(differing)['param_distance'])}"))
-    return made
+    if differing.empty:
+        return None
+    return spec.Answer(
+        "Which settings give neither the average nor a multiple of it, and how far off?",
+        _differing_answer(differing),
+        f"{count(len(differing), 'step')}; param_distance after the last step "
+        f"{span(last_steps(differing)['param_distance'])}")
 
 
 def _differing_summary(rows: pd.DataFrame) -> str:
     differs = rows[rows["verdict"] == HookVerdict.DIFFERS]
     exact_steps = _exact_steps(rows)
-    before = f"exact in steps {_steps(exact_steps)}, then " if exact_steps else ""
+    before = f"exact in steps {step_runs(exact_steps)}, then " if exact_steps else ""
     return (f"{rows['name'].iloc[0]}: {before}relative_error "
             f"{span(differs['relative_error'])}")
 
@@ -236,7 +124,7 @@ def _differing_answer(rows: pd.DataFrame) -> str:
     if len(shared) != 1:
         return "; ".join(_differing_summary(g) for g in groups)
     steps = shared.pop()
-    before = f"exact in steps {_steps(list(steps))}, then " if steps else ""
+    before = f"exact in steps {step_runs(list(steps))}, then " if steps else ""
     return before + "relative_error " + ", ".join(
         f"{span(g.loc[g['verdict'] == HookVerdict.DIFFERS, 'relative_error'])} "
         f"({g['name'].iloc[0]})" for g in groups)
@@ -250,32 +138,33 @@ def _exact_steps(rows: pd.DataFrame) -> list:
 
 # ------------------------------------------------------------------ findings
 def exact_finding(rows: spec.Rows) -> spec.Finding | None:
-    exact = _always(rows.ok, HookVerdict.EXACT)
+    exact = always(rows.ok, HookVerdict.EXACT)
     if exact.empty:
         return None
-    text = (f"{_variants(exact)} gave the exact average of the ranks' gradients at every step "
-            f"({_steps(ordered(exact, 'step'))}) and world size (k = "
+    text = (f"{variant_names(exact)} gave the exact average of the ranks' gradients at every step "
+            f"({step_runs(ordered(exact, 'step'))}) and world size (k = "
             f"{integers(exact['world_size'])}): relative_error at most "
             f"{small(exact['relative_error'].max())}, full_batch_scale 1 within "
             f"{small((exact['full_batch_scale'] - 1).abs().max())}, and param_distance at most "
-            f"{small(_last_steps(exact)['param_distance'].max())} from the exact run after the "
+            f"{small(last_steps(exact)['param_distance'].max())} from the exact run after the "
             f"last step.")
-    return spec.Finding(text, rows.inputs.source(f"{_where(exact)}, status = ok", len(exact)))
+    source = rows.inputs.source(f"{where_variants(exact)}, status = ok", len(exact))
+    return spec.Finding(text, source)
 
 
 def compressed_findings(rows: spec.Rows) -> list[spec.Finding]:
     findings = []
-    compressed = _always(rows.ok, HookVerdict.COMPRESSED)
+    compressed = always(rows.ok, HookVerdict.COMPRESSED)
     for wire, group in compressed.groupby("wire_dtype", sort=False):
         share = (group["relative_error"] / group["error_bound"]).max()
-        ratio = _bytes_ratio(group, rows.ok)
+        ratio = bytes_ratio(group, rows.ok)
         sent = (f", handing the collectives {span(ratio, number)} times the bytes of the exact "
                 f"variants" if not ratio.empty else "")
-        text = (f"Reducing in {wire} ({_variants(group)}) moved the gradient by relative_error "
+        text = (f"Reducing in {wire} ({variant_names(group)}) moved the gradient by relative_error "
                 f"{span(group['relative_error'])}, within the rounding bound of {wire} at every "
                 f"step (error_bound {span(group['error_bound'])}; at most {number(share)} of "
                 f"it){sent}; after the last step param_distance was "
-                f"{span(_last_steps(group)['param_distance'])}.")
+                f"{span(last_steps(group)['param_distance'])}.")
         source = rows.inputs.source(f"verdict = compressed, wire_dtype = {wire}", len(group))
         findings.append(spec.Finding(text, source))
     return findings
@@ -284,16 +173,16 @@ def compressed_findings(rows: spec.Rows) -> list[spec.Finding]:
 def scale_findings(rows: spec.Rows) -> list[spec.Finding]:
     findings = []
     for verdict, verb in SCALE_VERBS.items():
-        group = _always(rows.ok, verdict)
+        group = always(rows.ok, verdict)
         if group.empty:
             continue
-        name, deviation = _scale_name(group, rows.rtol)
+        name, deviation = scale_name(group, verdict)
         scale = (f"full_batch_scale = {name} at k = {integers(group['world_size'])} (largest "
                  f"deviation {small(deviation)})" if name else
                  f"full_batch_scale {span(group['full_batch_scale'], number)}")
-        text = (f"{_variants(group)} {verb}: {scale}, fit_residual at most "
+        text = (f"{variant_names(group)} {verb}: {scale}, fit_residual at most "
                 f"{small(group['fit_residual'].max())}; after the last step param_distance was "
-                f"{span(_last_steps(group)['param_distance'])}.")
+                f"{span(last_steps(group)['param_distance'])}.")
         findings.append(spec.Finding(text, rows.inputs.source(f"verdict = {verdict}", len(group))))
     return findings
 
@@ -309,11 +198,11 @@ def differing_findings(rows: spec.Rows) -> list[spec.Finding]:
         before = ""
         if exact_steps:
             exact = group[group["step"].isin(exact_steps)]
-            before = (f"was exact in steps {_steps(exact_steps)} (relative_error at most "
+            before = (f"was exact in steps {step_runs(exact_steps)} (relative_error at most "
                       f"{small(exact['relative_error'].max())}), then ")
-        last = _last_steps(group)
+        last = last_steps(group)
         text = (f"{group['name'].iloc[0]} {before}differed from the exact average in steps "
-                f"{_steps(ordered(differs, 'step'))} at k = {integers(differs['world_size'])}: "
+                f"{step_runs(ordered(differs, 'step'))} at k = {integers(differs['world_size'])}: "
                 f"relative_error {span(differs['relative_error'])} per step, full_batch_scale "
                 f"{span(differs['full_batch_scale'], number)}; at the last step "
                 f"({integers(last['step'])}) relative_error was {span(last['relative_error'])}, "
@@ -342,7 +231,7 @@ def bucket_finding(rows: spec.Rows) -> spec.Finding | None:
              f"equalled buckets")
     if not more.empty:
         calls += (f"; in the others ({words(ordered(more, 'variant'))}, steps "
-                  f"{_steps(ordered(more, 'step'))}) each bucket cost "
+                  f"{step_runs(ordered(more, 'step'))}) each bucket cost "
                   f"{span(per_bucket[per_bucket != 1], number)} all-reduces")
     text = (f"Buckets DDP handed its comm hook per step: {'; '.join(described)}. "
             f"{calls[0].upper()}{calls[1:]}.")
@@ -355,11 +244,11 @@ def state_finding(rows: spec.Rows) -> spec.Finding | None:
     fewer = ok[ok["rank0_state_elements"] < most]
     if fewer.empty:
         return None
-    held = [f"{group['name'].iloc[0]} ({_at_each_k(group, 'rank0_state_elements')})"
+    held = [f"{group['name'].iloc[0]} ({at_each_k(group, 'rank0_state_elements')})"
             for _, group in fewer.groupby("variant", sort=False)]
-    exact = _always(ok, HookVerdict.EXACT)
-    exact = _last_steps(exact[exact["variant"].isin(fewer["variant"])])
-    ended = (f"; of these, {_variants(exact)} still ended at param_distance at most "
+    exact = always(ok, HookVerdict.EXACT)
+    exact = last_steps(exact[exact["variant"].isin(fewer["variant"])])
+    ended = (f"; of these, {variant_names(exact)} still ended at param_distance at most "
              f"{small(exact['param_distance'].max())} from the exact run (one process, plain "
              f"torch.optim.SGD)" if not exact.empty else "")
     full = ok.loc[ok["rank0_state_elements"] == most, "variant"].nunique()
@@ -459,10 +348,9 @@ SECTION = spec.Section(
            "`relative_error` against the rounding bound of the wire format, `error_bound`), "
            "the gradient collectives are counted as called, and the weights are compared with "
            "an exact one-process run (`param_distance`)."),
-    columns=COLUMNS,
     derive=derive,
     terms={"erring": "a compressed or differing step at that k"},
-    answers=(answers,),
+    answers=(exact_answer, scaled_answer, compressed_answer, differing_answer),
     findings=(exact_finding, compressed_findings, scale_findings, differing_findings,
               bucket_finding, state_finding, rank_finding, skipped_findings),
     tables=(variants_table,),

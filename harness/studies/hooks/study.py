@@ -43,7 +43,7 @@ from harness.strategies import step_cost, unavailable_reason
 from harness.strategies.common import relative_spread
 from harness.strategies.ddp import gather_to_leader
 from harness.strategies.local import forward_shards
-from harness.studies.base import Case, Column, Study
+from harness.studies.base import Case, Study
 from harness.studies.hooks.measure import (
     CollectiveLog,
     CollectiveTap,
@@ -51,10 +51,10 @@ from harness.studies.hooks.measure import (
     magnitude_ratio,
     rounding_bound,
 )
+from harness.studies.hooks.schema import COLUMNS
 from harness.studies.hooks.variants import (
     LEARNING_RATE,
     MOMENTUM,
-    POWERSGD_STEPS,
     STEPS,
     VARIANTS,
     Replica,
@@ -200,64 +200,7 @@ class HooksStudy(Study):
                "dtypes against the exact average, with collectives counted")
     example = ("torchrun --standalone --nproc_per_node=4 scripts/study.py --studies hooks "
                "--matrix full")
-    columns = (
-        Column("strategy", "`ddp`, `fsdp`",
-               "DistributedDataParallel, or FSDP2's `fully_shard`"),
-        Column("variant", ", ".join(f"`{variant.name}`" for variant in VARIANTS),
-               "what is switched on (`setting` spells it out)"),
-        Column("setting", "text",
-               "the variant's exact settings, as code"),
-        Column("world_size", "ranks",
-               "k (2 and up: with one rank there is nothing to reduce)"),
-        Column("step", "optimizer steps",
-               f"the step the row measures, 1..{STEPS} (PowerSGD: 1..{POWERSGD_STEPS})"),
-        Column("model_dtype", "`float64`, `float32`",
-               "dtype of the model, its data and its gradients (the run's `--dtype`); "
-               "references are float64 whatever it is"),
-        Column("wire_dtype", "dtypes, `;`-separated",
-               "dtypes of the tensors the step's gradient collectives were handed (measured)"),
-        Column("collective", "`all_reduce`, `reduce_scatter_single`",
-               "the gradient collectives the step called"),
-        Column("buckets", "buckets",
-               "DDP: distinct buckets the variant's comm hook was handed in the step, logged "
-               "by a hook wrapped around it; empty for FSDP"),
-        Column("collective_calls", "calls per step",
-               "gradient collectives called during the step's backward (PowerSGD's from its "
-               "future callbacks too), counted at `torch.distributed`'s API"),
-        Column("collective_bytes", "bytes per step",
-               "bytes of the tensors handed to them (reduce-scatter: its input)"),
-        Column("full_batch_scale", "ratio",
-               "s in `g ~ s * ḡ`, ḡ = the exact float64 average of the ranks' gradients "
-               "at the step's weights (= the big-batch gradient = DDP's default result)"),
-        Column("fit_residual", "ratio",
-               "`‖g - s·ḡ‖ / ‖g‖`"),
-        Column("relative_error", "ratio",
-               "`‖g - ḡ‖ / ‖ḡ‖`: the compression error, scale included"),
-        Column("magnitude_ratio", "ratio",
-               "`‖mean_r abs(g_r)‖ / ‖ḡ‖`: how much the ranks' gradients cancel (1: not at "
-               "all); "
-               "rounding errors scale with it"),
-        Column("error_bound", "ratio",
-               "the largest `relative_error` rounding in the narrowest `wire_dtype` can cause: "
-               "`‖γ_{k+2}·mean_r abs(g_r) + 3k·gap/2‖ / ‖ḡ‖`, γ_n = nu/(1-nu), u the unit "
-               "roundoff (float16 2^-11, bfloat16 2^-8), gap the subnormal spacing"),
-        Column("verdict", "`exact`, `compressed`, `summed`, `over-averaged`, `scaled`, "
-               "`differs`",
-               "`relative_error` within the run's tolerance; within `error_bound`; else a pure "
-               "multiple of ḡ (s = k, s = 1/k, another s); else not a multiple at all"),
-        Column("cumulative_error", "ratio",
-               "`‖Σ g - Σ ḡ‖ / ‖Σ ḡ‖` over the steps so far: what error feedback keeps small"),
-        Column("param_distance", "ratio",
-               "`‖θ - θ*‖ / ‖θ*‖` after the step, θ* the exact run: one process, float64, "
-               f"SGD (lr {LEARNING_RATE:g}, momentum {MOMENTUM:g}) on every step's big batch"),
-        Column("grad_rank_spread", "ratio",
-               "largest `‖g_rank - g_rank0‖ / ‖g_rank0‖` over the ranks: 0 when all agree; "
-               "empty for FSDP, whose ranks hold shards"),
-        Column("param_rank_spread", "ratio",
-               "the same for the weights after the step"),
-        Column("rank0_state_elements", "elements",
-               "optimizer state (momentum) elements rank 0 holds: ZeRO and FSDP shard it"),
-    )
+    columns = COLUMNS
 
     def cases(self, run: RunContext) -> list[Case]:
         strategies = run.strategies(STRATEGIES)

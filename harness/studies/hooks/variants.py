@@ -33,22 +33,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 
 from harness.models import device_slot
-from harness.strategies import ddp
+from harness.strategies import STRATEGIES, ddp
 from harness.strategies.common import flat_grad, flat_params
 from harness.studies.hooks.measure import RecordingState, recording
+from harness.studies.hooks.schema import LEARNING_RATE, MOMENTUM, POWERSGD_STEPS, STEPS
 
-#: SGD steps per case.
-STEPS = 5
-#: PowerSGD's cases run longer: error feedback adds each step's compression error to the
-#: next step's gradient, so that the *sum* of the applied gradients tracks the exact sum
-#: while every single step stays off. Measured on the 4-8-2 MLP at rank 1 (seed 0): after
-#: 3 compressed steps (step 5) the sums with and without feedback are as far from the exact
-#: sum (cumulative error 0.43 and 0.38 at k = 2); at step 12, 0.20 against 0.50 (k = 2) and
-#: 0.18 against 0.46 (k = 4).
-POWERSGD_STEPS = 12
-#: SGD of every run, the exact one included: momentum gives ZeRO optimizer state to shard.
-LEARNING_RATE = 0.1
-MOMENTUM = 0.9
 #: PowerSGD all-reduces uncompressed for this many steps first: the smallest value
 #: PowerSGDState accepts with error feedback (DDP rebuilds its buckets after step 1).
 POWERSGD_WARMUP = 2
@@ -347,6 +336,6 @@ class FSDPReplica(Replica):
 
 def build_replica(variant: Variant, module: nn.Module, group: dist.ProcessGroup,
                   device: torch.device, seed: int) -> Replica:
-    if variant.strategy == "ddp":
-        return DDPReplica(variant, module, group, device, seed)
-    return FSDPReplica(variant, module, group, device)
+    if STRATEGIES[variant.strategy].sharded:
+        return FSDPReplica(variant, module, group, device)
+    return DDPReplica(variant, module, group, device, seed)

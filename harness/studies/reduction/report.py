@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from harness.report import spec
 from harness.report.text import small, strategy_name, words, worst
+from harness.strategies import names
 from harness.verdicts import Equivalence, Reduction
 
 MULTI = "devices_used >= 2"
+#: Strategies whose ranks each hold a param.grad that can disagree.
+COLLECTIVE = names(collective=True)
 DIFFERS = Equivalence.DIFFERS
 #: The weight of k devices' sum each reduction verdict names, as a multiple of k.
 MULTIPLE = {Reduction.MEAN: "1/k", Reduction.SUM: "1", Reduction.SUM_EQUALS_MEAN: "1"}
@@ -113,7 +116,7 @@ SECTION = spec.Section(
                                           "shard alone", "differed from the first shard's"),
                       detail=spec.joined(spec.largest("running_stats_vs_first_shard"),
                                          spec.spread("running_stats_vs_full"))),
-        spec.Verdicts(column="ranks_agree", where=f"{MULTI} and strategy in ['ddp', 'fsdp']",
+        spec.Verdicts(column="ranks_agree", where=f"{MULTI} and strategy in {COLLECTIVE}",
                       subject="The ranks of {strategy}", detail=spec.largest("rank_spread"),
                       phrases=spec.yes_no("held the same param.grad after the step",
                                           "held different param.grad after the step")),

@@ -42,6 +42,7 @@ from harness.context import RunContext
 from harness.errors import UsageError
 from harness.fit import relative_error
 from harness.options import StudyOptions, option, parse_int
+from harness.strategies import STRATEGIES as SPECS
 from harness.strategies import step_cost
 from harness.studies.base import Case, Study
 from harness.studies.training.data import DIGITS_COUNT, Digits
@@ -88,7 +89,7 @@ def twin_of(strategy: str, rule: str) -> str | None:
         return RUNNING_SUM
     if rule == "autograd.grad":
         # One process: it is the reference. DDP: no all-reduce, so rank 0 trains alone.
-        return RANK0_ALONE if strategy == "ddp" else None
+        return RANK0_ALONE if SPECS[strategy].collective else None
     return REFERENCE
 
 
@@ -131,15 +132,16 @@ class TrainingStudy(Study):
     def cases(self, run: RunContext) -> list[Case]:
         steps = self.options.epochs * self._steps_per_epoch()
         cases, strategies = [], run.strategies(STRATEGIES)
-        if "local" in strategies:
-            # Four rules and the running-sum twin.
-            cases.append(Case.of(self.name, cost=steps * 5 * STEP_MS, strategy="local",
-                                 world_size=1))
-        if "ddp" in strategies:
+        for strategy in strategies:
+            if not SPECS[strategy].collective:
+                # Four rules and the running-sum twin.
+                cases.append(Case.of(self.name, cost=steps * 5 * STEP_MS, strategy=strategy,
+                                     world_size=1))
+                continue
             # Four DDP runs on every rank, then the three twins shared among the ranks.
             cases += [Case.of(self.name, participants=k, collective=True,
-                              cost=steps * (4 * (STEP_MS + step_cost("ddp", k)) + 2 * STEP_MS),
-                              strategy="ddp", world_size=k) for k in ddp_world_sizes(run)]
+                              cost=steps * (4 * (STEP_MS + step_cost(strategy, k)) + 2 * STEP_MS),
+                              strategy=strategy, world_size=k) for k in ddp_world_sizes(run)]
         return cases
 
     def _steps_per_epoch(self) -> int:
@@ -153,7 +155,7 @@ class TrainingStudy(Study):
                              setup.train_samples)
         trainer = RuleTrainer(digits, setup, self.options.epochs, run.device)
         initial = build_model(run.seed, setup, run.dtype)
-        if strategy == "ddp":
+        if SPECS[strategy].collective:
             group = run.group(k)
             rank = dist.get_rank(group)
             runs = {rule: trainer.train(initial, rule, Feed(k, (rank,)), group)

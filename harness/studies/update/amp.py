@@ -34,9 +34,11 @@ from torch import nn
 from harness.context import RunContext
 from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.strategies import STRATEGIES
 from harness.strategies.common import flat_grad
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.clipping import (
+    clip_columns,
     clipped_reference,
     local_norm,
     measured_coefficient,
@@ -78,12 +80,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _sync(strategy: str, accum_steps: int) -> str:
-    return "none" if strategy == "local" else ("no_sync" if accum_steps > 1 else
-                                                "every-micro-step")
-
-
 # ---------------------------------------------------------------- grad-scaler
+def _plain_sgd_columns(strategy: str, accum_steps: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The columns every GradScaler row shares: plain SGD on the mean/k loss."""
+    spec = OPTIMIZERS[PLAIN]
+    return {"loss": "mean/k", "sync": STRATEGIES[strategy].sync(accum_steps), "optimizer": PLAIN,
+            "optimizer_settings": spec.settings, "learning_rate": spec.lr,
+            "dtype_used": dtype_name(dtype)}
+
+
+def _judged(error: float, tolerance: float) -> Equivalence:
+    return Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS
+
+
 def grad_scaler(strategy: str, world_size: int, accum_steps: int, steps: int,
                 run_context: RunContext, reports: bool, references: ReferenceRuns
                 ) -> list[dict[str, Any]] | None:
@@ -92,18 +101,45 @@ def grad_scaler(strategy: str, world_size: int, accum_steps: int, steps: int,
     data = windows(seed, shape, steps, dtype)
     initial = initial_model(seed, dtype)
     max_norm = SCALER_MAX_NORM_RATIO * float(big_batch_gradient(initial, data[0]).norm())
-    spec = OPTIMIZERS[PLAIN]
-    runs = [Member("mean/k", spec) for _ in SCALER_SETTINGS]
+    runs = [Member("mean/k", OPTIMIZERS[PLAIN]) for _ in SCALER_SETTINGS]
     trainer = fleet_trainer(strategy, Fleet(initial, len(runs)), world_size, run_context)
+    coefficients, scales = _train_scaled(trainer, runs, data, shape, max_norm,
+                                         run_context.device.type)
+    final = every_member_parameters(trainer)
+    if not reports:
+        return None
+    start = flat_parameters(initial)
+    tolerance = update_tolerance(dtype)
+    rows = []
+    for i, setting in enumerate(SCALER_SETTINGS):
+        reference, reference_coefficient = _scaler_reference(
+            setting, references, initial, data, max_norm, (seed, dtype, shape, steps))
+        error = update_error(final[i], reference, start)
+        clipped = {} if setting == "no-clip" else clip_columns(
+            max_norm, SCALER_MAX_NORM_RATIO, reference_coefficient, coefficients[i])
+        rows.append({
+            **_plain_sgd_columns(strategy, accum_steps, dtype), "steps": steps,
+            "setting": setting, **clipped,
+            "scale_before": scales[0], "scale_after": scales[-1],
+            "param_distance": relative_error(final[i], reference), "update_error": error,
+            "verdict": _judged(error, tolerance),
+        })
+    return rows
+
+
+def _train_scaled(trainer, runs: list[Member], data, shape: Shape, max_norm: float,
+                  device_type: str) -> tuple[list[list[float]], list[float]]:
+    """Every window under one GradScaler, each copy clipping as its setting says; the clip
+    coefficients of the first window per copy, and the scale before and after each window."""
     copies = members(trainer)
     # One optimizer per copy: unscale_ acts on a whole optimizer, and the copies differ
     # exactly in when they unscale.
-    optimizers = [spec.build(c.parameters()) for c in copies]
-    scaler = torch.amp.GradScaler(run_context.device.type)
+    optimizers = [OPTIMIZERS[PLAIN].build(c.parameters()) for c in copies]
+    scaler = torch.amp.GradScaler(device_type)
     coefficients: list[list[float]] = [[] for _ in SCALER_SETTINGS]
     scales = [scaler.get_scale()]
     for t, window in enumerate(data):
-        accumulate_window(trainer, runs, window, shape, no_sync=accum_steps > 1,
+        accumulate_window(trainer, runs, window, shape, no_sync=shape.accum_steps > 1,
                           scale=scaler.scale)
         for i, setting in enumerate(SCALER_SETTINGS):
             if setting == "unscale-then-clip":
@@ -119,36 +155,18 @@ def grad_scaler(strategy: str, world_size: int, accum_steps: int, steps: int,
             optimizer.zero_grad(set_to_none=True)
         scaler.update()
         scales.append(scaler.get_scale())
-    final = every_member_parameters(trainer)
-    if not reports:
-        return None
-    start = flat_parameters(initial)
-    tolerance = update_tolerance(dtype)
-    key = (seed, dtype, shape, steps)
-    rows = []
-    for i, setting in enumerate(SCALER_SETTINGS):
-        if setting == "no-clip":
-            reference = references.get((*key, PLAIN),
-                                       lambda: big_batch_run(initial, spec, data))[-1]
-            reference_coefficient = float("nan")
-        else:
-            reference, reference_coefficient = clipped_reference(references, initial, data,
-                                                                  max_norm, key)
-        error = update_error(final[i], reference, start)
-        clip_columns = {} if setting == "no-clip" else {
-            "max_norm": max_norm, "max_norm_ratio": SCALER_MAX_NORM_RATIO,
-            "clip_coef_reference": reference_coefficient,
-            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients[i]),
-            "clip_coef_min": min(coefficients[i]), "clip_coef_max": max(coefficients[i])}
-        rows.append({
-            "loss": "mean/k", "sync": _sync(strategy, accum_steps), "optimizer": PLAIN,
-            "optimizer_settings": spec.settings, "learning_rate": spec.lr, "steps": steps,
-            "setting": setting, "dtype_used": dtype_name(dtype), **clip_columns,
-            "scale_before": scales[0], "scale_after": scales[-1],
-            "param_distance": relative_error(final[i], reference), "update_error": error,
-            "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
-        })
-    return rows
+    return coefficients, scales
+
+
+def _scaler_reference(setting: str, references: ReferenceRuns, initial: nn.Module, data,
+                      max_norm: float, key: tuple) -> tuple[torch.Tensor, float]:
+    """The big-batch parameters a setting is compared with (clipped at ``max_norm`` where
+    the setting clips), and the coefficient clipping applied to it at the first step."""
+    if setting != "no-clip":
+        return clipped_reference(references, initial, data, max_norm, key)
+    spec = OPTIMIZERS[PLAIN]
+    reference = references.get((*key, PLAIN), lambda: big_batch_run(initial, spec, data))[-1]
+    return reference, float("nan")
 
 
 # ----------------------------------------------------------------- non-finite
@@ -166,17 +184,46 @@ def non_finite(strategy: str, world_size: int, accum_steps: int, run_context: Ru
     clean = windows(seed, shape, NON_FINITE_WINDOWS, dtype)
     inject_non_finite(data, world_size)
     initial = initial_model(seed, dtype)
-    spec = OPTIMIZERS[PLAIN]
-    runs = [Member("mean/k", spec)]
     trainer = fleet_trainer(strategy, Fleet(initial, 1), world_size, run_context)
+    per_window, parameters = _train_through_non_finite(trainer, data, shape,
+                                                       run_context.device.type)
+    every_rank = _every_rank(torch.tensor(per_window, dtype=torch.float64), strategy,
+                             world_size, run_context)
+    if not reports:
+        return None
+    reference = big_batch_run(initial, OPTIMIZERS[PLAIN], clean, skip=[INJECTED_WINDOW])
+    start = flat_parameters(initial)
+    tolerance = update_tolerance(dtype)
+    rows = []
+    for w in range(NON_FINITE_WINDOWS):
+        error = update_error(parameters[w], reference[w], start)
+        after = [float(rank[w, 2]) for rank in every_rank]
+        rows.append({
+            **_plain_sgd_columns(strategy, accum_steps, dtype), "steps": NON_FINITE_WINDOWS,
+            "setting": (f"inf in sample 0 of micro-step {INJECTED_MICRO_STEP} of device "
+                        f"{world_size - 1} in window {INJECTED_WINDOW}"),
+            "window": w, "injected": w == INJECTED_WINDOW,
+            "ranks_skipped": int(sum(rank[w, 0] for rank in every_rank)),
+            "scale_before": float(every_rank[0][w, 1]), "scale_after": after[0],
+            "scale_spread": max(abs(a - after[0]) for a in after),
+            "param_distance": relative_error(parameters[w], reference[w]),
+            "update_error": error, "verdict": _judged(error, tolerance),
+        })
+    return rows
+
+
+def _train_through_non_finite(trainer, data, shape: Shape, device_type: str
+                              ) -> tuple[list[tuple[float, float, float]], list[torch.Tensor]]:
+    """One copy trained under a GradScaler; per window (skipped on this rank, scale before,
+    scale after) and the parameters after it."""
+    runs = [Member("mean/k", OPTIMIZERS[PLAIN])]
     member = members(trainer)[0]
-    optimizer = spec.build(member.parameters())
-    scaler = torch.amp.GradScaler(run_context.device.type)
-    per_window = []  # (skipped, scale before, scale after) on this rank
-    parameters = []
+    optimizer = OPTIMIZERS[PLAIN].build(member.parameters())
+    scaler = torch.amp.GradScaler(device_type)
+    per_window, parameters = [], []
     for window in data:
         scale_before = scaler.get_scale()
-        accumulate_window(trainer, runs, window, shape, no_sync=accum_steps > 1,
+        accumulate_window(trainer, runs, window, shape, no_sync=shape.accum_steps > 1,
                           scale=scaler.scale)
         before = [p.detach().clone() for p in member.parameters()]
         scaler.step(optimizer)
@@ -186,38 +233,13 @@ def non_finite(strategy: str, world_size: int, accum_steps: int, run_context: Ru
                                                           strict=True))
         per_window.append((float(unchanged), scale_before, scaler.get_scale()))
         parameters.append(every_member_parameters(trainer)[0])
-    every_rank = _every_rank(torch.tensor(per_window, dtype=torch.float64), strategy,
-                             world_size, run_context)
-    if not reports:
-        return None
-    reference = big_batch_run(initial, spec, clean, skip=[INJECTED_WINDOW])
-    start = flat_parameters(initial)
-    tolerance = update_tolerance(dtype)
-    rows = []
-    for w in range(NON_FINITE_WINDOWS):
-        error = update_error(parameters[w], reference[w], start)
-        after = [float(rank[w, 2]) for rank in every_rank]
-        rows.append({
-            "loss": "mean/k", "sync": _sync(strategy, accum_steps), "optimizer": PLAIN,
-            "optimizer_settings": spec.settings, "learning_rate": spec.lr,
-            "steps": NON_FINITE_WINDOWS, "dtype_used": dtype_name(dtype),
-            "setting": (f"inf in sample 0 of micro-step {INJECTED_MICRO_STEP} of device "
-                        f"{world_size - 1} in window {INJECTED_WINDOW}"),
-            "window": w, "injected": w == INJECTED_WINDOW,
-            "ranks_skipped": int(sum(rank[w, 0] for rank in every_rank)),
-            "scale_before": float(every_rank[0][w, 1]), "scale_after": after[0],
-            "scale_spread": max(abs(a - after[0]) for a in after),
-            "param_distance": relative_error(parameters[w], reference[w]),
-            "update_error": error,
-            "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
-        })
-    return rows
+    return per_window, parameters
 
 
 def _every_rank(mine: torch.Tensor, strategy: str, world_size: int, run_context: RunContext
                 ) -> list[torch.Tensor]:
-    """This rank's per-window record, or every rank's on rank 0 (DDP)."""
-    if strategy != "ddp":
+    """This rank's per-window record, or every rank's on rank 0 (a collective case)."""
+    if not STRATEGIES[strategy].collective:
         return [mine]
     return gather_to_leader(mine, run_context.group(world_size), run_context.device) or []
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.fit import relative_error
+from harness.strategies import STRATEGIES
 from harness.strategies.common import Trainer
 from harness.strategies.ddp import gather_to_leader
 from harness.studies.update.fleet import (
@@ -136,12 +137,14 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, run_contex
     recorder = ClipRecorder([s for s, _ in plan], [r * big_norm for _, r in plan])
     loss = "mean/k" if accum_steps > 1 else "mean"
     runs = [Member(loss, OPTIMIZERS[PLAIN]) for _ in plan]
-    if strategy == "ddp":
+    # Clipping before DDP's reduction needs a fleet of its own, under no_sync.
+    if "before-reduction" in SETTINGS[strategy]:
         final = _ddp_runs(plan, runs, recorder, data, shape, initial, run_context)
     else:
         final = _single_trainer_runs(strategy, plan, runs, recorder, data, shape, initial,
                                      run_context)
-    group = run_context.group(world_size) if strategy in ("ddp", "fsdp") else None
+    spec = STRATEGIES[strategy]
+    group = run_context.group(world_size) if spec.collective else None
     every_rank = _coefficients_of_every_rank(recorder, group, run_context)
     if not reports:
         return None
@@ -151,21 +154,26 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, run_contex
     for i, (setting, ratio) in enumerate(plan):
         reference, reference_coefficient = clipped_reference(
             references, initial, data, recorder.max_norms[i], (seed, dtype, shape, steps))
-        coefficients = every_rank[i]
         error = update_error(final[i], reference, start)
         rows.append({
-            "loss": loss, "sync": "none" if strategy == "local" else "every-micro-step",
+            "loss": loss, "sync": spec.sync(1),  # DDP and FSDP reduce in every backward here
             "optimizer": PLAIN, "optimizer_settings": OPTIMIZERS[PLAIN].settings,
             "learning_rate": OPTIMIZERS[PLAIN].lr, "steps": steps, "setting": setting,
             "dtype_used": str(dtype).removeprefix("torch."),
-            "max_norm": recorder.max_norms[i], "max_norm_ratio": ratio,
-            "clip_coef_reference": reference_coefficient,
-            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
-            "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients),
+            **clip_columns(recorder.max_norms[i], ratio, reference_coefficient, every_rank[i]),
             "param_distance": relative_error(final[i], reference), "update_error": error,
             "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
         })
     return rows
+
+
+def clip_columns(max_norm: float, ratio: float, reference_coefficient: float,
+                 coefficients: Sequence[float]) -> dict[str, Any]:
+    """The columns saying where clipping was set and what it applied at the first step."""
+    return {"max_norm": max_norm, "max_norm_ratio": ratio,
+            "clip_coef_reference": reference_coefficient,
+            "clip_coefs": ";".join(f"{c:.12g}" for c in coefficients),
+            "clip_coef_min": min(coefficients), "clip_coef_max": max(coefficients)}
 
 
 def _single_trainer_runs(strategy, plan, runs, recorder, data, shape, initial, run_context):

@@ -19,12 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.context import RunContext
-from harness.strategies import fsdp
+from harness.strategies import STRATEGIES
 from harness.strategies.common import Trainer, float64_vector
-from harness.strategies.ddp import DDPTrainer
-from harness.strategies.dp import DPTrainer
-from harness.strategies.dp_emulated import EmulatedDPTrainer
-from harness.strategies.local import LocalTrainer
 
 
 class Member(nn.Module):
@@ -68,46 +64,12 @@ class Fleet(nn.Module):
         return torch.einsum("bmh,moh->bmo", hidden, w2) + b2
 
 
-class FSDPTrainer(Trainer):
-    """FSDP2's ``fully_shard`` on a subgroup: each rank feeds its own shard."""
-
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-        super().__init__()
-        self.module = fsdp.shard(module, group, device)
-        self.group, self.device = group, device
-        self.rank = dist.get_rank(group)
-        self.average_divisor = dist.get_world_size(group)
-
-    def batch_for_this_process(self, shards):
-        return shards[self.rank].to(self.device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """FSDP2's ``no_sync``: the enclosed backward keeps the unsharded gradient and
-        reduce-scatters nothing; the next synchronized backward reduces the sum."""
-        self.module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)
-
-
 def fleet_trainer(strategy: str, fleet: Fleet, world_size: int, run: RunContext) -> Trainer:
     """``fleet`` under ``strategy`` over ``world_size`` devices."""
-    if strategy == "local":
-        return LocalTrainer(fleet, run.device)
-    if strategy == "ddp":
-        return DDPTrainer(fleet, run.group(world_size), run.device)
-    if strategy == "fsdp":
-        return FSDPTrainer(fleet, run.group(world_size), run.device)
-    if strategy == "dp-emulated":
-        return EmulatedDPTrainer(fleet, world_size, run.device)
-    if strategy == "dp":
-        return DPTrainer(fleet, world_size)
-    raise ValueError(f"strategy {strategy!r} has no fleet trainer")
+    trainer = STRATEGIES[strategy].trainer
+    if trainer is None:
+        raise ValueError(f"strategy {strategy!r} has no trainer")
+    return trainer(fleet, world_size, run)
 
 
 def members(trainer: Trainer) -> nn.ModuleList:

@@ -25,6 +25,7 @@ import torch
 
 from harness.context import RunContext
 from harness.fit import fit_scale, relative_error
+from harness.strategies import STRATEGIES
 from harness.studies.update.fleet import (
     Fleet,
     every_member_parameters,
@@ -55,7 +56,8 @@ CANDIDATES = (SAME_LR, INVERSE_SCALE)
 
 
 def optimizers_for(strategy: str, full: bool) -> list[OptimizerSpec]:
-    names = FSDP_DEFAULT_OPTIMIZERS if strategy == "fsdp" and not full else tuple(OPTIMIZERS)
+    sharded = STRATEGIES[strategy].sharded
+    names = FSDP_DEFAULT_OPTIMIZERS if sharded and not full else tuple(OPTIMIZERS)
     return [OPTIMIZERS[name] for name in names]
 
 
@@ -70,11 +72,7 @@ def sync_of(strategy: str, accum_steps: int) -> str:
     """When the strategy reduces: DDP under ``no_sync`` and FSDP2 with
     ``set_requires_gradient_sync(False)`` but for the last micro-step when accumulating;
     DataParallel in every backward; one process never."""
-    if strategy == "local":
-        return "none"
-    if strategy in ("ddp", "fsdp") and accum_steps > 1:
-        return "no_sync"
-    return "every-micro-step"
+    return STRATEGIES[strategy].sync(accum_steps)
 
 
 def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool,
@@ -90,14 +88,7 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool
     trainer = fleet_trainer(strategy, Fleet(initial, len(runs)), world_size, run_context)
     optimizer = FleetOptimizers([member for member, _ in runs], members(trainer))
     no_sync = sync_of(strategy, accum_steps) == "no_sync"
-    scales: dict[str, Any] = {}
-    for t, window in enumerate(data):
-        accumulate_window(trainer, [m for m, _ in runs], window, shape, no_sync)
-        if t == 0:
-            scales = _gradient_scales(trainer, runs, big_batch_gradient(initial, window))
-            for i, (member, candidate) in enumerate(runs):
-                optimizer.set_lr_factor(i, candidate_factor(candidate, scales[member.loss].scale))
-        optimizer.step()
+    scales = _train(trainer, optimizer, runs, data, shape, initial, no_sync)
     final = every_member_parameters(trainer)
     if not reports:
         return None
@@ -123,6 +114,21 @@ def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool
             **lr_factor_columns(errors, fit.scale, tolerance),
         })
     return rows
+
+
+def _train(trainer, optimizer: FleetOptimizers, runs, data, shape: Shape, initial, no_sync: bool
+           ) -> dict[str, Any]:
+    """Every window, each copy at its candidate's learning rate: set after the first window,
+    once its recipe's gradient scale is known; the scales, per loss recipe."""
+    scales: dict[str, Any] = {}
+    for t, window in enumerate(data):
+        accumulate_window(trainer, [m for m, _ in runs], window, shape, no_sync)
+        if t == 0:
+            scales = _gradient_scales(trainer, runs, big_batch_gradient(initial, window))
+            for i, (member, candidate) in enumerate(runs):
+                optimizer.set_lr_factor(i, candidate_factor(candidate, scales[member.loss].scale))
+        optimizer.step()
+    return scales
 
 
 def _gradient_scales(trainer, runs, reference: torch.Tensor) -> dict[str, Any]:

@@ -26,12 +26,14 @@ sample of the step, mean loss), in the run's dtype (float64 by default):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from harness.context import RunContext
 from harness.errors import UsageError
 from harness.options import StudyOptions, option, parse_float_list, parse_int
+from harness.strategies import STRATEGIES as SPECS
 from harness.strategies import row_device, unavailable_reason
 from harness.studies.base import Case, Study
 from harness.studies.update import amp, clipping, linear_scaling, lr_factor, momentum
@@ -40,10 +42,10 @@ from harness.studies.update.schema import COLUMNS, blank_row
 from harness.studies.update.training import ReferenceRuns
 
 STRATEGIES = ("local", "ddp", "fsdp", "dp-emulated", "dp")
-#: Strategies whose cases run collectives on the subgroup of ranks 0..N-1.
-COLLECTIVE = ("ddp", "fsdp")
-EXPERIMENTS = ("lr-factor", "clipping", "grad-scaler", "non-finite", "bf16-accumulation",
-               "linear-scaling", "momentum-correction")
+#: The strategies of the GradScaler experiments: one process, and DDP's reduction.
+SCALER_STRATEGIES = ("local", "ddp")
+#: The strategy of the single-process experiments (bf16, linear scaling, momentum).
+ONE_PROCESS = ("local",)
 
 #: Small-batch learning rates of the linear-scaling sweep: from where the rule holds on
 #: this model (1e-3) to where one step overshoots (1).
@@ -117,63 +119,72 @@ class UpdateStudy(Study):
                   for strategy, n, steps in _clipping_grid(strategies, wide, k)]
         cases += [self._case(experiment, strategy, n, k)
                   for experiment in ("grad-scaler", "non-finite")
-                  for strategy in ("local", "ddp") if strategy in strategies
-                  for n in ([1] if strategy == "local" else wide)]
-        if "local" in strategies:
+                  for strategy in run.strategies(SCALER_STRATEGIES)
+                  for n in ([1] if SPECS[strategy].reference else wide)]
+        for strategy in run.strategies(ONE_PROCESS):
             ks = amp.BF16_STEPS["full" if full else "default"]
-            cases.append(self._case("bf16-accumulation", "local", 1, f"{min(ks)}..{max(ks)}"))
-            cases += [self._case("linear-scaling", "local", n, 1) for n in sizes if n >= 2]
+            cases.append(self._case("bf16-accumulation", strategy, 1, f"{min(ks)}..{max(ks)}"))
+            cases += [self._case("linear-scaling", strategy, n, 1) for n in sizes if n >= 2]
             if max(sizes) >= 2:
-                cases.append(self._case("momentum-correction", "local", max(sizes), 1))
+                cases.append(self._case("momentum-correction", strategy, max(sizes), 1))
         return cases
 
     def _case(self, experiment: str, strategy: str, world_size: int, accum_steps: int | str
               ) -> Case:
         """One case; ``accum_steps`` is text for bf16-accumulation, whose rows sweep k."""
-        collective = strategy in COLLECTIVE
+        collective = SPECS[strategy].collective
+        micro_steps = accum_steps if isinstance(accum_steps, int) else 1
+        cost = EXPERIMENTS[experiment].cost_ms * micro_steps * (1 + 0.25 * world_size)
         return Case.of(self.name, participants=world_size if collective else 1,
-                       collective=collective, cost=_cost(experiment, strategy, world_size,
-                                                         accum_steps),
-                       experiment=experiment, strategy=strategy, world_size=world_size,
-                       accum_steps=accum_steps)
+                       collective=collective, cost=cost, experiment=experiment,
+                       strategy=strategy, world_size=world_size, accum_steps=accum_steps)
 
     # ---------------------------------------------------------------- measure
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        experiment, strategy = case["experiment"], case["strategy"]
-        n, k = case["world_size"], case["accum_steps"]
+        strategy, n = case["strategy"], case["world_size"]
         reports = run.reports(case)
         if reason := unavailable_reason(strategy, n, run):
             return [self._row(case, {"status": reason})] if reports else None
-        full = run.config.matrix == "full"
-        steps = self.options.steps
-        if experiment == "lr-factor":
-            rows = lr_factor.run(strategy, n, k, steps, full, run, reports, self._references)
-        elif experiment == "clipping":
-            rows = clipping.run(strategy, n, k, steps, run, reports, self._references)
-        elif experiment == "grad-scaler":
-            rows = amp.grad_scaler(strategy, n, k, steps, run, reports, self._references)
-        elif experiment == "non-finite":
-            rows = amp.non_finite(strategy, n, k, run, reports)
-        elif experiment == "bf16-accumulation":
-            rows = amp.bf16_accumulation(full, run)
-        elif experiment == "linear-scaling":
-            # Early training over 2W windows is the costly part: the widest N alone by default.
-            early = full or n == max(run.world_sizes)
-            rows = linear_scaling.run(n, self.options.lrs, run, early)
-        elif experiment == "momentum-correction":
-            rows = momentum.run(n, steps, run)
-        else:
-            raise ValueError(f"unknown experiment {experiment!r}")
+        rows = EXPERIMENTS[case["experiment"]].measure(self, case, run, reports)
         if rows is None:
             return None
         return [self._row(case, row) for row in rows]
+
+    def _lr_factor(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return lr_factor.run(case["strategy"], case["world_size"], case["accum_steps"],
+                             self.options.steps, run.config.matrix == "full", run, reports,
+                             self._references)
+
+    def _clipping(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return clipping.run(case["strategy"], case["world_size"], case["accum_steps"],
+                            self.options.steps, run, reports, self._references)
+
+    def _grad_scaler(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return amp.grad_scaler(case["strategy"], case["world_size"], case["accum_steps"],
+                               self.options.steps, run, reports, self._references)
+
+    def _non_finite(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return amp.non_finite(case["strategy"], case["world_size"], case["accum_steps"], run,
+                              reports)
+
+    def _bf16(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return amp.bf16_accumulation(run.config.matrix == "full", run)
+
+    def _linear_scaling(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        # Early training over 2W windows is the costly part: the widest N alone by default.
+        n = case["world_size"]
+        early = run.config.matrix == "full" or n == max(run.world_sizes)
+        return linear_scaling.run(n, self.options.lrs, run, early)
+
+    def _momentum(self, case: Case, run: RunContext, reports: bool) -> MeasuredRows:
+        return momentum.run(case["world_size"], self.options.steps, run)
 
     @staticmethod
     def _row(case: Case, measured: dict[str, Any]) -> dict[str, Any]:
         strategy = case["strategy"]
         row: dict[str, Any] = blank_row()
         row.update(experiment=case["experiment"], strategy=strategy,
-                   emulated=strategy == "dp-emulated", world_size=case["world_size"],
+                   emulated=SPECS[strategy].emulated, world_size=case["world_size"],
                    accum_steps=case["accum_steps"], micro_batch=MICRO_BATCH, status="ok")
         row.update(measured)
         row.setdefault("device", row_device(strategy))
@@ -202,27 +213,43 @@ def _lr_factor_grid(strategy: str, sizes: list[int], accumulating: list[int], k:
                     ) -> list[tuple[int, int]]:
     """(world size, k) pairs of a strategy's lr-factor cases: one optimizer step per batch
     at every world size; k-step accumulation at the widest (every size in the full matrix).
-    FSDP's cases are the costliest: the widest sizes only, unless the matrix is full."""
-    if strategy == "local":
+    A sharded strategy's cases (FSDP) are the costliest: the widest sizes only, unless the
+    matrix is full."""
+    spec = SPECS[strategy]
+    if spec.reference:
         return [(1, k)]
-    if strategy == "fsdp":
-        return [(n, 1) for n in accumulating] + [(n, k) for n in accumulating]
-    return [(n, 1) for n in sizes] + [(n, k) for n in accumulating]
+    single = accumulating if spec.sharded else sizes
+    return [(n, 1) for n in single] + [(n, k) for n in accumulating]
 
 
 def _clipping_grid(strategies: list[str], sizes: list[int], k: int
                    ) -> list[tuple[str, int, int]]:
-    grid = []
-    if "local" in strategies:
-        grid.append(("local", 1, k))
-    grid += [(s, n, 1) for s in ("ddp", "fsdp") if s in strategies for n in sizes]
-    return grid
+    """One process clips k micro-steps; DDP and FSDP, one micro-step per step on N ranks.
+    The strategies are those ``clipping.SETTINGS`` knows where to clip for."""
+    return [(s, 1, k) if SPECS[s].reference else (s, n, 1)
+            for s in strategies if s in clipping.SETTINGS
+            for n in ([1] if SPECS[s].reference else sizes)]
 
 
-def _cost(experiment: str, strategy: str, world_size: int, accum_steps: int | str) -> float:
-    """Rough milliseconds, for spreading single-process cases over idle ranks."""
-    micro_steps = accum_steps if isinstance(accum_steps, int) else 1
-    per_experiment = {"lr-factor": 60.0, "clipping": 10.0, "grad-scaler": 10.0,
-                      "non-finite": 5.0, "bf16-accumulation": 60.0, "linear-scaling": 30.0,
-                      "momentum-correction": 5.0}
-    return per_experiment[experiment] * micro_steps * (1 + 0.25 * world_size)
+MeasuredRows = list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One question of the study: how to measure a case of it, and its rough cost."""
+
+    measure: Callable[[UpdateStudy, Case, RunContext, bool], MeasuredRows]
+    #: Rough milliseconds per micro-step, for spreading single-process cases over idle ranks.
+    cost_ms: float
+
+
+#: The experiments, in the order the ``experiment`` column documents them.
+EXPERIMENTS = {
+    "lr-factor": Experiment(UpdateStudy._lr_factor, 60.0),
+    "clipping": Experiment(UpdateStudy._clipping, 10.0),
+    "grad-scaler": Experiment(UpdateStudy._grad_scaler, 10.0),
+    "non-finite": Experiment(UpdateStudy._non_finite, 5.0),
+    "bf16-accumulation": Experiment(UpdateStudy._bf16, 60.0),
+    "linear-scaling": Experiment(UpdateStudy._linear_scaling, 30.0),
+    "momentum-correction": Experiment(UpdateStudy._momentum, 5.0),
+}
