@@ -49,6 +49,7 @@ from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError
 from harness.launch import Launch, choose_placement
 from harness.launcher import _describe_exit
+from harness.strategies import STRATEGIES
 
 #: What ``setup`` may be: see the module's docstring.
 SetupSource = str | Callable[[], Setup] | Setup
@@ -83,10 +84,11 @@ def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
     check_model(resolved.make_model(), target)
     check_step_device(resolved, target,
                       choose_placement("auto", "auto", Launch.planned(max(sizes))).device)
-    launched = [s for s in config.strategies if s != "local"]
+    launched = [s for s in config.strategies if STRATEGIES[s].collective]
+    in_process = tuple(s for s in config.strategies if not STRATEGIES[s].collective)
     rows = []
-    if "local" in config.strategies:
-        rows += _in_this_process(replace(config, strategies=("local",)), target, resolved,
+    if in_process:
+        rows += _in_this_process(replace(config, strategies=in_process), target, resolved,
                                  sizes)
     if launched:
         rows += _on_ranks(setup, replace(config, strategies=tuple(launched)), sizes)

@@ -11,14 +11,11 @@ from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
 from harness.config import DTYPES
 from harness.errors import UsageError
 from harness.options import check_known, check_positive_unique, check_timeout
+from harness.strategies import STRATEGIES
 
-#: Strategies a check runs, in the order rows appear.
-CHECK_STRATEGIES = {
-    "local": "one process playing every rank in turn (N x k pieces, each rank's gradient "
-             "averaged over the N as DDP does): accumulation without communication",
-    "ddp": "DistributedDataParallel on ranks 0..N-1, no_sync for the first k-1 micro-steps",
-    "fsdp": "FSDP2 fully_shard on ranks 0..N-1; each rank compares its own shard",
-}
+#: Strategies a check runs, in the order rows appear: those whose spec names a check case.
+CHECK_STRATEGIES = {spec.name: spec.check_description for spec in STRATEGIES.values()
+                    if spec.check_case}
 #: Micro-steps beyond this would only make a check slow; no real recipe needs more.
 MAX_ACCUM_STEPS = 64
 CSV_NAME = "check.csv"

@@ -42,10 +42,11 @@ from harness.check.reference import (
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
-from harness.check.strategies import CASE_MODELS, CaseModel, merged, not_finite_message
+from harness.check.strategies import CaseModel, case_model, merged, not_finite_message
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
+from harness.strategies import STRATEGIES
 from harness.tolerances import check_tolerance
 from harness.verdicts import Equivalence
 
@@ -66,7 +67,7 @@ class Case:
 
     @property
     def participants(self) -> int:
-        return 1 if self.strategy == "local" else self.world_size
+        return STRATEGIES[self.strategy].participants(self.world_size)
 
     @property
     def label(self) -> str:
@@ -176,7 +177,7 @@ class SetupCheck:
         cases = matrix(self.config, self.world_sizes)
         for case in cases:
             if self.launch.rank < case.participants:
-                parts = CASE_MODELS[case.strategy].compared_parts(self.initial, case.world_size,
+                parts = case_model(case.strategy).compared_parts(self.initial, case.world_size,
                                                                   self.launch.rank)
                 for name, rows in parts.items():
                     self.kept[name] = merged(self.kept[name], rows) if name in self.kept else rows
@@ -208,14 +209,10 @@ class SetupCheck:
         return self._rows(case, measured)
 
     def _unavailable(self, case: Case) -> str | None:
-        if case.strategy == "fsdp":
-            from harness.strategies.fsdp import unavailable_reason
-
-            return unavailable_reason(self.placement)
-        return None
+        return case_model(case.strategy).unavailable(self.placement)
 
     def _group(self, case: Case) -> dist.ProcessGroup | None:
-        return None if case.strategy == "local" else self.groups[case.world_size]
+        return self.groups[case.world_size] if STRATEGIES[case.strategy].collective else None
 
     def _measure(self, case: Case) -> list[tuple]:
         """Train the case's steps; (step, point, comparison, ranks agree, fix, status, error)
@@ -223,7 +220,7 @@ class SetupCheck:
         used = self.used_samples(case)
         reference = self.reference(used)
         group = self._group(case)
-        model = CASE_MODELS[case.strategy](self.setup, self._initial_model(), case.world_size,
+        model = case_model(case.strategy)(self.setup, self._initial_model(), case.world_size,
                                            self.device, group)
         facts = self._facts(case, model, reference)
         results = []

@@ -29,6 +29,8 @@ from harness.check.reference import (
 )
 from harness.check.setup import MicroStep, Setup
 from harness.check.step import WholeStep
+from harness.launch import Placement
+from harness.strategies import STRATEGIES
 
 
 def default_micro_step(setup: Setup):
@@ -82,6 +84,11 @@ class CaseModel(ABC):
     plays_every_rank = False
     #: Every rank holds a shard of every parameter, so it compares its shard of each.
     shards_parameters = False
+
+    @classmethod
+    def unavailable(cls, placement: Placement) -> str | None:
+        """Why the strategy cannot run on this placement (the rows' status), or None."""
+        return None
 
     def __init__(self, setup: Setup, model: nn.Module, world_size: int, device: torch.device,
                  group: dist.ProcessGroup | None) -> None:
@@ -276,6 +283,12 @@ class FSDPCase(CaseModel):
 
     shards_parameters = True
 
+    @classmethod
+    def unavailable(cls, placement: Placement) -> str | None:
+        from harness.strategies.fsdp import unavailable_reason
+
+        return unavailable_reason(placement)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from harness.strategies.fsdp import shard
 
@@ -301,5 +314,6 @@ class FSDPCase(CaseModel):
         return reference[first - first_row:stop - first_row]
 
 
-CASE_MODELS: dict[str, type[CaseModel]] = {"local": LocalCase, "ddp": DDPCase,
-                                           "fsdp": FSDPCase}
+def case_model(strategy: str) -> type[CaseModel]:
+    """The class that runs a user's step under ``strategy``: the one its spec names."""
+    return globals()[STRATEGIES[strategy].check_case]

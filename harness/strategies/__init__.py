@@ -66,6 +66,10 @@ class Strategy:
     measure: Callable[[StepSpec, int, RunContext], StepMeasurement | None] | None = None
     #: A model under the strategy over k devices, fed one micro-step at a time.
     trainer: Callable[[nn.Module, int, RunContext], Trainer] | None = None
+    #: grad-check: the class in :mod:`harness.check.strategies` that runs a user's step
+    #: under this strategy ("": the check does not offer it), and one line for its --help.
+    check_case: str = ""
+    check_description: str = ""
 
     def participants(self, world_size: int) -> int:
         """Ranks a case of this world size occupies."""
@@ -101,7 +105,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("local", "one process (local)",
              "one process, no reduction: the single-device reference",
              collective=False, step_ms=_one_process_ms, syncs=("none",), reference=True,
-             trainer=lambda module, k, run: _module("local").LocalTrainer(module, run.device)),
+             trainer=lambda module, k, run: _module("local").LocalTrainer(module, run.device),
+             check_case="LocalCase",
+             check_description="one process playing every rank in turn (N x k pieces, each "
+                               "rank's gradient averaged over the N as DDP does): "
+                               "accumulation without communication"),
     Strategy("ddp", "DDP",
              "torch.nn.parallel.DistributedDataParallel over a process subgroup",
              collective=True, step_ms=_gloo_or_collective_ms,
@@ -109,7 +117,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              measure=lambda spec, k, run: _module("ddp").measure_step(spec, run.group(k),
                                                                       run.device),
              trainer=lambda module, k, run: _module("ddp").DDPTrainer(module, run.group(k),
-                                                                      run.device)),
+                                                                      run.device),
+             check_case="DDPCase",
+             check_description="DistributedDataParallel on ranks 0..N-1, no_sync for the "
+                               "first k-1 micro-steps"),
     Strategy("fsdp", "FSDP",
              "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
              collective=True, step_ms=_gloo_or_collective_ms, sharded=True,
@@ -118,7 +129,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              measure=lambda spec, k, run: _module("fsdp").measure_step(spec, run.group(k),
                                                                        run.device),
              trainer=lambda module, k, run: _module("fsdp").FSDPTrainer(module, run.group(k),
-                                                                        run.device)),
+                                                                        run.device),
+             check_case="FSDPCase",
+             check_description="FSDP2 fully_shard on ranks 0..N-1; each rank compares its "
+                               "own shard"),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",
              "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
              collective=False, step_ms=_one_process_ms, emulates="dp",
