@@ -13,21 +13,13 @@ from __future__ import annotations
 from torch.utils.data import DataLoader
 
 from harness.check.reference import make_optimizer
+from harness.studies.frameworks import registry
 from harness.studies.frameworks.capture import parameter_grads, parameter_values, watch_step
 from harness.studies.frameworks.data import Samples, items, micro_batch_size, used_samples
-from harness.studies.frameworks.registry import (
-    DEFAULT,
-    Applied,
-    Code,
-    Framework,
-    Job,
-    Setting,
-    call,
-    micro_loss,
-)
+from harness.studies.frameworks.registry import Applied, Code, Job, Setting
 
 SETTINGS = (
-    Setting(DEFAULT, core=True),
+    Setting(registry.DEFAULT, core=True),
     # The loader's batch is then N micro-batches, which Accelerate splits over the ranks.
     Setting("split_batches", {"split_batches": True}),
 )
@@ -72,15 +64,16 @@ def train(job: Job) -> Applied:
         for index, batch in enumerate(loader):
             job.capture.tokens += items(batch)
             with accelerator.accumulate(wrapped):
-                accelerator.backward(micro_loss(job.setup, wrapped, batch, index,
+                accelerator.backward(registry.micro_loss(job.setup, wrapped, batch, index,
                                                 job.accum_steps, accelerator.num_processes,
                                                 window))
                 optimizer.step()
                 optimizer.zero_grad()
     finally:
         reset_accelerate_state()
-    return Applied(call("Accelerator", shown))
+    return Applied(registry.call("Accelerator", shown))
 
 
-FRAMEWORK = Framework(name="accelerate", module="accelerate", distribution="accelerate",
-                      settings=SETTINGS, train=train)
+FRAMEWORK = registry.Framework(name="accelerate", module="accelerate",
+                              distribution="accelerate",
+                              settings=SETTINGS, train=train)

@@ -52,8 +52,11 @@ class Job:
 
     setup: Setup
     setting: Setting
+    #: k: micro-steps per optimizer step.
     accum_steps: int
+    #: The framework's (or the run's, where narrower): the model is cast to it.
     dtype: torch.dtype
+    #: Where the optimizer's step is recorded.
     capture: StepCapture
 
     def model(self) -> nn.Module:
