@@ -141,12 +141,12 @@ def test_transformers_normalizes_by_the_window_only_when_the_model_opts_in(frame
         assert_matches(grad(frame, **off, setup=opted_out, loss="mean"))
         assert_differs(grad(frame, **off, setup=opted_out, loss="token"))
     # **kwargs taken but the count dropped: neither divided by k nor averaged over N.
-    dropped = grad(frame, **off, setup="forward(**kwargs)-drops-count", loss="mean")
+    dropped = grad(frame, **off, setup="drops-count", loss="mean")
     assert (dropped.verdict == "scaled").all()
     assert ((dropped.scale - WORLD * dropped.accum_steps).abs() < MISS).all()
     # Under the default clip the k x N is clipped away with the rest: the fix says so.
     hidden = grad(frame, framework="transformers", setting="default",
-                  setup="forward(**kwargs)-drops-count", loss="mean")
+                  setup="drops-count", loss="mean")
     assert hidden.fix.str.contains("hides").all()
 
 

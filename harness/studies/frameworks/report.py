@@ -25,18 +25,21 @@ PHRASES = {Equivalence.MATCHES: "the big batch's", Equivalence.SCALED: "{scale} 
 LOSS_NAMES = {"mean": "equal lengths", "token": "padded"}
 
 
-def at_k(rows, verdict: str = "verdict", scale: str = "scale") -> str:
+#: The same, short, for the answers table's cells.
+SHORT = {Equivalence.MATCHES: "big batch", Equivalence.SCALED: "{scale}×",
+         Equivalence.DIFFERS: "no multiple"}
+#: ... and against the big batch under the framework's clip.
+CLIPPED = {Equivalence.MATCHES: "= clipped big batch", Equivalence.SCALED: "{scale}× clipped",
+           Equivalence.DIFFERS: "no multiple of clipped"}
+
+
+def at_k(rows, verdict: str = "verdict", scale: str = "scale", phrases=None) -> str:
     """``the big batch's at k = 1; 0.25 × the big batch's at k = 4``."""
-    phrases: dict[str, list] = {}
+    grouped: dict[str, list] = {}
     for row in rows.sort_values("accum_steps").to_dict("records"):
-        phrase = PHRASES[row[verdict]].format(scale=number(row[scale]))
-        phrases.setdefault(phrase, []).append(row["accum_steps"])
-    return "; ".join(f"{phrase} at k = {integers(ks)}" for phrase, ks in phrases.items())
-
-
-def _by_loss(rows, verdict: str = "verdict", scale: str = "scale") -> str:
-    return ", ".join(f"{at_k(group, verdict, scale)} ({LOSS_NAMES.get(loss, loss)})"
-                     for loss, group in rows.groupby("loss", sort=False))
+        phrase = (phrases or PHRASES)[row[verdict]].format(scale=number(row[scale]))
+        grouped.setdefault(phrase, []).append(row["accum_steps"])
+    return "; ".join(f"{phrase} at k = {integers(ks)}" for phrase, ks in grouped.items())
 
 
 def _cell(rows, rtol: float) -> str:
@@ -53,24 +56,32 @@ def _cell(rows, rtol: float) -> str:
 
 
 def _default_answer(group) -> str:
+    """``default`` (its clip): against the plain big batch with equal lengths (and against
+    the big batch clipped alike), then padded; short enough for a table cell."""
     default = group[(group["setting"] == "default") & (group["setup"] == PLAIN)]
+    equal, padded = (default[default["loss"] == loss] for loss in ("mean", "token"))
     recipe = default["recipe"].iloc[0] if not default.empty else "none"
-    answer = f"`default` (recipe: {recipe}): {_by_loss(default)}"
-    if recipe != "none":
-        answer += (f"; against the big batch under its own recipe: "
-                   f"{_by_loss(default, 'recipe_verdict', 'recipe_scale')}")
-    return answer
+    clip = "" if recipe == "none" else f" (clips to {recipe.split('(')[1].split(')')[0]})"
+    answer = f"`default`{clip}: {at_k(equal, phrases=SHORT)} (equal lengths"
+    if clip and (equal["recipe_verdict"] == Equivalence.MATCHES).all():
+        answer += "; = the clipped big batch"
+    elif clip:
+        answer += f"; {at_k(equal, 'recipe_verdict', 'recipe_scale', CLIPPED)}"
+    return answer + f"), {at_k(padded, phrases=SHORT)} (padded)"
 
 
 def _changed_by(group) -> str:
     """Settings and user code that miss the big batch with equal lengths even under the
-    framework's own recipe: what else changes the step."""
+    framework's own recipe: what else changes the step (the largest miss named)."""
     equal = group[group["loss"] == "mean"]
     off = equal[equal["recipe_verdict"] != Equivalence.MATCHES]
-    labels = [f"`{r['setup']}` with `{r['setting']}` "
-              f"({at_k(off.iloc[[i]], 'recipe_verdict', 'recipe_scale')})"
-              for i, r in enumerate(off.to_dict("records"))]
-    return "; missing it with equal lengths: " + few(labels, 3) if labels else ""
+    if off.empty:
+        return ""
+    off = off.assign(miss=(off["recipe_scale"] - 1).abs()).sort_values("miss", ascending=False)
+    worst = off.iloc[[0]]
+    more = f" +{len(off) - 1}" if len(off) > 1 else ""
+    return (f"; off: `{worst['setup'].iloc[0]}`, `{worst['setting'].iloc[0]}` "
+            f"({at_k(worst, 'recipe_verdict', 'recipe_scale', SHORT)}){more}")
 
 
 def _fixes(group) -> str:

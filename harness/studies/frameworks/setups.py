@@ -204,7 +204,7 @@ VARIANTS = (
     Variant("forward(**kwargs)", "forward(input_ids, labels, **kwargs) divides the token sum "
             "by kwargs['num_items_in_batch']", hf_style(KwargsCount), ("transformers",),
             core=True),
-    Variant("forward(**kwargs)-drops-count", "forward(input_ids, labels, **kwargs) returns "
+    Variant("drops-count", "forward(input_ids, labels, **kwargs) returns "
             "the micro-batch's token mean, dropping num_items_in_batch",
             hf_style(KwargsIgnored), ("transformers",)),
     Variant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
