@@ -27,7 +27,7 @@ from harness.strategies.common import relative_spread
 from harness.studies.frameworks.capture import StepCapture
 from harness.studies.frameworks.data import used_samples
 from harness.studies.frameworks.registry import Applied, Framework, Job, Setting
-from harness.studies.frameworks.setups import Reference, big_batch_step
+from harness.studies.frameworks.setups import Reference, big_batch_steps
 from harness.tolerances import relative_tolerance
 
 #: What ``point`` names: the gradient before the step, the update it made.
@@ -112,8 +112,7 @@ def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: i
                  "recipe_verdict": "", "worst_tensors": "", "fix": "", "error": failure,
                  "status": "failed"}]
     used = used_samples(setup.batch(0), dist.get_world_size(), accum_steps)
-    plain = big_batch_step(setup, used, None)
-    recipe = big_batch_step(setup, used, applied.clip) if applied.clip else plain
+    plain, recipe = big_batch_steps(setup, used, applied.clip)
     rtol = relative_tolerance(job.dtype)
     return [{**identity, **_compare(point, captures, plain, recipe, rtol),
              "fix": _fix_of(framework, applied, point, captures, plain, recipe, rtol,
