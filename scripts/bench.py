@@ -1,7 +1,8 @@
 """Benchmarks of the harness itself (not of PyTorch): how much a study costs to run.
 
     python scripts/bench.py                 # everything, 3 repetitions, N = 4
-    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm | check
+    python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm |
+                                            # check | frameworks
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
@@ -27,6 +28,14 @@
    check's own work. The launches alternate, ``--repeat`` times; medians. Targets:
    time <= 1.5x the bare loop's, and peak memory within one extra copy of the
    gradients plus the reference's parameters and gradients.
+
+6. frameworks: one case of ``grad-check --frameworks`` (examples.mlp, N = 2, k = 4,
+   float64: training, the two big-batch references, the fits) per framework, against the
+   same case under the check's own ``ddp`` strategy (its reference, its DDP run, its
+   comparison), in one launch of 2 ranks. Framework start-up (imports, the first
+   Accelerator or Trainer, DeepSpeed's initialization) is excluded: each case runs once
+   untimed, then ``--repeat`` times timed (between barriers, rank 0's clock); medians.
+   Target: each framework's case <= 1.5x the ddp case.
 
 Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -311,6 +320,60 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
     return results
 
 
+#: One rank of the frameworks benchmark: argv = target, k, out folder, repeat.
+FRAMEWORKS_RANK = """import json, statistics, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from harness.check.config import CheckConfig
+from harness.check.load import validated_setup
+from harness.check.run import CheckRun, SetupCheck
+from harness.launch import Launch, choose_placement
+from harness.studies.frameworks.measure import measure
+from harness.studies.frameworks.study import FRAMEWORKS
+
+target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo")
+setup = validated_setup(target, [(2, k)], False)
+launch = Launch.from_environment()
+config = CheckConfig(targets=(target,), accum_steps=(k,), strategies=("ddp",),
+                     world_sizes=(2,), out=out)
+run = CheckRun(config, [(target, setup)], launch, choose_placement("gloo", "cpu", launch), (2,))
+groups = {2: dist.new_group([0, 1])}
+
+def timed(case):
+    case()  # start-up: imports, the framework's first run
+    seconds = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        case()
+        dist.barrier()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+cases = {"ddp": lambda: SetupCheck(run, target, setup, groups).run()}
+for name, framework in FRAMEWORKS.items():
+    cases[name] = (lambda f: lambda: measure(f, f.setting("default"), setup, k,
+                                             torch.float64))(framework)
+times = {name: timed(case) for name, case in cases.items()}
+if dist.get_rank() == 0:
+    print(json.dumps(times))
+dist.destroy_process_group()
+"""
+#: The frameworks benchmark's case: a small MLP at N = 2, k = 4.
+FRAMEWORKS_TARGET, FRAMEWORKS_K = "examples.mlp:make_setup", 4
+
+
+def bench_frameworks(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
+    """Seconds per case (start-up excluded) of each framework and of the check's ddp."""
+    (scratch / "frameworks_rank.py").write_text(FRAMEWORKS_RANK)
+    done = completed(torchrun(2, str(scratch / "frameworks_rank.py"), FRAMEWORKS_TARGET,
+                              str(FRAMEWORKS_K), str(scratch / "out"), str(repeat)))
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    return {name: {"seconds": seconds, "ratio": seconds / times["ddp"]}
+            for name, seconds in times.items()}
+
+
 def machine() -> str:
     cpus = os.cpu_count()
     import torch
@@ -375,6 +438,13 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
                         for scale, entry in timings["scaling"].items()])
     if "check" in timings:
         lines += check_lines(timings["check"])
+    if "frameworks" in timings:
+        lines += ["", f"frameworks benchmark: `{FRAMEWORKS_TARGET}`, N = 2, k = {FRAMEWORKS_K}, "
+                  "one case each, start-up excluded"]
+        lines += table(["case", "seconds per case", "/ check's ddp case"],
+                       [[name if name == "ddp" else f"`--frameworks {name}`",
+                         f"{entry['seconds']:.3f} s", f"{entry['ratio']:.2f}x"]
+                        for name, entry in timings["frameworks"].items()], right=2)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
@@ -390,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per launch (default: 4)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per measurement; the median is reported (default: 3)")
-    parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check"),
-                        help="run one benchmark instead of all five")
+    parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check",
+                                           "frameworks"),
+                        help="run one benchmark instead of all six")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
@@ -406,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             timings["comm"] = bench_comm(args.nproc, args.repeat, Path(scratch))
         if args.only in (None, "check"):
             timings["check"] = bench_check(args.repeat, Path(scratch))
+        if args.only in (None, "frameworks"):
+            timings["frameworks"] = bench_frameworks(args.repeat, Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.repeat)
     print(markdown(args.nproc, args.repeat, timings))

@@ -84,70 +84,102 @@ def test_the_update_is_the_sgd_step_of_the_gradient_and_the_ranks_agree(frame):
 
 
 # ---------------------------------------------------------------- frameworks
+def assert_recipe_matches(selected):
+    """The big batch under the framework's own clip: the accumulation alone is right."""
+    assert (selected.recipe_verdict == "matches").all(), selected[["setting", "setup"]]
+
+
 def test_accelerate_gives_the_big_batch_for_equal_micro_batches_only(frame):
     installed("accelerate")
     for setting in ("default", "split_batches"):
-        assert_matches(grad(frame, framework="accelerate", setting=setting, loss="mean"))
-        assert_differs(grad(frame, framework="accelerate", setting=setting, loss="token"))
-    assert set(grad(frame, framework="accelerate", setting="default").accum_steps) == set(KS)
+        assert_matches(grad(frame, framework="accelerate", setting=setting, setup="tiny-lm",
+                            loss="mean"))
+        assert_differs(grad(frame, framework="accelerate", setting=setting, setup="tiny-lm",
+                            loss="token"))
+    default = grad(frame, framework="accelerate", setting="default", setup="tiny-lm")
+    assert set(default.accum_steps) == set(KS) and (default.recipe == "none").all()
+    assert default.code.str.fullmatch(r"Accelerator\(gradient_accumulation_steps=\d, "
+                                      r"cpu=True\)").all()
     # Accelerate already divides by k: a user who divides too gets 1/k of the gradient.
-    twice = grad(frame, framework="accelerate", setting="loss/k", loss="mean", accum_steps=4)
+    twice = grad(frame, framework="accelerate", setup="loss/k", loss="mean", accum_steps=4)
     assert (twice.verdict == "scaled").all() and ((twice.scale - 1 / 4).abs() < MISS).all()
-    assert_matches(grad(frame, framework="accelerate", setting="token-normalized"))
+    assert_matches(grad(frame, framework="accelerate", setup="token-normalized"))
 
 
 def test_lightning_divides_by_k_and_reuses_the_launch(frame):
     installed("lightning")
-    assert_matches(grad(frame, framework="lightning", setting="default", loss="mean"))
-    assert_differs(grad(frame, framework="lightning", setting="default", loss="token"))
-    assert_matches(grad(frame, framework="lightning", setting="token-normalized"))
+    assert_matches(grad(frame, framework="lightning", setup="tiny-lm", loss="mean"))
+    assert_differs(grad(frame, framework="lightning", setup="tiny-lm", loss="token"))
+    assert_matches(grad(frame, framework="lightning", setup="token-normalized"))
+
+
+def test_the_default_clips_bind_at_every_k_and_equal_the_clipped_big_batch(frame):
+    """The Trainer and DeepSpeed ship a clip of 1.0; the setup's gradient norm is above 1 at
+    every k, so the default step is a pure multiple below 1 of the plain big batch's, and
+    the big batch clipped once the same way is matched."""
+    for framework in ("transformers", "deepspeed"):
+        installed(framework)
+        default = grad(frame, framework=framework, setting="default", setup="tiny-lm",
+                       loss="mean")
+        assert set(default.accum_steps) == set(KS)
+        assert (default.verdict == "scaled").all() and (default.scale < 1 - MISS).all()
+        assert (default.recipe == "clip_grad_norm_(1) once per window").all()
+        assert_recipe_matches(default)
+        assert default.fix.str.contains("clip binds").all()
 
 
 def test_transformers_normalizes_by_the_window_only_when_the_model_opts_in(frame):
     installed("transformers")
-    trainer = {"framework": "transformers"}
-    for opted_in in ("forward(**kwargs)", "compute_loss_func"):
-        assert_matches(grad(frame, **trainer, setting=opted_in))
+    off = {"framework": "transformers", "setting": "max_grad_norm=0"}
+    assert_matches(grad(frame, **off, setup="forward(**kwargs)"))
+    assert_recipe_matches(grad(frame, framework="transformers", setting="default",
+                               setup="forward(**kwargs)"))
     # Out: the Trainer divides a micro-batch mean by k (right for equal micro-batches). A
     # named num_items_in_batch parameter without **kwargs does not opt in.
-    for opted_out in ("forward(labels)", "forward(num_items_in_batch)",
+    for opted_out in ("tiny-lm", "forward(labels)", "forward(num_items_in_batch)",
                       "accepts_loss_kwargs=False"):
-        assert_matches(grad(frame, **trainer, setting=opted_out, loss="mean"))
-        assert_differs(grad(frame, **trainer, setting=opted_out, loss="token"))
-    # **kwargs taken but the count ignored: neither divided by k nor averaged over N.
-    ignored = grad(frame, **trainer, setting="forward(**kwargs) ignored", loss="mean")
-    assert (ignored.verdict == "scaled").all()
-    assert ((ignored.scale - WORLD * ignored.accum_steps).abs() < MISS).all()
+        assert_matches(grad(frame, **off, setup=opted_out, loss="mean"))
+        assert_differs(grad(frame, **off, setup=opted_out, loss="token"))
+    # **kwargs taken but the count dropped: neither divided by k nor averaged over N.
+    dropped = grad(frame, **off, setup="drops-count", loss="mean")
+    assert (dropped.verdict == "scaled").all()
+    assert ((dropped.scale - WORLD * dropped.accum_steps).abs() < MISS).all()
+    # Under the default clip the k x N is clipped away with the rest: the fix says so.
+    hidden = grad(frame, framework="transformers", setting="default",
+                  setup="drops-count", loss="mean")
+    assert hidden.fix.str.contains("hides").all()
 
 
 def test_transformers_counts_tokens_per_rank_without_averaging_across_devices(frame):
     installed("transformers")
     local = grad(frame, framework="transformers", setting="average_tokens_across_devices=False")
-    assert_matches(local[local.loss == "mean"])
+    assert_recipe_matches(local[local.loss == "mean"])
     token = local[local.loss == "token"]
     # Each rank divides by its own count and DDP averages: the big batch only if counts agree.
     counts = token.tokens_per_rank.str.split(";").apply(lambda c: len(set(c)))
     assert (counts == 2).all()
-    assert_differs(token)
+    assert (token.recipe_verdict == "differs").all()
 
 
-@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2"])
-def test_deepspeed_zero_stages_divide_by_k_and_average(frame, stage):
+@pytest.mark.parametrize("setting", ["default", "zero1", "zero2"])
+def test_deepspeed_zero_stages_divide_by_k_and_average(frame, setting):
     installed("deepspeed")
-    assert_matches(grad(frame, framework="deepspeed", setting=stage, loss="mean"))
-    assert_differs(grad(frame, framework="deepspeed", setting=stage, loss="token"))
-    assert (grad(frame, framework="deepspeed", setting=stage).model_dtype == "float32").all()
+    selected = grad(frame, framework="deepspeed", setting=setting, setup="tiny-lm")
+    assert_recipe_matches(selected[selected.loss == "mean"])
+    assert (selected[selected.loss == "token"].recipe_verdict == "differs").all()
+    assert (selected.model_dtype == "float32").all()
 
 
 def test_deepspeed_settings_users_change(frame):
     installed("deepspeed")
-    for setting in ("zero0 prescale_gradients", "zero0 gradient_predivide_factor=2"):
-        assert_matches(grad(frame, framework="deepspeed", setting=setting, loss="mean"))
-    # Clipping at 1.0 can only shrink the gradient, by one factor for every entry.
-    clipped = grad(frame, framework="deepspeed", setting="zero0 gradient_clipping=1.0",
-                   loss="mean")
-    assert clipped.verdict.isin(["matches", "scaled"]).all() and (clipped.scale <= 1 + MISS).all()
-    refused = rows(frame, framework="deepspeed", setting="zero2 gradient_predivide_factor=2")
+    assert_matches(grad(frame, framework="deepspeed", setting="gradient_clipping=0",
+                        setup="tiny-lm", loss="mean"))
+    for setting in ("prescale_gradients", "gradient_predivide_factor=2"):
+        assert_recipe_matches(grad(frame, framework="deepspeed", setting=setting, loss="mean"))
+    # The default passes no clipping and no stage: DeepSpeed's own defaults apply.
+    default = grad(frame, framework="deepspeed", setting="default")
+    assert not default.code.str.contains("gradient_clipping|zero_optimization").any()
+    refused = rows(frame, framework="deepspeed", setting="zero2+gradient_predivide_factor=2")
     assert (refused.status == "failed").all()
     assert refused.error.str.contains("gradient_predivide_factor").all()
 

@@ -184,13 +184,15 @@ def test_the_frameworks_sentences_follow_the_rows_of_each_baseline(tmp_path):
     folder = _results_copy(tmp_path)
     csv = folder / "frameworks" / "frameworks.csv"
     frame = pd.read_csv(csv)
-    # A baseline that clips: its equal-length gradient becomes a multiple at k = 1.
-    clipped = frame.query("framework == 'deepspeed' and setting == 'zero0' and loss == 'mean' "
-                          "and accum_steps == 1 and point == 'grad'").index
-    frame.loc[clipped, ["verdict", "scale"]] = ["scaled", 0.5]
+    # A default that halves the step at k = 1, under its recipe too: both sentences say so.
+    halved = frame.query("framework == 'accelerate' and setting == 'default' and setup == "
+                         "'tiny-lm' and loss == 'mean' and accum_steps == 1 and point == "
+                         "'grad'").index
+    frame.loc[halved, ["verdict", "scale", "recipe_verdict", "recipe_scale"]] = [
+        "scaled", 0.5, "scaled", 0.5]
     frame.to_csv(csv, index=False)
     summary = docs.frameworks_summary(docs.Results(folder))
-    assert ("accelerate, lightning, transformers: the big batch's at k = 1, 4; deepspeed: 0.5 × "
-            "the big batch's at k = 1; the big batch's at k = 4") in summary
-    assert "deepspeed `zero0` (0.5 × the big batch's at k = 1)" in docs.frameworks_answer(
-        docs.Results(folder))
+    assert ("accelerate: 0.5 × the big batch's at k = 1; the big batch's at k = 4; lightning: "
+            "the big batch's at k = 1, 4") in summary
+    assert "accelerate `tiny-lm` with `default` (0.5 × the big batch's at k = 1)" in (
+        docs.frameworks_answer(docs.Results(folder)))

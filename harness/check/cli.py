@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-last", action="store_true",
                         help="drop the samples of a global batch that do not split evenly "
                              "into N x k pieces (default: refuse such a batch)")
+    parser.add_argument("--frameworks", metavar="NAME[,NAME]", default="",
+                        help="train the setup through real frameworks instead of the "
+                             "strategies, on every launched rank: accelerate, lightning, "
+                             "transformers, deepspeed (each as shipped), or NAME:SETTING "
+                             "for a setting users change (deepspeed:zero1, "
+                             "transformers:max_grad_norm=0); needs '.[frameworks]'; writes "
+                             "frameworks.csv")
     add_timeout_flag(parser, "a collective")
     parser.add_argument("--fail-on", default=DEFAULT_FAIL_ON, choices=tuple(FAIL_ON),
                         help="exit code 1 when a case errors (always) or a row's verdict is "
@@ -121,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     leader = leader_from_environment()
     try:
         args = build_parser().parse_args(argv)
+        if args.frameworks:
+            from harness.studies.frameworks.check import main as frameworks_main
+
+            return frameworks_main(args, argv, leader, PROG)
         config = config_from_args(args)
         if args.nproc is not None:
             return _launch(config, args.nproc, argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.manifest import RunManifest, read_manifest
-from harness.report.text import code, integers, small, table
+from harness.report.text import code, integers, small, table, words
 from harness.strategies import emulated_names
 from harness.strategies import names as strategy_names
 from harness.studies import STUDY_PACKAGES, study_columns
@@ -192,8 +192,8 @@ class FrameworkRows:
             "status == 'ok' and point == 'grad'")
         if rows.empty:
             return None
-        firsts = rows.groupby("framework", sort=False)["setting"].first()
-        return cls(rows, rows[rows["setting"] == rows["framework"].map(firsts)],
+        plain = rows[rows["setup"] == rows["setup"].iloc[0]]
+        return cls(rows, plain[plain["setting"] == "default"],
                    rows[(rows["loss"] == "token") & (rows["verdict"] == "matches")])
 
     def baseline(self, loss: str, settings: bool = True) -> str:
@@ -201,24 +201,33 @@ class FrameworkRows:
 
 
 def frameworks_answer(results: Results) -> str:
-    """What the frameworks run measured: each framework's baseline by name, then the settings
-    that gave the big batch with padded sequences and those that missed it with equal ones;
-    every clause read from the rows, none assumed."""
+    """What the frameworks run measured: each framework as shipped against the plain big
+    batch and against its own recipe, what gave the big batch with padded sequences, and
+    what missed it with equal ones even under the recipe; every clause read from the
+    rows, none assumed."""
     rows = FrameworkRows.read(results)
     if rows is None:
         return "The frameworks run holds no measured rows."
-    every = rows.every
-    missed = every[(every["loss"] == "mean") & (every["verdict"] != "matches")]
-    text = (f"In `results/frameworks/`, the first setting of each framework handed the optimizer, "
-            f"with equal-length sequences, {rows.baseline('mean')}; with padded sequences of "
-            f"random length, {rows.baseline('token')}.")
+    every, base = rows.every, rows.base
+    missed = every[(every["loss"] == "mean") & (every["recipe_verdict"] != "matches")]
+    text = (f"In `results/frameworks/`, each framework as shipped (`default`) handed the "
+            f"optimizer, with equal-length sequences, {rows.baseline('mean', False)}; with "
+            f"padded sequences of random length, {rows.baseline('token', False)}.")
+    clipped = base[base["recipe"] != "none"]
+    if not clipped.empty:
+        same = clipped[clipped["loss"] == "mean"]
+        text += (f" {words(clipped['framework'].unique().tolist()).capitalize()} clip by "
+                 f"default ({clipped['recipe'].iloc[0]}); with equal lengths that step was "
+                 f"the big batch's clipped the same way in "
+                 f"{(same['recipe_verdict'] == 'matches').sum()} of {len(same)} cases.")
     if not rows.fixed.empty:
-        text += (" The big batch's with padded sequences came from " + ", ".join(
-            f"{f} `{s}`" for f, s in rows.fixed[["framework", "setting"]].drop_duplicates()
-            .itertuples(index=False)) + ".")
+        text += (" The plain big batch's with padded sequences came from " + ", ".join(
+            f"{f} `{u}` with `{s}`" for f, u, s in rows.fixed[["framework", "setup", "setting"]]
+            .drop_duplicates().itertuples(index=False)) + ".")
     if not missed.empty:
-        text += " Settings that missed it with equal lengths: " + "; ".join(
-            f"{r['framework']} `{r['setting']}` ({at_k(pd.DataFrame([r]))})"
+        text += " Missing it with equal lengths even under the framework's recipe: " + "; ".join(
+            f"{r['framework']} `{r['setup']}` with `{r['setting']}` "
+            f"({at_k(pd.DataFrame([r]), 'recipe_verdict', 'recipe_scale')})"
             for r in missed.to_dict("records")) + "."
     return text
 
@@ -238,12 +247,15 @@ def frameworks_summary(results: Results) -> str:
     rows = FrameworkRows.read(results)
     if rows is None:
         return "The frameworks run holds no measured rows."
-    settings = len(rows.fixed[["framework", "setting"]].drop_duplicates())
     clauses = [f"with equal-length sequences, {rows.baseline('mean', False)}",
                f"with padded sequences of random length, {rows.baseline('token', False)}"]
-    return ("**Frameworks** (`results/frameworks/`, each framework's first setting as labelled "
-            "there): the optimizer got, " + "; ".join(clauses) + f". {settings} other settings "
-            "gave it the big batch's with padded sequences.")
+    clipping = rows.base[rows.base["recipe"] != "none"]["framework"].unique().tolist()
+    text = ("**Frameworks** (`results/frameworks/`, each framework as shipped, `default`): "
+            "against the plain big batch, the optimizer got " + "; ".join(clauses) + ".")
+    if clipping:
+        text += (f" {words(clipping).capitalize()} clip the window's gradient to norm 1 by "
+                 "default, which changes the step of a plain loop.")
+    return text
 
 
 def answers(results: Results) -> str:

@@ -58,13 +58,13 @@ def watch_step(optimizer: torch.optim.Optimizer, capture: StepCapture,
 
 
 def parameter_grads(module: torch.nn.Module) -> Callable[[], list[torch.Tensor]]:
-    """``param.grad`` of every parameter (zeros where a framework left none)."""
+    """``param.grad`` of every trainable parameter (zeros where a framework left none)."""
     return lambda: [p.grad if p.grad is not None else torch.zeros_like(p)
-                    for p in module.parameters()]
+                    for p in module.parameters() if p.requires_grad]
 
 
 def parameter_values(module: torch.nn.Module) -> Callable[[], list[torch.Tensor]]:
-    return lambda: list(module.parameters())
+    return lambda: [p for p in module.parameters() if p.requires_grad]
 
 
 def gather_captures(capture: StepCapture) -> list[StepCapture] | None:

@@ -3,7 +3,10 @@
 On CPU (``DS_ACCELERATOR=cpu``) over the launch's gloo group, which
 ``deepspeed.init_distributed(dist_backend="gloo")`` adopts as it is. The loop is
 DeepSpeed's: ``loss = ...; engine.backward(loss); engine.step()`` every micro-step;
-the engine divides the loss by k and steps the optimizer at the window's end.
+the engine divides the loss by k and steps the optimizer at the window's end,
+after clipping the window's gradient to ``gradient_clipping``, 1.0 unless the
+configuration says otherwise (``GRADIENT_CLIPPING_DEFAULT``); the ZeRO stage is 0
+unless it says otherwise.
 
 ZeRO 1 and 2 keep the optimizer's view of the weights as flat float32 partitions,
 one per rank, so DeepSpeed trains in float32 here (its ZeRO master weights are
@@ -15,6 +18,7 @@ weights after the step.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -22,48 +26,49 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check.reference import make_optimizer
-from harness.check.setup import Setup
 from harness.studies.frameworks.capture import (
     StepCapture,
     parameter_grads,
     parameter_values,
     watch_step,
 )
-from harness.studies.frameworks.registry import Framework, Setting
-from harness.studies.frameworks.setups import MICRO_BATCH, real_tokens, samples
-
-SETTINGS = (
-    Setting("zero0", '"zero_optimization": {"stage": 0}', {"stage": 0}, core=True),
-    Setting("zero0 gradient_clipping=1.0", '"zero_optimization": {"stage": 0}, '
-            '"gradient_clipping": 1.0 (DeepSpeed\'s default)',
-            {"stage": 0, "gradient_clipping": 1.0}, core=True),
-    Setting("zero1", '"zero_optimization": {"stage": 1}', {"stage": 1}, core=True),
-    Setting("zero2", '"zero_optimization": {"stage": 2}', {"stage": 2}, core=True),
-    Setting("zero0 prescale_gradients", '"zero_optimization": {"stage": 0}, '
-            '"prescale_gradients": true', {"stage": 0, "prescale_gradients": True}),
-    Setting("zero0 gradient_predivide_factor=2", '"zero_optimization": {"stage": 0}, '
-            '"gradient_predivide_factor": 2.0', {"stage": 0, "gradient_predivide_factor": 2.0}),
-    Setting("zero2 gradient_predivide_factor=2", '"zero_optimization": {"stage": 2}, '
-            '"gradient_predivide_factor": 2.0', {"stage": 2, "gradient_predivide_factor": 2.0}),
+from harness.studies.frameworks.data import items, micro_batch_size, rank_micro_batches
+from harness.studies.frameworks.registry import (
+    DEFAULT,
+    Applied,
+    Framework,
+    Job,
+    Setting,
+    micro_loss,
 )
-#: Never reached: DeepSpeed prints its progress every this many steps.
+
+#: The settings users change, each named for what it changes (``zero1``: the ZeRO stage).
+#: ZeRO 1 and 2 refuse an optimizer DeepSpeed has not tested (the setup's SGD) unless
+#: told to allow it: part of what those settings pass.
+UNTESTED = {"zero_allow_untested_optimizer": True}
+SETTINGS = (
+    Setting(DEFAULT, core=True),
+    Setting("gradient_clipping=0", {"gradient_clipping": 0.0}, core=True),
+    Setting("zero1", {"zero_optimization": {"stage": 1}, **UNTESTED}, core=True),
+    Setting("zero2", {"zero_optimization": {"stage": 2}, **UNTESTED}, core=True),
+    Setting("prescale_gradients", {"prescale_gradients": True}),
+    Setting("gradient_predivide_factor=2", {"gradient_predivide_factor": 2.0}),
+    Setting("zero2+gradient_predivide_factor=2",
+            {"zero_optimization": {"stage": 2}, **UNTESTED, "gradient_predivide_factor": 2.0}),
+)
+#: Never reached: DeepSpeed prints its progress every this many steps (its banner only).
 QUIET_STEPS = 10**9
 
 
-def _config(setting: Setting, accum_steps: int) -> dict:
-    options = dict(setting.options)
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": accum_steps,
-        "zero_optimization": {"stage": options.pop("stage")},
-        # The setup's optimizer is plain SGD, which DeepSpeed has not tested under ZeRO.
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": QUIET_STEPS,
-        # DeepSpeed clips at 1.0 unless told otherwise; off, so that what is measured is the
-        # accumulation alone (one setting keeps the default, to show what it does).
-        "gradient_clipping": 0.0,
-    }
-    return {**config, **options}
+def _config(job: Job, micro_batch: int) -> dict:
+    """The whole configuration passed: the batch sizes, k, quiet progress, the setting."""
+    return {"train_micro_batch_size_per_gpu": micro_batch,
+            "gradient_accumulation_steps": job.accum_steps, "steps_per_print": QUIET_STEPS,
+            **job.setting.options}
+
+
+def _stage(config: dict) -> int:
+    return config.get("zero_optimization", {}).get("stage", 0)
 
 
 def _gathered(optimizer: torch.optim.Optimizer, numel: int, read) -> list[torch.Tensor]:
@@ -91,7 +96,7 @@ def _watch(engine, model: nn.Module, capture: StepCapture, stage: int) -> None:
                lambda: _gathered(inner, numel, lambda p: p.detach()))
 
 
-def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture) -> None:
+def train(job: Job) -> Applied:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import deepspeed.comm.torch
@@ -101,21 +106,23 @@ def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture
     # reduces through torch.distributed either way.
     deepspeed.comm.torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-    model = setup.make_model()
-    optimizer = make_optimizer(setup, model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=_config(setting, accum_steps))
-    _watch(engine, model, capture, setting.options["stage"])
-    data = samples(setup.batch(0))
-    local = [s for i, s in enumerate(data) if i % dist.get_world_size() == dist.get_rank()]
-    for start in range(0, len(local), MICRO_BATCH):
-        piece = local[start:start + MICRO_BATCH]
-        batch = {name: torch.stack([s[name] for s in piece]) for name in piece[0]}
-        capture.tokens += int(real_tokens(batch["labels"]))
-        engine.backward(setup.loss(engine, batch))
+    model, window = job.model(), job.window()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = _config(job, micro_batch_size(window, world, job.accum_steps))
+    optimizer = make_optimizer(job.setup, model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    _watch(engine, model, job.capture, _stage(config))
+    for index, batch in enumerate(rank_micro_batches(window, rank, world, job.accum_steps)):
+        job.capture.tokens += items(batch)
+        engine.backward(micro_loss(job.setup, engine, batch, index, job.accum_steps, world,
+                                   window))
         engine.step()
+    clip = engine.gradient_clipping()
     engine.destroy()
+    return Applied(json.dumps(config), clip=clip or None)
 
 
 FRAMEWORK = Framework(name="deepspeed", module="deepspeed", distribution="deepspeed",
-                      settings=SETTINGS, train=train, dtype=torch.float32)
+                      settings=SETTINGS, train=train, dtype=torch.float32,
+                      clip_setting='"gradient_clipping" (1.0 unless set)',
+                      clip_off='"gradient_clipping": 0.0', unclipped="gradient_clipping=0")

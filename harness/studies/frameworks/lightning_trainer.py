@@ -12,27 +12,25 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from harness.check.reference import make_optimizer
-from harness.check.setup import Setup
-from harness.studies.frameworks.capture import (
-    StepCapture,
-    parameter_grads,
-    parameter_values,
-    watch_step,
+from harness.studies.frameworks.capture import parameter_grads, parameter_values, watch_step
+from harness.studies.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.studies.frameworks.registry import (
+    DEFAULT,
+    Applied,
+    Code,
+    Framework,
+    Job,
+    Setting,
+    call,
+    micro_loss,
 )
-from harness.studies.frameworks.registry import Framework, Setting
-from harness.studies.frameworks.setups import MICRO_BATCH, real_tokens, samples, token_sum
 
-SETTINGS = (
-    Setting("default", 'Trainer(strategy="ddp", accelerator="cpu", devices=2, '
-            "accumulate_grad_batches=k)", core=True),
-    Setting("token-normalized", "training_step returns token_sum * k * N / tokens of the "
-            "window on all ranks", {"normalize_tokens": True}),
-)
+#: Lightning clips only with ``gradient_clip_val``, which is None by default.
+SETTINGS = (Setting(DEFAULT, core=True),)
 #: Lightning's loggers announce devices, strategies and hints on every fit.
 QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -81,53 +79,53 @@ def _existing_ranks():
     return ExistingProcessGroup()
 
 
-def _module(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture,
-            window_tokens: torch.Tensor):
+def _module(job: Job, window):
     import lightning.pytorch as pl
 
     class SetupModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = setup.make_model()
+            self.model = job.model()
 
         def training_step(self, batch, batch_idx):
-            capture.tokens += int(real_tokens(batch["labels"]))
-            if setting.options.get("normalize_tokens"):
-                # Lightning divides by k and DDP averages over N: both undone here.
-                summed = token_sum(self.model(batch["input_ids"]), batch["labels"])
-                return summed * accum_steps * dist.get_world_size() / window_tokens
-            return setup.loss(self.model, batch)
+            job.capture.tokens += items(batch)
+            return micro_loss(job.setup, self.model, batch, batch_idx % job.accum_steps,
+                              job.accum_steps, dist.get_world_size(), window)
 
         def configure_optimizers(self):
-            optimizer = make_optimizer(setup, self.model.parameters())
-            watch_step(optimizer, capture, parameter_grads(self.model),
+            optimizer = make_optimizer(job.setup, self.model.parameters())
+            watch_step(optimizer, job.capture, parameter_grads(self.model),
                        parameter_values(self.model))
             return optimizer
 
     return SetupModule()
 
 
-def train(setup: Setup, setting: Setting, accum_steps: int, capture: StepCapture) -> None:
+def train(job: Job) -> Applied:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    data = samples(setup.batch(0))
-    local = [s for i, s in enumerate(data) if i % dist.get_world_size() == dist.get_rank()]
-    window_tokens = sum(real_tokens(s["labels"]) for s in local)
-    window_tokens = torch.as_tensor(window_tokens)
-    dist.all_reduce(window_tokens)
-    trainer = pl.Trainer(
-        strategy=DDPStrategy(cluster_environment=_existing_ranks(),
-                             process_group_backend=dist.get_backend()),
-        accelerator="cpu", devices=dist.get_world_size(), num_nodes=1,
-        accumulate_grad_batches=accum_steps, max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0)
+    window = job.window()
+    # The harness's ranks exist already: the strategy adopts them (see the module's doc).
+    strategy = DDPStrategy(cluster_environment=_existing_ranks(),
+                           process_group_backend=dist.get_backend())
+    arguments = {"strategy": strategy, "accelerator": "cpu", "devices": dist.get_world_size(),
+                 "num_nodes": 1, "accumulate_grad_batches": job.accum_steps, "max_steps": 1,
+                 # Quiet, and nothing written: no logger, checkpoint, bar or summary.
+                 "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                 "enable_model_summary": False}
+    trainer = pl.Trainer(**arguments)
+    size = micro_batch_size(window, dist.get_world_size(), job.accum_steps)
     # Lightning's own DistributedSampler shards the loader: rank r gets samples r, r+N, ...
-    trainer.fit(_module(setup, setting, accum_steps, capture, window_tokens),
-                train_dataloaders=DataLoader(data, batch_size=MICRO_BATCH))
+    trainer.fit(_module(job, window), train_dataloaders=DataLoader(
+        range(used_samples(window, dist.get_world_size(), job.accum_steps)),
+        batch_size=size, collate_fn=Samples(window)))
+    shown = {**arguments, "strategy": Code(f'DDPStrategy(cluster_environment=<the launch\'s '
+                                           f'ranks>, process_group_backend='
+                                           f'"{dist.get_backend()}")')}
+    return Applied(call("Trainer", shown))
 
 
 FRAMEWORK = Framework(name="lightning", module="lightning", distribution="lightning",

@@ -1,75 +1,139 @@
-"""The ``frameworks`` study's section: which framework hands the optimizer the big batch, when.
+"""The ``frameworks`` study's section: does each framework's default give the plain
+big-batch step, what changes it, and what fixes it.
 
-Read from the rows: per framework and loss, the verdict of the gradient the optimizer
-was handed at each k, the update it made against the gradient, the settings a
-framework refused, and the frameworks that were not installed.
+Read from the rows: per framework, what its ``default`` gave at each k against the plain
+big batch and against the big batch under the framework's own recipe (its clip), the
+settings and user code that missed, the settings a framework refused, and the
+frameworks that were not installed.
 """
 
 from __future__ import annotations
-
-import pandas as pd
 
 from harness.report import spec
 from harness.report.text import count, few, integers, number, small, words, worst
 from harness.verdicts import Equivalence
 
 GRAD = "point == 'grad'"
+PLAIN = "tiny-lm"
 #: How a clause names a verdict, the scale filled in where it is a multiple.
 PHRASES = {Equivalence.MATCHES: "the big batch's", Equivalence.SCALED: "{scale} × the big "
            "batch's", Equivalence.DIFFERS: "no multiple of it"}
-
-
-def at_k(rows) -> str:
-    """``the big batch's at k = 1; 0.25 × the big batch's at k = 4``."""
-    phrases: dict[str, list] = {}
-    for row in rows.sort_values("accum_steps").to_dict("records"):
-        phrase = PHRASES[row["verdict"]].format(scale=number(row["scale"]))
-        phrases.setdefault(phrase, []).append(row["accum_steps"])
-    return "; ".join(f"{phrase} at k = {integers(ks)}" for phrase, ks in phrases.items())
-
-
-def _scales(rows, rtol: float) -> str:
-    """``scale 0.25 at k = 4``: each multiple with the k it was measured at."""
-    return "; ".join(f"scale {number(scale)} at k = {integers(group['accum_steps'])}"
-                     for scale, group in rows.groupby(rows["scale"].round(6), sort=False))
-
-
-def _cell(rows, rtol: float) -> str:
-    """A table cell: the verdict, and the multiple where the gradient is another one."""
-    row = rows.iloc[0]
-    scaled = row["verdict"] == Equivalence.SCALED
-    return row["verdict"] + (f" ×{number(row['scale'])}" if scaled else "")
-
-
 #: How an answer names each loss: the lengths of its sequences.
 LOSS_NAMES = {"mean": "equal lengths", "token": "padded"}
 
 
+#: The same, short, for the answers table's cells.
+SHORT = {Equivalence.MATCHES: "big batch", Equivalence.SCALED: "{scale}×",
+         Equivalence.DIFFERS: "no multiple"}
+#: ... and against the big batch under the framework's clip.
+CLIPPED = {Equivalence.MATCHES: "= clipped big batch", Equivalence.SCALED: "{scale}× clipped",
+           Equivalence.DIFFERS: "no multiple of clipped"}
+
+
+def at_k(rows, verdict: str = "verdict", scale: str = "scale", phrases=None) -> str:
+    """``the big batch's at k = 1; 0.25 × the big batch's at k = 4``."""
+    grouped: dict[str, list] = {}
+    for row in rows.sort_values("accum_steps").to_dict("records"):
+        phrase = (phrases or PHRASES)[row[verdict]].format(scale=number(row[scale]))
+        grouped.setdefault(phrase, []).append(row["accum_steps"])
+    return "; ".join(f"{phrase} at k = {integers(ks)}" for phrase, ks in grouped.items())
+
+
+def _cell(rows, rtol: float) -> str:
+    """A table cell: the verdict against the plain big batch (its multiple where it is one),
+    then against the recipe's where the framework has one."""
+    row = rows.iloc[0]
+    cell = row["verdict"] + (f" ×{number(row['scale'])}"
+                             if row["verdict"] == Equivalence.SCALED else "")
+    if row["recipe"] != "none":
+        cell += f" / {row['recipe_verdict']}" + (
+            f" ×{number(row['recipe_scale'])}"
+            if row["recipe_verdict"] == Equivalence.SCALED else "")
+    return cell
+
+
+def _default_answer(group) -> str:
+    """``default`` (its clip): against the plain big batch with equal lengths (and against
+    the big batch clipped alike), then padded; short enough for a table cell."""
+    default = group[(group["setting"] == "default") & (group["setup"] == PLAIN)]
+    equal, padded = (default[default["loss"] == loss] for loss in ("mean", "token"))
+    recipe = default["recipe"].iloc[0] if not default.empty else "none"
+    clip = "" if recipe == "none" else f" (clips to {recipe.split('(')[1].split(')')[0]})"
+    answer = f"`default`{clip}: {at_k(equal, phrases=SHORT)} (equal lengths"
+    if clip and (equal["recipe_verdict"] == Equivalence.MATCHES).all():
+        answer += "; = the clipped big batch"
+    elif clip:
+        answer += f"; {at_k(equal, 'recipe_verdict', 'recipe_scale', CLIPPED)}"
+    return answer + f"), {at_k(padded, phrases=SHORT)} (padded)"
+
+
+def _changed_by(group) -> str:
+    """Settings and user code that miss the big batch with equal lengths even under the
+    framework's own recipe: what else changes the step (the largest miss named)."""
+    equal = group[group["loss"] == "mean"]
+    off = equal[equal["recipe_verdict"] != Equivalence.MATCHES]
+    if off.empty:
+        return ""
+    off = off.assign(miss=(off["recipe_scale"] - 1).abs()).sort_values("miss", ascending=False)
+    worst = off.iloc[[0]]
+    more = f" +{len(off) - 1}" if len(off) > 1 else ""
+    return (f"; off: `{worst['setup'].iloc[0]}`, `{worst['setting'].iloc[0]}` "
+            f"({at_k(worst, 'recipe_verdict', 'recipe_scale', SHORT)}){more}")
+
+
+def _fixes(group) -> str:
+    """What gave the plain big batch where the default did not."""
+    default = group[(group["setting"] == "default") & (group["setup"] == PLAIN)]
+    parts = []
+    clipping = default[default["fix"].fillna("").str.contains("clip binds")]
+    if not clipping.empty:
+        parts.append(clipping["fix"].iloc[0].split("; ")[-1])
+    fixed = group[(group["loss"] == "token") & (group["verdict"] == Equivalence.MATCHES)]
+    if not fixed.empty:
+        shown = [f"`{r['setup']}`" + (f" with `{r['setting']}`" if r["setting"] != "default"
+                                       else "")
+                 for r in fixed.drop_duplicates(["setting", "setup"]).to_dict("records")]
+        parts.append(f"padded: {few(shown, 2, 'or')}")
+    return "; ".join(parts)
+
+
 def framework_answers(rows: spec.Rows) -> list[spec.Answer]:
-    """Per framework: what its first setting (the study's baseline) gave with each loss, the
-    settings that missed the big batch with equal micro-batches, and the ones that fixed the
-    padded loss; the rest is in the section's table."""
+    """Per framework: what its shipped default gave against the plain big batch and its
+    own recipe's, what else missed with equal micro-batches, and what fixed it."""
     answers = []
     for framework, group in rows.select(GRAD).groupby("framework", sort=False):
-        base = group["setting"].iloc[0]
-        answer = f"`{base}`: " + ", ".join(
-            f"{at_k(by_loss)} ({LOSS_NAMES.get(loss, loss + ' loss')})"
-            for loss, by_loss in group[group["setting"] == base].groupby("loss", sort=False))
-        equal = group[group["loss"] == "mean"]
-        off = equal[equal["verdict"] != Equivalence.MATCHES]
-        if not off.empty:
-            answer += "; off with equal lengths: " + few(
-                [f"`{r['setting']}` ({at_k(pd.DataFrame([r]))})" for r in
-                 off.to_dict("records")], 1)
-        fixed = group[(group["loss"] == "token") & (group["verdict"] == Equivalence.MATCHES)]
         matches = group[group["verdict"] == Equivalence.MATCHES]
         answers.append(spec.Answer(
-            f"{framework} {group['framework_version'].iloc[0]}, 2 ranks, k = "
-            f"{integers(group['accum_steps'])}: does the optimizer get the big-batch gradient?",
-            answer, worst(len(group), "case", matches["residual"].max(), "residual of a match"),
-            f"padded: {few([f'`{s}`' for s in fixed['setting'].unique()], 2, 'or')}"
-            if not fixed.empty else ""))
+            f"{framework} {group['framework_version'].iloc[0]} as shipped, 2 ranks, k = "
+            f"{integers(group['accum_steps'])}: does the optimizer get the plain big-batch "
+            f"gradient?",
+            _default_answer(group) + _changed_by(group),
+            worst(len(group), "case", matches["residual"].max(), "residual of a match"),
+            _fixes(group)))
     return answers
+
+
+def clip_findings(rows: spec.Rows) -> list[spec.Finding]:
+    """Per framework whose default clips: how much the clip changed the step against a
+    plain loop, and whether the big batch clipped the same way gives it."""
+    findings = []
+    ok = rows.ok
+    clipped = ok[(ok["point"] == "grad") & (ok["recipe"] != "none")
+                 & (ok["loss"] == "mean") & (ok["setup"] == PLAIN)]
+    for framework, group in clipped.groupby("framework", sort=False):
+        same = (group["recipe_verdict"] == Equivalence.MATCHES).sum()
+        findings.append(spec.Finding(
+            f"{framework}'s recipe ({group['recipe'].iloc[0]}) changed the step against a "
+            f"plain loop in {(group['verdict'] != Equivalence.MATCHES).sum()} of "
+            f"{count(len(group), 'case')} with equal lengths (settings "
+            f"{words(group['setting'].unique().tolist())}): the gradient was "
+            f"{number(group['scale'].min())} to {number(group['scale'].max())} × the plain big "
+            f"batch's, because the big batch's gradient norm is above the clip at every k; "
+            f"it equalled the big batch clipped the same way in {same} of them (largest "
+            f"residual {small(group['recipe_residual'].max())}).",
+            rows.inputs.source(f"framework = {framework}, recipe != none, loss = mean, "
+                               f"setup = {PLAIN}, point = grad", len(group))))
+    return findings
 
 
 def step_finding(rows: spec.Rows) -> spec.Finding | None:
@@ -110,27 +174,35 @@ SECTION = spec.Section(
     study="frameworks",
     title="frameworks: does the framework hand the optimizer the big batch?",
     intro=("Each framework trains one optimizer step of a tiny language model at 2 ranks "
-           "with gradient accumulation k, in its default configuration and with settings "
-           "users change; the gradient read in the optimizer's `step` and the update it made "
-           "are fitted against one process's big batch (one backward on the whole global "
-           "batch, one SGD step). `mean`: every micro-batch holds as many tokens; `token`: "
-           "padded sequences of random lengths, micro-batches holding different numbers."),
+           "with gradient accumulation k, exactly as shipped (`default`; the `code` column "
+           "holds the whole configuration passed) and with the settings users change, on "
+           "the plain setup (`tiny-lm`) and on variants of the loss and model users write. "
+           "The gradient read in the optimizer's `step` and the update it made are fitted "
+           "twice: against the plain big batch (one process, one backward on the whole "
+           "global batch, one SGD step: what a plain PyTorch loop does), and against the "
+           "same big batch under the framework's own recipe (its default gradient clip, "
+           "applied once). The big batch's gradient norm is above 1 at every k, so a clip "
+           "of 1.0 binds. `mean`: every micro-batch holds as many tokens; `token`: padded "
+           "sequences of random lengths, micro-batches holding different numbers."),
     answers=(framework_answers,),
     findings=(
+        clip_findings,
         spec.Verdicts(column="verdict", per=("framework", "loss"), where=GRAD,
-                      qualify=("setting", "accum_steps"), phrases=spec.BIG_BATCH,
-                      subject="With a {loss} loss, the gradient {framework} handed the "
-                              "optimizer",
+                      qualify=("setting", "setup", "accum_steps"), phrases=spec.BIG_BATCH,
+                      subject="With a {loss} loss, against the plain big batch, the gradient "
+                              "{framework} handed the optimizer",
                       detail={Equivalence.MATCHES: spec.largest("residual"),
-                              Equivalence.SCALED: _scales,
+                              Equivalence.SCALED: spec.spread("scale", "accum_steps"),
                               Equivalence.DIFFERS: spec.spread("residual", "accum_steps")}),
         step_finding, failed_findings, unmeasured_findings,
     ),
     tables=(
-        spec.Pivot(caption="**The optimizer's gradient against the big batch's**, by k: "
-                           "`verdict` (`scale` where it is another multiple); rows of {csv} "
-                           "with point = grad and status ok ({rows}).",
-                   index=("framework", "setting", "loss"), column="accum_steps", where=GRAD,
-                   cell=_cell),
+        spec.Pivot(caption="**The optimizer's gradient against the plain big batch's / the "
+                           "big batch's under the framework's recipe**, by k: `verdict` "
+                           "(`scale` where it is another multiple), then `recipe_verdict` "
+                           "where the recipe clips; rows of {csv} with point = grad and "
+                           "status ok ({rows}).",
+                   index=("framework", "setting", "setup", "loss"), column="accum_steps",
+                   where=GRAD, cell=_cell),
     ),
 )

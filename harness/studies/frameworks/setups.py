@@ -1,4 +1,4 @@
-"""The user's training step the frameworks are handed, as a :class:`harness.check.setup.Setup`.
+"""The study's user setups, as :class:`harness.check.setup.Setup`s, and the references.
 
 A tiny language model (embedding, linear head) on sequences of tokens, with the
 loss people train such models with: cross-entropy averaged over the *real* tokens
@@ -10,23 +10,34 @@ of the (micro-)batch, padding masked out (label -100). Two data sets:
 - ``mean``: every sequence full length, so every micro-batch holds the same number
   of tokens and the token mean is a plain mean over equal pieces.
 
-The reference is one process, one backward on the whole global batch, one step of
-the same optimizer (plain SGD, so a gradient error shows unchanged in the update).
+Besides the plain setup, the variants users write: dividing by k themselves,
+normalizing by the window's token count, and models written the HF way (``forward``
+takes the labels and returns the loss) that take ``num_items_in_batch`` or not.
+
+The embedding starts at 4x a standard normal so that the big batch's gradient norm
+is above 1 (1.9 to 7.4 over seeds 0..19, both dtypes) at every k: a default clip of
+1.0 then binds and shows. Each row is compared with two big-batch steps in float64:
+the plain one (one backward on the whole global batch, one step: a plain PyTorch
+loop), and the same under the framework's recipe (its gradient-norm clip, once).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.check.reference import compute_reference
-from harness.check.setup import Setup, default_optimizer
+from harness.check import batches
+from harness.check.load import prepared_model
+from harness.check.reference import make_optimizer
+from harness.check.setup import MicroStep, Setup, default_optimizer
 from harness.seeding import generator_for
 from harness.strategies.common import float64_vector
-from harness.tolerances import relative_tolerance
+from harness.studies.frameworks.data import IGNORE
 
 LOSSES = ("mean", "token")
 VOCAB = 7
@@ -34,20 +45,22 @@ WIDTH = 4
 MAX_LENGTH = 6
 #: Sequences per rank per micro-step.
 MICRO_BATCH = 2
-#: The label of a padding position: what torch's cross-entropy and HF models ignore.
-IGNORE = -100
+#: The embedding's initial scale: the gradient norm is then above 1 at every k.
+EMBED_SCALE = 4.0
 
 
 class TinyLM(nn.Module):
     """Token ids -> next-token logits: embedding, then a linear head."""
 
-    def __init__(self, generator: torch.Generator, dtype: torch.dtype) -> None:
+    def __init__(self, generator: torch.Generator) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH, dtype=dtype)
-        self.head = nn.Linear(WIDTH, VOCAB, dtype=dtype)
+        self.embed = nn.Embedding(VOCAB, WIDTH, dtype=torch.float64)
+        self.head = nn.Linear(WIDTH, VOCAB, dtype=torch.float64)
         with torch.no_grad():
             for param in self.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=dtype))
+                param.copy_(torch.randn(param.shape, generator=generator,
+                                        dtype=torch.float64))
+            self.embed.weight.mul_(EMBED_SCALE)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(input_ids))
@@ -85,42 +98,167 @@ def global_batch(loss: str, sequences: int, generator: torch.Generator) -> dict:
     return {"input_ids": input_ids, "labels": labels}
 
 
-def make_setup(loss: str, world_size: int, accum_steps: int, dtype: torch.dtype,
-               seed: int) -> Setup:
-    """The user setup of one case: the same weights and global batch for every framework."""
+def make_setup(loss: str, world_size: int, accum_steps: int, seed: int) -> Setup:
+    """The plain user setup of one case: the same weights and global batch everywhere."""
     sequences = world_size * accum_steps * MICRO_BATCH
     batch = global_batch(loss, sequences, generator_for(seed, "frameworks-data", loss,
                                                         world_size, accum_steps))
 
     def make_model() -> nn.Module:
-        return TinyLM(generator_for(seed, "frameworks-model"), dtype)
+        return TinyLM(generator_for(seed, "frameworks-model"))
 
     return Setup(make_model=make_model, batch=lambda i: batch, loss=lm_loss,
                  make_optimizer=default_optimizer, name=f"tiny-lm/{loss}")
 
 
-def samples(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """The global batch as a data set: one dict per sequence."""
-    return [{name: tensor[i] for name, tensor in batch.items()}
-            for i in range(len(batch["input_ids"]))]
+# ---------------------------------------------------------------- the variants users write
+def divided_by_k(model: nn.Module, batch, where: MicroStep) -> torch.Tensor:
+    """The user divides by k as well (the framework already does)."""
+    return lm_loss(model, batch) / where.accum_steps
+
+
+def window_normalized(model: nn.Module, batch, where: MicroStep) -> torch.Tensor:
+    """Accelerate's recipe for token losses: the token sum over the window's tokens on all
+    ranks, times the k the framework divides by and the N DDP averages over."""
+    summed = token_sum(model(batch["input_ids"]), batch["labels"])
+    return summed * where.accum_steps * where.world_size / real_tokens(where.window["labels"])
+
+
+class HFStyle(nn.Module):
+    """The setup's model the way HF models are written: ``forward`` takes the labels and
+    returns a dict with the loss."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+class MicroMean(HFStyle):
+    def forward(self, input_ids, labels=None):
+        return {"loss": token_mean(self.inner(input_ids), labels)}
+
+
+class NamedCount(HFStyle):
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.inner(input_ids)
+        if num_items_in_batch is None:
+            return {"loss": token_mean(logits, labels)}
+        return {"loss": token_sum(logits, labels) / num_items_in_batch}
+
+
+class KwargsCount(HFStyle):
+    def forward(self, input_ids, labels=None, **kwargs):
+        logits = self.inner(input_ids)
+        count = kwargs.get("num_items_in_batch")
+        if count is None:
+            return {"loss": token_mean(logits, labels)}
+        return {"loss": token_sum(logits, labels) / count}
+
+
+class KwargsIgnored(HFStyle):
+    """Takes ``**kwargs`` and drops ``num_items_in_batch``: the bug the Trainer cannot see."""
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        return {"loss": token_mean(self.inner(input_ids), labels)}
+
+
+class OptedOut(KwargsCount):
+    accepts_loss_kwargs = False
+
+
+def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch)["loss"]
+
+
+def hf_style(model_class: type[HFStyle]) -> Callable[[Setup], Setup]:
+    def variant(setup: Setup) -> Setup:
+        return replace(setup, make_model=lambda: model_class(setup.make_model()), loss=hf_loss)
+    return variant
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A user setup the study measures, made from the plain one."""
+
+    name: str
+    #: What the user's code does, for the rows.
+    code: str
+    make: Callable[[Setup], Setup]
+    frameworks: tuple[str, ...]
+    core: bool = False
+
+
+PLAIN = "tiny-lm"
+VARIANTS = (
+    Variant(PLAIN, "loss = token mean of the micro-batch", lambda setup: setup,
+            ("accelerate", "lightning", "transformers", "deepspeed"), core=True),
+    Variant("loss/k", "loss = token mean of the micro-batch / k",
+            lambda setup: replace(setup, micro_step=divided_by_k), ("accelerate",)),
+    Variant("token-normalized", "loss = token sum * k * N / tokens of the window on all ranks",
+            lambda setup: replace(setup, micro_step=window_normalized),
+            ("accelerate", "lightning", "deepspeed")),
+    Variant("forward(labels)", "forward(input_ids, labels) returns the micro-batch's token "
+            "mean", hf_style(MicroMean), ("transformers",)),
+    Variant("forward(num_items_in_batch)", "forward(input_ids, labels, "
+            "num_items_in_batch=None): the count as a named parameter, no **kwargs",
+            hf_style(NamedCount), ("transformers",)),
+    Variant("forward(**kwargs)", "forward(input_ids, labels, **kwargs) divides the token sum "
+            "by kwargs['num_items_in_batch']", hf_style(KwargsCount), ("transformers",),
+            core=True),
+    Variant("drops-count", "forward(input_ids, labels, **kwargs) returns "
+            "the micro-batch's token mean, dropping num_items_in_batch",
+            hf_style(KwargsIgnored), ("transformers",)),
+    Variant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
+            "model's accepts_loss_kwargs = False", hf_style(OptedOut), ("transformers",)),
+)
+
+
+# ---------------------------------------------------------------- the references
+@dataclass(frozen=True)
 class Reference:
-    """One process, the whole global batch: its gradient, and its weights before and after
-    one optimizer step."""
+    """One process, the whole global batch: its gradient (after the recipe's clip), and its
+    trainable weights before and after one optimizer step, flat, in float64."""
 
     grad: torch.Tensor
     before: torch.Tensor
     after: torch.Tensor
+    #: (name, elements) of each trainable parameter, in order: to name the worst tensors.
+    shapes: tuple[tuple[str, int], ...]
 
 
-def big_batch_reference(setup: Setup) -> Reference:
-    """check.py's reference (one backward on the whole global batch, one step), in float64
-    whatever the model's dtype, so that the reference adds no rounding of its own."""
-    float64 = torch.float64
-    step = compute_reference(setup, float64, torch.device("cpu"), None,
-                             relative_tolerance(float64), setup.name)[0]
-    names = list(step.grads)  # the trainable parameters, in parameters() order
-    return Reference(*(float64_vector(state[name] for name in names)
-                       for state in (step.grads, step.before, step.after)))
+def big_batch_steps(setup: Setup, used: int, clip: float | None
+                    ) -> tuple[Reference, Reference]:
+    """The plain big-batch step and the same under the recipe's gradient-norm clip
+    ``clip`` (the plain one again where there is none), from one backward of the setup's
+    loss on the first ``used`` samples of batch 0: float64 whatever the framework trains
+    in, so the references add no rounding of their own."""
+    float64, cpu = torch.float64, torch.device("cpu")
+    model = prepared_model(setup, float64, cpu)
+    window = batches.prepared(batches.take(setup.batch(0), 0, used), float64, cpu)
+    setup.loss(model, window).backward()
+    clipped = _copy_with_grads(model) if clip is not None else None
+    plain = _stepped(setup, model, None)
+    return plain, (_stepped(setup, clipped, clip) if clipped is not None else plain)
+
+
+def _copy_with_grads(model: nn.Module) -> nn.Module:
+    """The model as it stands before the step, its gradients included (a deep copy of a
+    module leaves them out): what the recipe's clip and step start from."""
+    copied = copy.deepcopy(model)
+    for original, param in zip(model.parameters(), copied.parameters(), strict=True):
+        param.grad = None if original.grad is None else original.grad.clone()
+    return copied
+
+
+def _stepped(setup: Setup, model: nn.Module, clip: float | None) -> Reference:
+    """One optimizer step of ``model`` from its gradient, clipped to ``clip`` first."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    optimizer = make_optimizer(setup, [p for _, p in params])
+    before = float64_vector(p.detach().clone() for _, p in params)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], clip)
+    grad = float64_vector(p.grad if p.grad is not None else torch.zeros_like(p)
+                          for _, p in params)
+    optimizer.step()
+    after = float64_vector(p.detach() for _, p in params)
+    return Reference(grad, before, after, tuple((name, p.numel()) for name, p in params))

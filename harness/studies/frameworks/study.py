@@ -1,12 +1,11 @@
 """The frameworks study: do real training frameworks give the optimizer the big-batch gradient?
 
 At world size N = 2 with gradient accumulation k in {1, 4}, each framework trains one
-optimizer step of the user setup (:mod:`harness.studies.frameworks.setups`: a tiny
-language model, a token-mean cross-entropy, plain SGD) its own way, in its default
-configuration and with the settings users commonly change. In the optimizer's
-``step`` the harness reads the gradient the update is about to use and, right
-after, the weights it produced; rank 0 fits both against one process's big batch
-(one backward on the whole global batch, one SGD step), in float64.
+optimizer step of the study's user setups (:mod:`harness.studies.frameworks.setups`: a
+tiny language model, a token-mean cross-entropy, plain SGD, and the variants users
+write) its own way, exactly as shipped (``default``) and with the settings users
+commonly change, through the same code as ``grad-check --frameworks``
+(:mod:`harness.studies.frameworks.measure`).
 
 The frameworks reduce over the default process group, so the study measures at a
 launch of exactly two ranks (``--nproc 2``). A framework whose package is missing
@@ -15,20 +14,10 @@ gets one row saying so; the study itself is unavailable when none is installed.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
-import logging
 import math
-import warnings
 from typing import Any
 
-import torch
-
 from harness.context import RunContext
-from harness.errors import first_sentence
-from harness.fit import equivalence_verdict, fit_scale, relative_error
-from harness.strategies.common import relative_spread
 from harness.studies.base import Case, Study
 from harness.studies.frameworks import (
     deepspeed_engine,
@@ -36,74 +25,49 @@ from harness.studies.frameworks import (
     hf_trainer,
     lightning_trainer,
 )
-from harness.studies.frameworks.capture import StepCapture, gather_captures
-from harness.studies.frameworks.registry import INSTALL_HINT, Framework, Setting
-from harness.studies.frameworks.schema import COLUMNS, POINTS
-from harness.studies.frameworks.setups import LOSSES, Reference, big_batch_reference, make_setup
-from harness.tolerances import relative_tolerance
+from harness.studies.frameworks.measure import NUMBERS, measure
+from harness.studies.frameworks.registry import DEFAULT, INSTALL_HINT, Framework, Setting
+from harness.studies.frameworks.schema import COLUMNS
+from harness.studies.frameworks.setups import LOSSES, PLAIN, VARIANTS, Variant, make_setup
 
 #: Every framework, in row order.
 FRAMEWORKS: dict[str, Framework] = {
     framework.name: framework
     for framework in (hf_accelerate.FRAMEWORK, lightning_trainer.FRAMEWORK,
                       hf_trainer.FRAMEWORK, deepspeed_engine.FRAMEWORK)}
+VARIANT = {variant.name: variant for variant in VARIANTS}
 #: The frameworks reduce over the default process group: exactly these ranks.
 WORLD_SIZE = 2
 ACCUM_STEPS = (1, 4)
-#: Loggers that announce devices, plugins and hints on every training run.
-CHATTY_LOGGERS = ("accelerate", "transformers", "DeepSpeed", "deepspeed", "torch.distributed")
-NUMBERS = ("scale", "residual", "relative_error", "rank_spread")
 
 
-def accum_steps(setting: Setting, run: RunContext) -> tuple[int, ...]:
-    """Every k for a framework's defaults (and with ``--matrix full``); the largest alone for
-    the settings users change, where k = 1 only repeats what the default showed."""
-    return ACCUM_STEPS if setting.core or run.config.matrix == "full" else ACCUM_STEPS[-1:]
+def measured_pairs(framework: Framework) -> list[tuple[Setting, Variant]]:
+    """Every setting on the plain setup, and every variant of the user's code the framework
+    is measured with, under its default setting and, where the default clips, with the
+    clip off too (a binding clip scales any gradient to the same norm, hiding a wrong
+    scale of the accumulation)."""
+    plain = VARIANT[PLAIN]
+    names = [DEFAULT, *([framework.unclipped] if framework.unclipped else [])]
+    return ([(setting, plain) for setting in framework.settings]
+            + [(framework.setting(name), variant) for variant in VARIANTS
+               if variant is not plain and framework.name in variant.frameworks
+               for name in names])
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def training_dtype(framework: Framework, run: RunContext) -> torch.dtype:
-    """The framework's dtype, or the run's when that is narrower (``--dtype float32``)."""
-    return torch.float32 if torch.float32 in (framework.dtype, run.dtype) else torch.float64
-
-
-@contextlib.contextmanager
-def quietly():
-    """The frameworks' warnings and banners say nothing about the gradient: keep the run's
-    console for the harness."""
-    levels = {name: logging.getLogger(name).level for name in CHATTY_LOGGERS}
-    for name in levels:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        # DeepSpeed prints its banners; the run's stdout is the harness's summary.
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-
-
-def freeze_survivors() -> None:
-    """Collect the case's garbage, then exempt every object still alive (above all the
-    frameworks' modules, millions of objects) from later collections.
-
-    Accelerate (under transformers' Trainer) calls ``gc.collect()`` as every training
-    ends; scanning the imported frameworks made each call take 0.4 s, 7 s of a rank's
-    18 s run. Frozen objects are still freed when their last reference goes.
-    """
-    gc.collect()
-    gc.freeze()
+def accum_steps(setting: Setting, variant: Variant, run: RunContext) -> tuple[int, ...]:
+    """Every k for the defaults and the settings and variants marked core (and with
+    ``--matrix full``); the largest alone for the rest, where k = 1 only repeats what
+    the default showed."""
+    core = (setting.core and variant.name == PLAIN) or (setting.name == DEFAULT
+                                                       and variant.core)
+    return ACCUM_STEPS if core or run.config.matrix == "full" else ACCUM_STEPS[-1:]
 
 
 class FrameworksStudy(Study):
     name = "frameworks"
-    summary = ("HF Accelerate, Lightning, HF transformers' Trainer and DeepSpeed (ZeRO 0/1/2) "
-               "at 2 ranks with gradient accumulation: does the optimizer get the big-batch "
-               "gradient, and take the big-batch step?")
+    summary = ("HF Accelerate, Lightning, HF transformers' Trainer and DeepSpeed at 2 ranks "
+               "with gradient accumulation, as shipped and with the settings users change: "
+               "does the optimizer get the plain big-batch gradient, and take its step?")
     example = "python scripts/study.py --nproc 2 --studies frameworks"
     columns = COLUMNS
     #: 40 to 75 s of a run on 2 cores (most of it importing and starting the frameworks):
@@ -122,10 +86,10 @@ class FrameworksStudy(Study):
                 cases.append(Case.of(self.name, framework=framework.name))
                 continue
             cases += [Case.of(self.name, participants=WORLD_SIZE, framework=framework.name,
-                              setting=setting.name, loss=loss, world_size=WORLD_SIZE,
-                              accum_steps=k)
-                      for setting in framework.settings for loss in LOSSES
-                      for k in accum_steps(setting, run)]
+                              setting=setting.name, setup=variant.name, loss=loss,
+                              world_size=WORLD_SIZE, accum_steps=k)
+                      for setting, variant in measured_pairs(framework) for loss in LOSSES
+                      for k in accum_steps(setting, variant, run)]
         return cases
 
     @staticmethod
@@ -136,32 +100,15 @@ class FrameworksStudy(Study):
         framework = FRAMEWORKS[case["framework"]]
         if "setting" not in case.params:
             return [_unmeasured_row(framework, self._not_measured(framework, run))]
-        setting, k = framework.setting(case["setting"]), case["accum_steps"]
-        dtype = training_dtype(framework, run)
-        setup = make_setup(case["loss"], WORLD_SIZE, k, dtype, run.seed)
-        capture, error = StepCapture(), ""
-        try:
-            with quietly():
-                framework.train(setup, setting, k, capture)
-        except Exception as raised:  # a setting the framework refuses, alike on every rank
-            error = first_sentence(raised)
-        freeze_survivors()
-        captures = gather_captures((capture, error))
-        if not run.reports(case):
+        variant = VARIANT[case["setup"]]
+        setup = variant.make(make_setup(case["loss"], WORLD_SIZE, case["accum_steps"],
+                                        run.seed))
+        rows = measure(framework, framework.setting(case["setting"]), setup,
+                       case["accum_steps"], run.dtype)
+        if rows is None or not run.reports(case):
             return None
-        identity = _identity(framework, setting, case, dtype)
-        failure = next((e for _, e in captures if e), "") or _step_count_error(captures, k)
-        if failure:
-            return [{**identity, **dict.fromkeys(NUMBERS, math.nan), "point": "",
-                     "verdict": "", "optimizer_steps": capture.steps,
-                     "tokens_per_rank": _tokens(captures), "error": failure,
-                     "status": "failed"}]
-        reference = big_batch_reference(setup)
-        return [{**identity, **_compare(point, [c for c, _ in captures], reference,
-                                        relative_tolerance(dtype)),
-                 "optimizer_steps": capture.steps, "tokens_per_rank": _tokens(captures),
-                 "error": "", "status": "ok"}
-                for point in POINTS]
+        return [{**row, "setup": variant.name, "setup_code": variant.code,
+                 "loss": case["loss"]} for row in rows]
 
     def _not_measured(self, framework: Framework, run: RunContext) -> str:
         if reason := framework.missing():
@@ -174,53 +121,18 @@ class FrameworksStudy(Study):
         measured = frame[(frame["status"] == "ok") & (frame["point"] == "grad")]
         if measured.empty:
             return frame[["framework", "status"]].drop_duplicates().to_string(index=False)
-        table = measured.pivot_table(index=["framework", "setting", "loss"],
+        table = measured.pivot_table(index=["framework", "setting", "setup", "loss"],
                                      columns="accum_steps", values="verdict", aggfunc="first",
                                      sort=False)
-        return "verdict (the optimizer's gradient vs the big batch's) by k:\n" + \
+        return "verdict (the optimizer's gradient vs the plain big batch's) by k:\n" + \
             table.to_string()
-
-
-def _identity(framework: Framework, setting: Setting, case: Case,
-              dtype: torch.dtype) -> dict[str, Any]:
-    return {"framework": framework.name, "framework_version": framework.version(),
-            "setting": setting.name, "code": setting.code, "loss": case["loss"],
-            "world_size": case["world_size"], "accum_steps": case["accum_steps"],
-            "model_dtype": dtype_name(dtype)}
 
 
 def _unmeasured_row(framework: Framework, status: str) -> dict[str, Any]:
     return {"framework": framework.name, "framework_version": framework.version(),
-            "setting": "", "code": "", "loss": "", "world_size": WORLD_SIZE,
-            "accum_steps": math.nan, "model_dtype": "", "point": "", "verdict": "",
-            **dict.fromkeys(NUMBERS, math.nan), "optimizer_steps": math.nan,
-            "tokens_per_rank": "", "error": "", "status": status}
+            "setting": "", "code": "", "setup": "", "setup_code": "", "loss": "",
+            "world_size": WORLD_SIZE, "accum_steps": math.nan, "model_dtype": "",
+            "recipe": "", "point": "", "verdict": "", "recipe_verdict": "",
+            **dict.fromkeys(NUMBERS, math.nan), "worst_tensors": "", "fix": "",
+            "optimizer_steps": math.nan, "tokens_per_rank": "", "error": "", "status": status}
 
-
-def _step_count_error(captures: list, accum_steps: int) -> str:
-    """One window of k micro-steps must end in exactly one optimizer step on every rank."""
-    steps = sorted({capture.steps for capture, _ in captures})
-    if steps == [1]:
-        return ""
-    return (f"took {'/'.join(map(str, steps))} optimizer steps for one window of "
-            f"{accum_steps} micro-steps, not 1")
-
-
-def _tokens(captures: list) -> str:
-    return ";".join(str(capture.tokens) for capture, _ in captures)
-
-
-def _compare(point: str, captures: list[StepCapture], reference: Reference,
-             rtol: float) -> dict[str, Any]:
-    """Rank 0's gradient (or update) against the big batch's: scale, residual, verdict."""
-    if point == "grad":
-        measured = [c.grad for c in captures]
-        expected = reference.grad
-    else:
-        # The update, not the weights: a step of the wrong size is then a wrong scale.
-        measured = [c.params - reference.before for c in captures]
-        expected = reference.after - reference.before
-    fit = fit_scale(measured[0], expected)
-    return {"point": point, "verdict": equivalence_verdict(fit, rtol), "scale": fit.scale,
-            "residual": fit.residual, "relative_error": relative_error(measured[0], expected),
-            "rank_spread": relative_spread(measured[0], measured)}

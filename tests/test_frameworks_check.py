@@ -1,0 +1,155 @@
+"""``grad-check --frameworks``: a user's own Setup through each installed framework.
+
+One launch (module-scoped) of ``check.py --nproc 2 --frameworks ...`` on two setups of
+this module at k = 1 and 4; the tests read its ``frameworks.csv``. The expectations
+come from first principles, never from the harness's code:
+
+- ``steep_setup``: a mean-squared-error loss over equal micro-batches, whose big-batch
+  gradient norm (computed here, by hand) is far above 1. Accelerate and Lightning
+  (no clip) give the big batch's gradient; the Trainer's and DeepSpeed's shipped clip
+  of 1.0 gives 1/norm of it, which is the big batch clipped once to norm 1;
+- ``drops_count_setup``: an HF-style model whose ``forward(**kwargs)`` drops
+  ``num_items_in_batch``. The Trainer then neither divides by k nor lets DDP's average
+  stand (it multiplies by N): k x N times the big batch's gradient.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from harness.check.setup import Setup
+from harness.studies.frameworks.registry import INSTALL_HINT
+from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
+from tests.launch import ROOT, run_python
+
+WORLD, KS = 2, (1, 4)
+MISS = 1e-3
+FRAMEWORKS = "accelerate,lightning,transformers,transformers:max_grad_norm=0,deepspeed"
+pytestmark = pytest.mark.launches(seconds=70)
+
+
+# ---------------------------------------------------------------- the user setups
+def _steep_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Linear(4, 3, dtype=torch.float64)
+
+
+def _steep_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7 + step)
+    x = torch.randn(16, 4, generator=generator, dtype=torch.float64)
+    return x, 10 * torch.randn(16, 3, generator=generator, dtype=torch.float64)
+
+
+def _mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def steep_setup() -> Setup:
+    return Setup(make_model=_steep_model, batch=_steep_batch, loss=_mse, name="steep")
+
+
+def drops_count_setup() -> Setup:
+    setup = hf_style(KwargsIgnored)(make_setup("mean", WORLD, max(KS), seed=0))
+    return Setup(make_model=setup.make_model, batch=setup.batch, loss=setup.loss,
+                 name="drops-count")
+
+
+def steep_gradient_norm() -> float:
+    model = _steep_model()
+    _mse(model, _steep_batch(0)).backward()
+    return float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm())
+
+
+# ---------------------------------------------------------------- the launch
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory) -> pd.DataFrame:
+    for module in ("accelerate", "lightning", "transformers", "deepspeed"):
+        pytest.importorskip(module, reason=f"{module} is not installed; {INSTALL_HINT}")
+    out = tmp_path_factory.mktemp("frameworks-check")
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+                       "--frameworks", FRAMEWORKS, f"{__name__}:steep_setup",
+                       f"{__name__}:drops_count_setup", "--accum-steps", "1,4", "--out",
+                       str(out)], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "configuration as passed:" in done.stdout
+    return pd.read_csv(out / "frameworks.csv", keep_default_na=False,
+                       dtype={"fix": str, "error": str})
+
+
+def grad(frame, setup: str, framework: str, setting: str = "default") -> pd.DataFrame:
+    selected = frame[(frame.setup == setup) & (frame.framework == framework)
+                     & (frame.setting == setting) & (frame.point == "grad")]
+    assert len(selected) == len(KS), (setup, framework, setting)
+    return selected
+
+
+def test_each_adapter_trains_a_user_setup_one_step_per_window(frame):
+    assert (frame.status == "ok").all(), frame[frame.status != "ok"][["framework", "error"]]
+    assert (frame.optimizer_steps == 1).all()
+    assert set(frame.world_size) == {WORLD}
+    for framework in ("accelerate", "lightning", "transformers", "deepspeed"):
+        assert set(grad(frame, "steep", framework).accum_steps) == set(KS)
+
+
+def test_frameworks_without_a_default_clip_give_the_big_batch(frame):
+    for framework, setting in (("accelerate", "default"), ("lightning", "default"),
+                               ("transformers", "max_grad_norm=0")):
+        selected = grad(frame, "steep", framework, setting)
+        assert (selected.verdict == "matches").all(), selected
+        assert (selected.recipe == "none").all()
+
+
+@pytest.mark.parametrize("framework", ["transformers", "deepspeed"])
+def test_a_shipped_clip_binds_and_equals_the_big_batch_clipped_once(frame, framework):
+    norm = steep_gradient_norm()
+    assert norm > 2
+    selected = grad(frame, "steep", framework)
+    assert (selected.verdict == "scaled").all()
+    assert ((selected.scale - 1 / norm).abs() < MISS / norm).all()
+    assert (selected.recipe_verdict == "matches").all()
+
+
+def test_deepspeeds_default_clip_is_named_in_the_fix(frame):
+    default = grad(frame, "steep", "deepspeed")
+    assert default.fix.str.contains('"gradient_clipping": 0.0').all()
+    # As shipped: the harness passed no clipping of its own.
+    assert not default.code.str.contains("gradient_clipping").any()
+
+
+def test_a_model_dropping_num_items_in_batch_gets_k_times_n_from_the_trainer(frame):
+    dropped = grad(frame, "drops-count", "transformers", "max_grad_norm=0")
+    assert (dropped.verdict == "scaled").all()
+    assert ((dropped.scale - WORLD * dropped.accum_steps).abs() < MISS).all()
+    at_4 = dropped[dropped.accum_steps == 4]
+    assert at_4.fix.str.contains("divide the loss by 8 = N\\*k").all()
+    # The same model under Accelerate (no count passed): the big batch.
+    assert (grad(frame, "drops-count", "accelerate").verdict == "matches").all()
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_framework_names_are_one_line_and_exit_2(capsys, tmp_path):
+    from harness.check.cli import main
+
+    for name, expected in (("torch", "no framework 'torch'"),
+                           ("deepspeed:zero9", "deepspeed has no setting 'zero9'")):
+        assert main(["--nproc", "2", "--frameworks", name, "examples.mlp:make_setup",
+                     "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_framework_names_the_extra(monkeypatch, capsys, tmp_path):
+    from harness.check.cli import main
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert main(["--nproc", "2", "--frameworks", "deepspeed", "examples.mlp:make_setup",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"deepspeed is not installed; {INSTALL_HINT}" in err
