@@ -19,8 +19,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness.check.load import check_model, validated_setup
+from harness.check.load import validated_setup
 from harness.check.setup import Setup
+from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.options import check_out_folder, parse_float, parse_int_list, parse_name_list
 from harness.studies.frameworks.registry import DEFAULT, Framework, Setting
@@ -83,10 +84,10 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
             raise UsageError(f"--world-sizes {args.world_sizes} with --frameworks: the "
                              f"frameworks train on every launched rank; allowed: "
                              f"{world_size} (or leave it out)")
+        # Each setup's model, batches and one piece are checked here, before any rank starts.
         setups = [(target, validated_setup(target, [(world_size, k) for k in accum_steps],
-                                           args.drop_last)) for target in args.targets]
-        for target, setup in setups:
-            check_model(setup.make_model(), target)
+                                           args.drop_last, DTYPES[args.dtype]))
+                  for target in args.targets]
         if args.nproc is not None:
             from harness.launcher import launch_ranks
 
@@ -102,7 +103,6 @@ def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]
          prog: str) -> int:
     import torch.distributed as dist
 
-    from harness.config import DTYPES
     from harness.results import write_csv_atomic
     from harness.studies.frameworks.measure import measure
 
