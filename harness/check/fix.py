@@ -60,29 +60,30 @@ def batchnorm_tensors(model: nn.Module) -> set[str]:
     return names
 
 
-def _factor_name(value: float, facts: Facts, rtol: float) -> str:
-    """``value`` as N, k or N*k where it is one of them (" = N*k"), else ''."""
-    n, k = facts.world_size, facts.accum_steps
-    for expression, number in (("k", k), ("N", n), ("N*k", n * k)):
+def named_value(value: float, world_size: int, accum_steps: int, rtol: float) -> str:
+    """``value`` as it reads in a fix: ``4 = N*k`` where it is N, k or N*k within ``rtol``
+    (the exact number shown), else its six significant digits."""
+    for expression, number in (("k", accum_steps), ("N", world_size),
+                               ("N*k", world_size * accum_steps)):
         if number > 1 and close(value, number, rtol):
-            return f" = {expression}"
-    return ""
-
-
-def _shown(value: float) -> str:
+            return f"{number} = {expression}"
     return f"{value:.6g}"
+
+
+def loss_scale_fix(scale: float, world_size: int, accum_steps: int, rtol: float) -> str:
+    """A gradient s times the big batch's: the loss to divide or multiply by 1/s."""
+    if scale > 1:
+        return f"divide the loss by {named_value(scale, world_size, accum_steps, rtol)}"
+    return f"multiply the loss by {named_value(1 / scale, world_size, accum_steps, rtol)}"
 
 
 def scale_fix(point: str, scale: float, facts: Facts) -> str:
     """A pure multiple s of the reference: undo it where it comes from."""
+    n, k, rtol = facts.world_size, facts.accum_steps, facts.rtol
     if point == "grad":
-        if scale > 1:
-            return (f"divide the loss by {_shown(scale)}"
-                    f"{_factor_name(scale, facts, facts.rtol)}")
-        inverse = 1 / scale
-        return f"multiply the loss by {_shown(inverse)}{_factor_name(inverse, facts, facts.rtol)}"
+        return loss_scale_fix(scale, n, k, rtol)
     inverse = 1 / scale
-    return (f"multiply lr by 1/s = {_shown(inverse)}{_factor_name(inverse, facts, facts.rtol)}"
+    return (f"multiply lr by 1/s = {named_value(inverse, n, k, rtol)}"
             " (or fix the gradient's scale)")
 
 
@@ -149,7 +150,7 @@ def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
     if point == "buffers":
         return buffers_fix(comparison, facts)
     if _follows_gradient_scale(point, comparison, facts):
-        return (f"step 0's gradient is scaled by {_shown(facts.gradient_scale)}, which "
+        return (f"step 0's gradient is scaled by {facts.gradient_scale:.6g}, which "
                 f"this row follows from: {scale_fix('grad', facts.gradient_scale, facts)}")
     if comparison.verdict is Equivalence.SCALED and not math.isnan(comparison.scale):
         return scale_fix(point, comparison.scale, facts)

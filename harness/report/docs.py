@@ -232,29 +232,49 @@ def frameworks_answer(results: Results) -> str:
     return text
 
 
-def _alike(rows: pd.DataFrame, settings: bool = True) -> str:
-    """``accelerate `default`, lightning `default`: the big batch's at k = 1, 4``: frameworks
-    whose rows read alike share a clause (named with their setting, or alone)."""
+def _alike_groups(rows: pd.DataFrame, settings: bool = True) -> dict[str, list[str]]:
+    """Frameworks whose rows read alike, by the phrase they share (named with their
+    setting, or alone)."""
     alike: dict[str, list[str]] = {}
     for framework, group in rows.groupby("framework", sort=False):
         name = f"{framework} `{group['setting'].iloc[0]}`" if settings else framework
         alike.setdefault(at_k(group), []).append(name)
-    return "; ".join(f"{', '.join(names)}: {phrase}" for phrase, names in alike.items())
+    return alike
+
+
+def _alike(rows: pd.DataFrame, settings: bool = True) -> str:
+    """``accelerate `default`, lightning `default`: the big batch's at k = 1, 4``."""
+    return "; ".join(f"{', '.join(names)}: {phrase}"
+                     for phrase, names in _alike_groups(rows, settings).items())
+
+
+def _gradient_phrase(phrase: str) -> str:
+    """``at_k``'s phrase as the object of a sentence: what the optimizer got, k by k."""
+    return (phrase.replace("; ", " and ").replace("the big batch's", "the big batch's gradient")
+            .replace("no multiple of it", "no multiple of the big batch's gradient"))
 
 
 def frameworks_summary(results: Results) -> str:
-    """The README's short form of :func:`frameworks_answer`."""
+    """The README's short form of :func:`frameworks_answer`: per kind of sequence, which
+    frameworks as shipped handed the optimizer what, and what their default clip does."""
     rows = FrameworkRows.read(results)
     if rows is None:
         return "The frameworks run holds no measured rows."
-    clauses = [f"with equal-length sequences, {rows.baseline('mean', False)}",
-               f"with padded sequences of random length, {rows.baseline('token', False)}"]
-    clipping = rows.base[rows.base["recipe"] != "none"]["framework"].unique().tolist()
-    text = ("**Frameworks** (`results/frameworks/`, each framework as shipped, `default`): "
-            "against the plain big batch, the optimizer got " + "; ".join(clauses) + ".")
-    if clipping:
-        text += (f" {words(clipping).capitalize()} clip the window's gradient to norm 1 by "
-                 "default, which changes the step of a plain loop.")
+    clauses = []
+    for loss, sequences in (("mean", "equal-length sequences"),
+                            ("token", "padded sequences of random length")):
+        groups = _alike_groups(rows.base[rows.base["loss"] == loss], settings=False)
+        clauses.append(f"with {sequences}, " + "; ".join(
+            f"{words(names)} handed the optimizer {_gradient_phrase(phrase)}"
+            for phrase, names in groups.items()))
+    text = ("**Frameworks as shipped** (`results/frameworks/`, rows `default`): "
+            + "; ".join(clauses) + ".")
+    clipped = rows.base[(rows.base["recipe"] != "none") & (rows.base["loss"] == "mean")]
+    if not clipped.empty:
+        matched = (clipped["recipe_verdict"] == "matches").sum()
+        text += (f" {words(clipped['framework'].unique().tolist()).capitalize()} clip the "
+                 "window's gradient to norm 1 by default: against a big batch clipped the "
+                 f"same way, their step matched in {matched} of {len(clipped)} cases.")
     return text
 
 

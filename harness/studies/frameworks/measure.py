@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.check.fix import loss_scale_fix
 from harness.check.setup import Setup
 from harness.errors import first_sentence
 from harness.fit import equivalence_verdict, fit_scale, relative_error
@@ -173,15 +174,6 @@ def worst_tensors(measured: torch.Tensor, expected: torch.Tensor, scale: float,
     return ";".join(f"{name}={error:.3g}" for name, error in errors[:WORST])
 
 
-def _factor(value: float, world_size: int, accum_steps: int, rtol: float) -> str:
-    """`` = k`` (or N, N*k) where ``value`` is one of them."""
-    for expression, number in (("k", accum_steps), ("N", world_size),
-                               ("N*k", world_size * accum_steps)):
-        if number > 1 and abs(value - number) <= rtol * number:
-            return f" = {expression}"
-    return ""
-
-
 def _fix_of(framework: Framework, applied: Applied, point: str,
             captures: list[StepCapture], plain: Reference, recipe: Reference, rtol: float,
             accum_steps: int) -> str:
@@ -209,12 +201,7 @@ def suggest(framework: Framework, applied: Applied, plain_fit, recipe_fit, rtol:
                 f"{applied.clip:g}, as it clips the big batch's; set {framework.clip_off} to "
                 f"see the scale, or fix it where the loss is computed")
     if verdict == "scaled":
-        scale = recipe_fit.scale
-        if scale > 1:
-            return (f"divide the loss by {scale:.6g}"
-                    f"{_factor(scale, world_size, accum_steps, rtol)}")
-        return (f"multiply the loss by {1 / scale:.6g}"
-                f"{_factor(1 / scale, world_size, accum_steps, rtol)}")
+        return loss_scale_fix(recipe_fit.scale, world_size, accum_steps, rtol)
     return ("no single scale explains it: if the loss is a mean over a count that varies per "
             "micro-batch (tokens), normalize by the window's count instead (the sum over the "
             "window's items, divided by their number on all ranks)")
