@@ -8,6 +8,7 @@ torch single-threaded (see conftest.py), which is what makes forking safe.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import sys
@@ -89,6 +90,43 @@ def _cli(rank: int, world_size: int, argv: list[str]) -> int:
     from harness.cli import main
 
     return main(argv)
+
+
+def run_cli_importing(modules: list[str], world_size: int, argv: list[str], store_dir: Path,
+                      env: dict[str, str] | None = None, timeout_s: float = 600) -> list[int]:
+    """:func:`run_cli` from a child that first imports ``modules`` (with ``env`` set).
+
+    The ranks fork from that child: modules that take seconds to import (the
+    training frameworks) are imported once instead of once per rank, and this
+    process, which goes on to run other tests, imports none of them.
+    """
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    # Not a daemon: a daemon process may not start the ranks.
+    child = context.Process(target=_import_then_run_cli,
+                            args=(modules, world_size, argv, store_dir, env or {}, queue))
+    child.start()
+    try:
+        ok, value = queue.get(timeout=timeout_s)
+    finally:
+        child.join(RANK_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if not ok:
+        raise AssertionError(value)
+    return value
+
+
+def _import_then_run_cli(modules: list[str], world_size: int, argv: list[str],
+                         store_dir: Path, env: dict[str, str], queue: Any) -> None:
+    try:
+        os.environ.update(env)
+        for module in modules:
+            importlib.import_module(module)
+        queue.put((True, run_cli(world_size, argv, store_dir, env)))
+    except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
+        queue.put((False, traceback.format_exc()))
 
 
 def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
