@@ -81,14 +81,25 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
 
 
 def run_cli(world_size: int, argv: list[str], store_dir: Path,
-            env: dict[str, str] | None = None) -> list[int]:
-    """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code."""
-    return run_ranks(world_size, _cli, argv, store_dir=store_dir, env=env)
+            env: dict[str, str] | None = None, main: Callable[[list[str]], int] | None = None,
+            output: Path | None = None) -> list[int]:
+    """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code.
+
+    ``main``: another command's ``main`` (``harness.check.cli.main``: ``scripts/check.py``).
+    ``output``: a folder that gets the ranks' stdout and stderr, appended to files
+    ``stdout`` and ``stderr`` as a launcher's console would show them.
+    """
+    return run_ranks(world_size, _cli, argv, main, output, store_dir=store_dir, env=env)
 
 
-def _cli(rank: int, world_size: int, argv: list[str]) -> int:
-    from harness.cli import main
-
+def _cli(rank: int, world_size: int, argv: list[str], main: Callable | None,
+         output: Path | None) -> int:
+    if main is None:
+        from harness.cli import main
+    if output is not None:
+        sys.stdout.flush()
+        _append_to(1, output / "stdout")
+        _append_to(2, output / "stderr")
     return main(argv)
 
 
@@ -133,7 +144,7 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
                  env: dict[str, str], stderr: Path | None) -> None:
     """A rank that behaves like a torchrun worker: ``main``'s result is its exit code."""
     if stderr is not None:
-        _append_stderr_to(stderr)
+        _append_to(2, stderr)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -152,12 +163,18 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
         os._exit(code)
 
 
-def _append_stderr_to(path: Path) -> None:
-    """Send this process's stderr, Python's and the C library's, to the end of ``path``."""
+def _append_to(fd: int, path: Path) -> None:
+    """Send this process's stdout (``fd`` 1) or stderr (2), Python's and the C library's, to
+    the end of ``path``."""
     handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(handle, 2)
+    os.dup2(handle, fd)
     os.close(handle)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 -- lives as long as the rank
+    # Lives as long as the rank.
+    stream = open(fd, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if fd == 1:
+        sys.stdout = stream
+    else:
+        sys.stderr = stream
 
 
 def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str] | None = None,

@@ -1,7 +1,9 @@
 """``check.py``: the examples' verdicts against first principles, bad input, the schema.
 
-One launch (``--nproc 2``) checks every example and a few setups of this module; the
-tests below read its CSV. Bad input is refused before any rank starts, so most of
+One launch on 2 ranks checks every example and a few setups of this module; the
+tests below read its CSV. Its ranks fork from the test process (tests/distributed.py):
+grad-check's ``--nproc`` is the launch of tests/test_readme.py's example and of the
+refusal by the ranks below. Bad input is refused before any rank starts, so most of
 those tests call ``main`` in-process.
 """
 
@@ -20,6 +22,7 @@ from harness.check import Setup
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
+from tests.distributed import run_cli
 from tests.launch import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,11 +99,13 @@ def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("check")
-    done = _check("--nproc", "2", *EXAMPLES.values(), "--drop-last", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    return done, out
+def launched(tmp_path_factory) -> tuple[str, Path]:
+    """The console output of the launch and its folder."""
+    out, console = tmp_path_factory.mktemp("check"), tmp_path_factory.mktemp("console")
+    codes = run_cli(2, [*EXAMPLES.values(), "--drop-last", "--out", str(out)], console, main=main,
+                    output=console)
+    assert codes == [0, 0], (console / "stderr").read_text()
+    return (console / "stdout").read_text(), out
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +200,7 @@ def test_ranks_agree_is_said_for_ddp_only(rows):
 
 
 def test_console_table_has_every_setup(launched):
-    stdout = launched[0].stdout
+    stdout = launched[0]
     for name in EXAMPLES:
         assert f"\n{name}:\n" in stdout
 
