@@ -1,7 +1,7 @@
 """``check.py``: the examples' verdicts against first principles, bad input, the schema.
 
-One launch on 2 ranks checks every example and a few setups of this module; the
-tests below read its CSV. Its ranks fork from the test process (tests/distributed.py):
+One launch on 2 ranks checks every example and a setup of tests/check_setups.py;
+the tests below read its CSV. Its ranks fork from the test process (tests/distributed.py):
 grad-check's ``--nproc`` is the launch of tests/test_readme.py's example and of the
 refusal by the ranks below. Bad input is refused before any rank starts, so most of
 those tests call ``main`` in-process.
@@ -15,10 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-from torch import nn
 
-from harness.check import Setup
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
@@ -26,7 +23,7 @@ from tests.distributed import run_cli
 from tests.launch import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = "tests.test_check"
+HERE = "tests.check_setups"
 EXAMPLES = {
     "mlp-mean": "examples.mlp:make_setup",
     "mlp-sum": "examples.mlp:make_sum_setup",
@@ -42,54 +39,6 @@ EXAMPLES = {
 BATCHNORM_TENSORS = {"1.weight", "1.bias", "1.running_mean", "1.running_var"}
 
 
-# ------------------------------------------------------ setups for the tests
-def _linear() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 1)
-
-
-def _mse(model: nn.Module, data) -> torch.Tensor:
-    x, y = data
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _samples(count: int):
-    def batch(step: int):
-        generator = torch.Generator().manual_seed(step)
-        return torch.randn(count, 3, generator=generator), torch.randn(count, 1,
-                                                                        generator=generator)
-    return batch
-
-
-def make_odd_setup() -> Setup:
-    """15 samples: 3 left over at N x k = 4, dropped with --drop-last."""
-    return Setup(make_model=_linear, batch=_samples(15), loss=_mse, name="odd-batch")
-
-
-def make_dropout_setup() -> Setup:
-    return Setup(make_model=lambda: nn.Sequential(nn.Linear(3, 1), nn.Dropout(0.5)),
-                 batch=_samples(8), loss=_mse)
-
-
-def make_functional_dropout_setup() -> Setup:
-    """Randomness the module scan cannot see: found by the reference's second forward."""
-    def loss(model: nn.Module, data) -> torch.Tensor:
-        x, y = data
-        return nn.functional.mse_loss(nn.functional.dropout(model(x), 0.5), y)
-
-    return Setup(make_model=_linear, batch=_samples(8), loss=loss)
-
-
-def make_meta_setup() -> Setup:
-    return Setup(make_model=lambda: nn.Linear(3, 1, device="meta"), batch=_samples(8),
-                 loss=_mse)
-
-
-def make_not_a_setup() -> dict:
-    return {"make_model": _linear}
-
-
-not_callable = 42
 
 
 # ---------------------------------------------------------------- the launch

@@ -49,17 +49,8 @@ def test_under_plain_torchrun_a_raising_rank_is_the_root_cause_with_its_line(tmp
             "injected by HARNESS_FAULT") in root_cause
 
 
-def test_more_ranks_than_cores_is_allowed_and_said_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
-    done = study("--nproc", "2", "--studies", "seed004", "--quiet", "--no-report", "--out",
-                 str(tmp_path / "out"))
-    assert done.returncode == 0, done.stderr
-    note = ("study.py: note: 2 ranks share 1 CPU core: the findings are the same, but "
-            "timings will be slow")
-    assert done.stderr.count(note) == 1, done.stderr
-
-
 def test_no_note_when_the_cores_suffice(capsys):
+    # More ranks than cores: tests/test_launcher.py's --nproc run says so once.
     launcher.say_if_oversubscribed(launcher.usable_cores(), "study.py")
     assert capsys.readouterr().err == ""
 

@@ -6,6 +6,7 @@ import sys
 import pandas as pd
 import pytest
 
+import harness.launcher as launcher
 from harness.launcher import strip_nproc
 from tests.launch import ROOT, run_python
 
@@ -18,11 +19,16 @@ def study(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_python([sys.executable, str(ROOT / "scripts" / "study.py"), *args], env=env)
 
 
-def test_nproc_runs_the_ranks_itself(tmp_path):
+def test_nproc_runs_the_ranks_itself_and_more_ranks_than_cores_is_allowed_and_said_once(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
     out = tmp_path / "out"
     done = study("--nproc", "2", "--studies", "seed001", "--strategies", "ddp", "--out", str(out),
                  "--quiet", "--no-report")
     assert done.returncode == 0, done.stderr
+    note = ("study.py: note: 2 ranks share 1 CPU core: the findings are the same, but "
+            "timings will be slow")
+    assert done.stderr.count(note) == 1, done.stderr
     frame = pd.read_csv(out / "seed001.csv")
     assert sorted(frame.world_size.unique()) == [1, 2]
     assert (frame.launch_world_size == 2).all()
