@@ -57,20 +57,13 @@ def repo_root() -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Order the tests for ``-n auto --dist loadscope --no-loadscope-reorder``.
+    """Order the tests for ``-n auto --dist loadscope --no-loadscope-reorder`` and mark the
+    quick ones (tests/scheduling.py).
 
-    Longest launches first, so that they start at once instead of one of them
-    ending the run alone; tests run in collection order otherwise. Each module
-    stays on one worker (its module-scoped fixtures run once), except the tests
-    of a module marked ``spread``: each is a launch of its own, and the workers
-    share them (tests/scheduling.py).
+    Costliest units first, so that the longest launches start at once instead of
+    one of them ending the run alone. Each module stays on one worker (its
+    module-scoped fixtures run once), except the tests of a module marked
+    ``spread``: each is a launch of its own, and the workers share them.
     """
-    items.sort(key=_launch_seconds, reverse=True)
+    scheduling.order_and_mark(items)
     scheduling.write_units(config, items)
-
-
-def _launch_seconds(item) -> float:
-    """The rough cost a test's ``launches`` marker declares (0 when it launches nothing)."""
-    marker = item.get_closest_marker("launches")
-    return 0.0 if marker is None else float(marker.kwargs.get("seconds", 1.0))
-

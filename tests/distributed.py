@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 -- DDP imports it on first use (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from filelock import FileLock
 
@@ -46,9 +45,19 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
 
 
+def _before_forking() -> None:
+    """Import here what every rank would import for itself: once, not once per rank.
+
+    DDP imports ``torch._dynamo`` on first use (~2 s of CPU). Imported on the first
+    launch rather than with this module, so that a run of quick tests never pays it.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
               env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; their results."""
+    _before_forking()
     context = mp.get_context("fork")
     queue = context.Queue()
     # A fresh file per run: a store file left by an earlier run would hand these
@@ -186,6 +195,7 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
     would stop them); a rank still running then is killed and reported as None.
     The ranks' stderr goes where the test's goes, or to the end of file ``stderr``.
     """
+    _before_forking()
     context = mp.get_context("fork")
     store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,

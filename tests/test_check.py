@@ -21,6 +21,7 @@ from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
 from tests.distributed import run_cli
 from tests.launch import run_python
+from tests.scheduling import launching
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = "tests.check_setups"
@@ -48,6 +49,7 @@ def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=5)
 def launched(tmp_path_factory) -> tuple[str, Path]:
     """The console output of the launch and its folder."""
     out, console = tmp_path_factory.mktemp("check"), tmp_path_factory.mktemp("console")
@@ -71,9 +73,6 @@ def _of(rows: pd.DataFrame, setup: str) -> pd.DataFrame:
 
 def _split(frame: pd.DataFrame) -> pd.Series:
     return frame.world_size * frame.accum_steps > 1
-
-
-pytestmark = pytest.mark.launches
 
 
 def test_every_case_of_every_setup_is_a_row(rows):
@@ -201,6 +200,7 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_ranks_start(
     assert inside_a_file.read_text() == "keep me"
 
 
+@pytest.mark.launches(seconds=10)
 def test_randomness_inside_the_loss_is_refused_by_the_ranks(tmp_path):
     out = tmp_path / "out"
     done = _check("--nproc", "2", f"{HERE}:make_functional_dropout_setup",

@@ -25,6 +25,7 @@ from harness.studies.frameworks.study import FRAMEWORKS, FrameworksStudy
 from tests.distributed import run_cli_importing
 from tests.frames import rows
 from tests.runs import make_run
+from tests.scheduling import launching
 
 WORLD = 2
 KS = (1, 4)
@@ -37,9 +38,6 @@ FRAMEWORK_MODULES = ("accelerate", "lightning.pytorch", "transformers.trainer", 
                      "deepspeed.comm.torch")
 FRAMEWORK_ENV = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 
-#: The one launch (about 15 s on 2 cores) is the module's cost: scheduled first.
-pytestmark = pytest.mark.launches(seconds=15)
-
 
 def installed(module: str) -> None:
     # Found, not imported: the ranks imported it, this process need not (seconds each).
@@ -48,6 +46,7 @@ def installed(module: str) -> None:
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=15)
 def frame(tmp_path_factory):
     if not any(importlib.util.find_spec(f.module) for f in FRAMEWORKS.values()):
         pytest.skip(f"no framework is installed; {INSTALL_HINT}")

@@ -16,6 +16,7 @@ from harness.report import REPORT_NAME
 from harness.report.findings import emulation_only
 from harness.report.text import number, small
 from tests.reports import committed_report
+from tests.scheduling import launching
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The longest an answer-table cell may be, link markup included.
@@ -30,6 +31,7 @@ def answer_rows(report: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module", params=["results", "results/frameworks"])
+@launching(seconds=5)
 def rendered(request, tmp_path_factory) -> str:
     """The report of a committed results folder, rendered afresh from its CSVs."""
     return (committed_report(tmp_path_factory, request.param).folder / REPORT_NAME).read_text()

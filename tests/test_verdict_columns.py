@@ -166,6 +166,7 @@ def test_the_report_draws_with_the_tolerances_the_studies_judged_with():
     assert set(TOLERANCES) == set(DTYPE_NAMES)
 
 
+@pytest.mark.launches(seconds=5)
 def test_rendering_the_committed_results_never_imports_torch_and_every_section_renders(
         tmp_path_factory):
     """The report path (the registry, every study's section) loads without torch: importing
