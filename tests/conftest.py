@@ -1,7 +1,11 @@
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests import scheduling
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -11,6 +15,7 @@ def pytest_configure(config):
     if _is_xdist_controller(config):
         # The controller only hands out tests: importing torch there would cost
         # seconds before any worker starts.
+        config.stash[UNITS] = Path(tempfile.mkdtemp(prefix="pytest-units-"))
         return
     import torch
 
@@ -24,30 +29,41 @@ def _is_xdist_controller(config) -> bool:
                                                                               "workerinput")
 
 
+UNITS = pytest.StashKey[Path]()
+
+
+def pytest_unconfigure(config):
+    if UNITS in config.stash:
+        shutil.rmtree(config.stash[UNITS], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[scheduling.UNITS_FOLDER] = str(node.config.stash[UNITS])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope``: a module to a worker, or a test to a worker where marked spread
+    (tests/scheduling.py)."""
+    if config.getoption("dist") == "loadscope" and UNITS in config.stash:
+        return scheduling.make_scheduler(config, log, config.stash[UNITS])
+    return None
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """Order and group the tests for ``-n auto --dist loadgroup --no-loadscope-reorder``.
+def pytest_collection_modifyitems(config, items):
+    """Order the tests for ``-n auto --dist loadscope --no-loadscope-reorder`` and mark the
+    quick ones (tests/scheduling.py).
 
-    Longest launches first, so that they start at once instead of one of them
-    ending the run alone; tests run in collection order otherwise. Each module
-    stays on one worker (its module-scoped fixtures run once), except the tests
-    of a module marked ``spread``: each is a launch of its own, and the workers
-    share them.
+    Costliest units first, so that the longest launches start at once instead of
+    one of them ending the run alone. Each module stays on one worker (its
+    module-scoped fixtures run once), except the tests of a module marked
+    ``spread``: each is a launch of its own, and the workers share them.
     """
-    items.sort(key=_launch_seconds, reverse=True)
-    for item in items:
-        if item.get_closest_marker("spread") is None \
-                and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def _launch_seconds(item) -> float:
-    """The rough cost a test's ``launches`` marker declares (0 when it launches nothing)."""
-    marker = item.get_closest_marker("launches")
-    return 0.0 if marker is None else float(marker.kwargs.get("seconds", 1.0))
-
+    scheduling.order_and_mark(items)
+    scheduling.write_units(config, items)

@@ -8,6 +8,7 @@ torch single-threaded (see conftest.py), which is what makes forking safe.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import sys
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 -- DDP imports it on first use (~2 s); forked ranks inherit it
 import torch.distributed as dist
 from filelock import FileLock
 
@@ -45,9 +45,19 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
 
 
+def _before_forking() -> None:
+    """Import here what every rank would import for itself: once, not once per rank.
+
+    DDP imports ``torch._dynamo`` on first use (~2 s of CPU). Imported on the first
+    launch rather than with this module, so that a run of quick tests never pays it.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
               env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; their results."""
+    _before_forking()
     context = mp.get_context("fork")
     queue = context.Queue()
     # A fresh file per run: a store file left by an earlier run would hand these
@@ -80,22 +90,70 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
 
 
 def run_cli(world_size: int, argv: list[str], store_dir: Path,
-            env: dict[str, str] | None = None) -> list[int]:
-    """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code."""
-    return run_ranks(world_size, _cli, argv, store_dir=store_dir, env=env)
+            env: dict[str, str] | None = None, main: Callable[[list[str]], int] | None = None,
+            output: Path | None = None) -> list[int]:
+    """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code.
+
+    ``main``: another command's ``main`` (``harness.check.cli.main``: ``scripts/check.py``).
+    ``output``: a folder that gets the ranks' stdout and stderr, appended to files
+    ``stdout`` and ``stderr`` as a launcher's console would show them.
+    """
+    return run_ranks(world_size, _cli, argv, main, output, store_dir=store_dir, env=env)
 
 
-def _cli(rank: int, world_size: int, argv: list[str]) -> int:
-    from harness.cli import main
-
+def _cli(rank: int, world_size: int, argv: list[str], main: Callable | None,
+         output: Path | None) -> int:
+    if main is None:
+        from harness.cli import main
+    if output is not None:
+        sys.stdout.flush()
+        _append_to(1, output / "stdout")
+        _append_to(2, output / "stderr")
     return main(argv)
+
+
+def run_cli_importing(modules: list[str], world_size: int, argv: list[str], store_dir: Path,
+                      env: dict[str, str] | None = None, timeout_s: float = 600) -> list[int]:
+    """:func:`run_cli` from a child that first imports ``modules`` (with ``env`` set).
+
+    The ranks fork from that child: modules that take seconds to import (the
+    training frameworks) are imported once instead of once per rank, and this
+    process, which goes on to run other tests, imports none of them.
+    """
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    # Not a daemon: a daemon process may not start the ranks.
+    child = context.Process(target=_import_then_run_cli,
+                            args=(modules, world_size, argv, store_dir, env or {}, queue))
+    child.start()
+    try:
+        ok, value = queue.get(timeout=timeout_s)
+    finally:
+        child.join(RANK_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if not ok:
+        raise AssertionError(value)
+    return value
+
+
+def _import_then_run_cli(modules: list[str], world_size: int, argv: list[str],
+                         store_dir: Path, env: dict[str, str], queue: Any) -> None:
+    try:
+        os.environ.update(env)
+        for module in modules:
+            importlib.import_module(module)
+        queue.put((True, run_cli(world_size, argv, store_dir, env)))
+    except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
+        queue.put((False, traceback.format_exc()))
 
 
 def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
                  env: dict[str, str], stderr: Path | None) -> None:
     """A rank that behaves like a torchrun worker: ``main``'s result is its exit code."""
     if stderr is not None:
-        _append_stderr_to(stderr)
+        _append_to(2, stderr)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -114,12 +172,18 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
         os._exit(code)
 
 
-def _append_stderr_to(path: Path) -> None:
-    """Send this process's stderr, Python's and the C library's, to the end of ``path``."""
+def _append_to(fd: int, path: Path) -> None:
+    """Send this process's stdout (``fd`` 1) or stderr (2), Python's and the C library's, to
+    the end of ``path``."""
     handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(handle, 2)
+    os.dup2(handle, fd)
     os.close(handle)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 -- lives as long as the rank
+    # Lives as long as the rank.
+    stream = open(fd, "w", buffering=1, closefd=False)  # noqa: SIM115
+    if fd == 1:
+        sys.stdout = stream
+    else:
+        sys.stderr = stream
 
 
 def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str] | None = None,
@@ -131,6 +195,7 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
     would stop them); a rank still running then is killed and reported as None.
     The ranks' stderr goes where the test's goes, or to the end of file ``stderr``.
     """
+    _before_forking()
     context = mp.get_context("fork")
     store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,

@@ -12,9 +12,7 @@ from harness.studies.accumulation.study import WINDOWS, matrix
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows as select
-
-#: Its module fixture runs the study on forked ranks: scheduled among the first.
-pytestmark = pytest.mark.launches(seconds=5)
+from tests.scheduling import launching
 
 RTOL = relative_tolerance(torch.float64)
 WORLD = 3
@@ -22,6 +20,7 @@ STEPS = (1, 3)
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=5)
 def frame(tmp_path_factory):
     out = tmp_path_factory.mktemp("accumulation")
     codes = run_cli(WORLD, ["--studies", "accumulation", "--world-sizes", "1,3",

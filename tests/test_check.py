@@ -1,7 +1,9 @@
 """``check.py``: the examples' verdicts against first principles, bad input, the schema.
 
-One launch (``--nproc 2``) checks every example and a few setups of this module; the
-tests below read its CSV. Bad input is refused before any rank starts, so most of
+One launch on 2 ranks checks every example and a setup of tests/check_setups.py;
+the tests below read its CSV. Its ranks fork from the test process (tests/distributed.py):
+grad-check's ``--nproc`` is the launch of tests/test_readme.py's example and of the
+refusal by the ranks below. Bad input is refused before any rank starts, so most of
 those tests call ``main`` in-process.
 """
 
@@ -13,17 +15,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-from torch import nn
 
-from harness.check import Setup
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
+from tests.distributed import run_cli
 from tests.launch import run_python
+from tests.scheduling import launching
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = "tests.test_check"
+HERE = "tests.check_setups"
 EXAMPLES = {
     "mlp-mean": "examples.mlp:make_setup",
     "mlp-sum": "examples.mlp:make_sum_setup",
@@ -39,54 +40,6 @@ EXAMPLES = {
 BATCHNORM_TENSORS = {"1.weight", "1.bias", "1.running_mean", "1.running_var"}
 
 
-# ------------------------------------------------------ setups for the tests
-def _linear() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(3, 1)
-
-
-def _mse(model: nn.Module, data) -> torch.Tensor:
-    x, y = data
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _samples(count: int):
-    def batch(step: int):
-        generator = torch.Generator().manual_seed(step)
-        return torch.randn(count, 3, generator=generator), torch.randn(count, 1,
-                                                                        generator=generator)
-    return batch
-
-
-def make_odd_setup() -> Setup:
-    """15 samples: 3 left over at N x k = 4, dropped with --drop-last."""
-    return Setup(make_model=_linear, batch=_samples(15), loss=_mse, name="odd-batch")
-
-
-def make_dropout_setup() -> Setup:
-    return Setup(make_model=lambda: nn.Sequential(nn.Linear(3, 1), nn.Dropout(0.5)),
-                 batch=_samples(8), loss=_mse)
-
-
-def make_functional_dropout_setup() -> Setup:
-    """Randomness the module scan cannot see: found by the reference's second forward."""
-    def loss(model: nn.Module, data) -> torch.Tensor:
-        x, y = data
-        return nn.functional.mse_loss(nn.functional.dropout(model(x), 0.5), y)
-
-    return Setup(make_model=_linear, batch=_samples(8), loss=loss)
-
-
-def make_meta_setup() -> Setup:
-    return Setup(make_model=lambda: nn.Linear(3, 1, device="meta"), batch=_samples(8),
-                 loss=_mse)
-
-
-def make_not_a_setup() -> dict:
-    return {"make_model": _linear}
-
-
-not_callable = 42
 
 
 # ---------------------------------------------------------------- the launch
@@ -96,15 +49,20 @@ def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("check")
-    done = _check("--nproc", "2", *EXAMPLES.values(), "--drop-last", "--out", str(out))
-    # Exit code 1: BatchNorm and the micro-batch token mean differ in their 9 split cases
-    # each, the unused branch in DDP N=2's 2 (test_check_real.py tests --fail-on).
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == ("check.py: 20 case(s) fail --fail-on "
-                                                    "differs: exit code 1"), done.stderr
-    return done, out
+@launching(seconds=5)
+def launched(tmp_path_factory) -> tuple[str, Path]:
+    """The console output of the launch and its folder."""
+    out, console = tmp_path_factory.mktemp("check"), tmp_path_factory.mktemp("console")
+    codes = run_cli(2, [*EXAMPLES.values(), "--drop-last", "--out", str(out)], console, main=main,
+                    output=console)
+    stderr = (console / "stderr").read_text()
+    # Rank 0 judges the rows (no launcher does): exit code 1, since BatchNorm and the
+    # micro-batch token mean differ in their 9 split cases each, the unused branch in DDP
+    # N=2's 2 (test_check_real.py tests --fail-on).
+    assert codes == [1, 0], stderr
+    assert stderr.strip().splitlines()[-1] == ("check.py: 20 case(s) fail --fail-on "
+                                               "differs: exit code 1"), stderr
+    return (console / "stdout").read_text(), out
 
 
 def read_rows(folder: Path) -> pd.DataFrame:
@@ -127,9 +85,6 @@ def rows_of(rows: pd.DataFrame, setup: str) -> pd.DataFrame:
 def is_split(frame: pd.DataFrame) -> pd.Series:
     """The cases whose batch is cut into more than one piece."""
     return frame.world_size * frame.accum_steps > 1
-
-
-pytestmark = pytest.mark.launches
 
 
 def test_every_case_of_every_setup_is_a_row(rows):
@@ -207,7 +162,7 @@ def test_ranks_agree_is_said_for_ddp_only(rows):
 
 
 def test_console_table_has_every_setup(launched):
-    stdout = launched[0].stdout
+    stdout = launched[0]
     for name in EXAMPLES:
         assert f"\n{name}:\n" in stdout
 
@@ -259,6 +214,7 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_ranks_start(
     assert inside_a_file.read_text() == "keep me"
 
 
+@pytest.mark.launches(seconds=10)
 def test_randomness_inside_the_loss_is_refused_by_the_ranks(tmp_path):
     out = tmp_path / "out"
     done = _check("--nproc", "2", f"{HERE}:make_functional_dropout_setup",

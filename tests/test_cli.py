@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import harness.errors as errors
 from harness.cli import main
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
@@ -96,6 +97,8 @@ def test_every_study_flag_is_documented_with_its_dataclass_default(capsys):
 
 
 def test_only_rank_0_speaks(monkeypatch, capsys, tmp_path):
+    # Rank 1 would wait for rank 0's line to get out under torchrun: there is none here.
+    monkeypatch.setattr(errors, "QUIET_RANK_EXIT_DELAY_S", 0)
     env = {**TORCHRUN_ENV, "RANK": "1", "LOCAL_RANK": "1"}
     code, captured, _ = run_main(["--dtype", "float16"], env, monkeypatch, capsys, tmp_path)
     assert code == 2 and captured.err == "" and captured.out == ""

@@ -31,9 +31,7 @@ from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows as select
 from tests.runs import make_run
-
-#: Its module fixture runs the study on forked ranks: scheduled among the first.
-pytestmark = pytest.mark.launches(seconds=3)
+from tests.scheduling import launching
 
 WORLD = 3
 CPU = torch.device("cpu")
@@ -153,6 +151,7 @@ def test_timing_needs_a_checked_call_and_a_timed_one():
 
 # ------------------------------------------------------------- a real run
 @pytest.fixture(scope="module")
+@launching(seconds=3)
 def frame(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     codes = run_cli(WORLD, ["--studies", "comm", "--out", str(out), "--quiet", "--no-report"],

@@ -229,6 +229,7 @@ def test_an_unknown_study_or_a_missing_folder_argument_is_bad_input(tmp_path, ca
 
 
 # ------------------------------------------------------------- a real rerun
+@pytest.mark.launches(seconds=3)
 def test_a_fresh_run_agrees_with_the_committed_results(tmp_path, capsys):
     """The same studies, the same 4 ranks (world sizes 1..4) as results/: the same findings."""
     out = tmp_path / "fresh"

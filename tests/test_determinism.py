@@ -17,8 +17,6 @@ from harness.compare import is_timing
 from harness.studies import STUDIES
 from tests.distributed import run_cli
 
-pytestmark = pytest.mark.launches(seconds=12)
-
 WORLD = 2
 #: frameworks runs only at 2 ranks, starts four frameworks (~40 s) and is launched once
 #: by tests/test_frameworks_study.py; training has its own determinism test.
@@ -33,6 +31,7 @@ def _without_timings(path):
     return table[[column for column in table.columns if not is_timing(column)]]
 
 
+@pytest.mark.launches(seconds=20)
 def test_two_runs_write_identical_csvs(tmp_path):
     outs = [tmp_path / "first", tmp_path / "second"]
     for out in outs:

@@ -14,6 +14,7 @@ from harness.tolerances import relative_tolerance
 from tests.distributed import run_ranks
 from tests.frames import rows
 from tests.runs import make_run
+from tests.scheduling import launching
 
 RTOL = relative_tolerance(torch.float64)
 SMALL = DiagnosticsSetup(epochs=1, train_samples=300, learning_rates=(0.1, 10.0),
@@ -161,6 +162,7 @@ def _ddp_rank(rank, world_size):
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=2)
 def ddp(tmp_path_factory):
     return run_ranks(2, _ddp_rank, store_dir=tmp_path_factory.mktemp("store"))[0]
 

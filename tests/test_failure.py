@@ -14,7 +14,7 @@ import harness.launcher as launcher
 from harness.failure import TORCHRUN_ERROR_FILE, killed_in_case, report_failure, running_case
 from tests.launch import ROOT, run_python, torchrun
 
-pytestmark = [pytest.mark.launches(seconds=8), pytest.mark.spread]
+pytestmark = pytest.mark.spread
 
 ARGS = ("--studies", "reduction", "--strategies", "ddp", "--quiet", "--no-report")
 VICTIM = "reduction/strategy=ddp/world_size=2/model=toy/loss_reduction=mean"
@@ -25,6 +25,7 @@ def study(*args: str, env: dict | None = None):
     return run_python([sys.executable, str(ROOT / "scripts" / "study.py"), *args], env=env)
 
 
+@pytest.mark.launches(seconds=8)
 def test_under_nproc_a_killed_rank_is_named_with_its_signal_and_case(tmp_path):
     done = study("--nproc", "2", *ARGS, "--out", str(tmp_path / "out"), env=KILL)
     assert done.returncode == 1
@@ -32,6 +33,7 @@ def test_under_nproc_a_killed_rank_is_named_with_its_signal_and_case(tmp_path):
         f"study.py: error: rank 1 failed: killed by signal 9 (SIGKILL) in case {VICTIM}")
 
 
+@pytest.mark.launches(seconds=8)
 def test_under_plain_torchrun_the_summary_names_the_killed_rank_and_its_case(tmp_path):
     done = torchrun(*ARGS, "--out", str(tmp_path / "out"), nproc=2, env=KILL)
     assert done.returncode != 0
@@ -41,6 +43,7 @@ def test_under_plain_torchrun_the_summary_names_the_killed_rank_and_its_case(tmp
             "killed by a signal") in root_cause
 
 
+@pytest.mark.launches(seconds=8)
 def test_under_plain_torchrun_a_raising_rank_is_the_root_cause_with_its_line(tmp_path):
     raising = {"HARNESS_FAULT": "rank=1,case=world_size=2,mode=raise"}
     done = torchrun(*ARGS, "--out", str(tmp_path / "out"), nproc=2, env=raising)
@@ -49,17 +52,8 @@ def test_under_plain_torchrun_a_raising_rank_is_the_root_cause_with_its_line(tmp
             "injected by HARNESS_FAULT") in root_cause
 
 
-def test_more_ranks_than_cores_is_allowed_and_said_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
-    done = study("--nproc", "2", "--studies", "seed004", "--quiet", "--no-report", "--out",
-                 str(tmp_path / "out"))
-    assert done.returncode == 0, done.stderr
-    note = ("study.py: note: 2 ranks share 1 CPU core: the findings are the same, but "
-            "timings will be slow")
-    assert done.stderr.count(note) == 1, done.stderr
-
-
 def test_no_note_when_the_cores_suffice(capsys):
+    # More ranks than cores: tests/test_launcher.py's --nproc run says so once.
     launcher.say_if_oversubscribed(launcher.usable_cores(), "study.py")
     assert capsys.readouterr().err == ""
 

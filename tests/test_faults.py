@@ -15,9 +15,10 @@ from filelock import FileLock
 
 from harness.results import JOURNAL_DIR
 from tests.distributed import launch, shared_cli_run, shared_folder
+from tests.scheduling import launching
 
 # Each test is a launch of its own (the runs they share are made once per session).
-pytestmark = [pytest.mark.launches(seconds=2), pytest.mark.spread]
+pytestmark = pytest.mark.spread
 
 WORLD = 2
 ARGS = ["--studies", "seed001,reduction", "--strategies", "ddp", "--quiet", "--no-report"]
@@ -31,12 +32,14 @@ def fault(mode: str, case: str = VICTIM, rank: int = 1) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=2)
 def clean_run(tmp_path_factory):
     """The same command without any fault: what every recovery must reproduce."""
     return shared_cli_run(tmp_path_factory, "faults-clean", WORLD, ARGS)
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=2)
 def raised_run(tmp_path_factory):
     """The command with rank 1 raising in VICTIM, launched once per session: its
     ``--out`` folder (read only), each rank's exit code and what the ranks printed."""
@@ -71,6 +74,7 @@ def test_a_raising_rank_fails_the_run_naming_itself_and_the_case(raised_run, cle
     assert not list(out.glob(".*.tmp")), "no temporary files left behind"
 
 
+@pytest.mark.launches(seconds=2)
 def test_resume_completes_the_run_without_recomputing_finished_cases(tmp_path, capfd,
                                                                      clean_run, raised_copy):
     out = raised_copy
@@ -83,6 +87,7 @@ def test_resume_completes_the_run_without_recomputing_finished_cases(tmp_path, c
     assert not (out / JOURNAL_DIR).exists()
 
 
+@pytest.mark.launches(seconds=2)
 def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd, raised_copy):
     out = raised_copy
     for other in (["--seed", "7"], ["--shard-size", "3"]):  # a run-wide and a study setting
@@ -92,6 +97,7 @@ def test_resume_refuses_a_journal_of_another_configuration(tmp_path, capfd, rais
         assert err.count("study.py: error: --resume: the unfinished run in") == 1
 
 
+@pytest.mark.launches(seconds=2)
 def test_a_hanging_rank_times_out_instead_of_stalling(tmp_path, capfd):
     out = tmp_path / "out"
     codes = launch(WORLD, [*ARGS, "--out", str(out), "--timeout", "2"], tmp_path,
@@ -102,6 +108,7 @@ def test_a_hanging_rank_times_out_instead_of_stalling(tmp_path, capfd):
     assert f"study.py: rank 0 failed in case {VICTIM}" in err
 
 
+@pytest.mark.launches(seconds=2)
 def test_a_killed_rank_fails_the_others_naming_the_case(tmp_path, capfd):
     out = tmp_path / "out"
     codes = launch(WORLD, [*ARGS, "--out", str(out)], tmp_path, env=fault("kill"))
@@ -113,6 +120,7 @@ def test_a_killed_rank_fails_the_others_naming_the_case(tmp_path, capfd):
     assert not (out / "reduction.csv").exists()
 
 
+@pytest.mark.launches(seconds=2)
 def test_flags_that_select_no_case_are_refused_before_anything_is_written(tmp_path, capfd):
     out = tmp_path / "out"
     codes = launch(WORLD, ["--studies", "training", "--strategies", "dp-emulated", "--out",

@@ -1,7 +1,8 @@
 """Real training frameworks at 2 ranks with gradient accumulation, against first principles.
 
-One torchrun launch of the study on 2 ranks (module-scoped: minutes of framework
-start-up paid once); the tests read what it wrote. A framework whose package is
+One launch of the study on 2 ranks (module-scoped: the frameworks' start-up paid
+once), forked from a process that has imported the frameworks (tests/distributed.py);
+the tests read what it wrote. A framework whose package is
 missing is skipped with the command that installs it. The expectations come from
 what each framework documents it does to the loss (divide by k, let DDP average
 over N), never from the study's own code:
@@ -14,15 +15,17 @@ over N), never from the study's own code:
 """
 
 import importlib.util
+import os
 
 import pandas as pd
 import pytest
 
 from harness.studies.frameworks.registry import INSTALL_HINT
 from harness.studies.frameworks.study import FRAMEWORKS, FrameworksStudy
+from tests.distributed import run_cli_importing
 from tests.frames import rows
-from tests.launch import torchrun
 from tests.runs import make_run
+from tests.scheduling import launching
 
 WORLD = 2
 KS = (1, 4)
@@ -30,22 +33,29 @@ KS = (1, 4)
 #: "No multiple" must be far outside either: the token loss misses by 1e-2 and more.
 MISS = 1e-3
 
-#: The one launch (about a minute on 2 cores) is the module's cost: scheduled first.
-pytestmark = pytest.mark.launches(seconds=60)
+#: What the ranks import to train, imported once before they fork (DeepSpeed on the CPU).
+FRAMEWORK_MODULES = ("accelerate", "lightning.pytorch", "transformers.trainer", "deepspeed",
+                     "deepspeed.comm.torch")
+FRAMEWORK_ENV = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
 
 
 def installed(module: str) -> None:
-    pytest.importorskip(module, reason=f"{module} is not installed; {INSTALL_HINT}")
+    # Found, not imported: the ranks imported it, this process need not (seconds each).
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed; {INSTALL_HINT}")
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=15)
 def frame(tmp_path_factory):
     if not any(importlib.util.find_spec(f.module) for f in FRAMEWORKS.values()):
         pytest.skip(f"no framework is installed; {INSTALL_HINT}")
     out = tmp_path_factory.mktemp("frameworks")
-    done = torchrun("--studies", "frameworks", "--out", str(out), "--quiet", nproc=WORLD,
-                    timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    installed = [m for m in FRAMEWORK_MODULES if importlib.util.find_spec(m.split(".")[0])]
+    codes = run_cli_importing(installed, WORLD, ["--studies", "frameworks", "--out", str(out),
+                                                 "--quiet"],
+                              tmp_path_factory.mktemp("store"), FRAMEWORK_ENV)
+    assert codes == [0] * WORLD
     assert "frameworks" in (out / "REPORT.md").read_text()
     return pd.read_csv(out / "frameworks.csv")
 

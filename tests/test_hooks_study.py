@@ -20,9 +20,7 @@ from harness.studies.hooks.variants import POWERSGD_WARMUP, STEPS, VARIANTS
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows
-
-#: Its module fixture runs the study on forked ranks: scheduled among the first.
-pytestmark = pytest.mark.launches(seconds=5)
+from tests.scheduling import launching
 
 RTOL = relative_tolerance(torch.float64)
 WORLD = 3
@@ -37,6 +35,7 @@ BFLOAT16 = ["bf16_compress_hook-renamed", "reduce_dtype-bfloat16"]
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=5)
 def frame(tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
     codes = run_cli(WORLD, ["--studies", "hooks", "--world-sizes", "1,2,3", "--out", str(out),

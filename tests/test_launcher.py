@@ -6,11 +6,12 @@ import sys
 import pandas as pd
 import pytest
 
+import harness.launcher as launcher
 from harness.launcher import strip_nproc
 from tests.launch import ROOT, run_python
 
-# Each test is a launch of its own.
-pytestmark = [pytest.mark.launches(seconds=6), pytest.mark.spread]
+# Each launch is a test of its own.
+pytestmark = pytest.mark.spread
 
 
 def study(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -18,11 +19,17 @@ def study(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run_python([sys.executable, str(ROOT / "scripts" / "study.py"), *args], env=env)
 
 
-def test_nproc_runs_the_ranks_itself(tmp_path):
+@pytest.mark.launches(seconds=6)
+def test_nproc_runs_the_ranks_itself_and_more_ranks_than_cores_is_allowed_and_said_once(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
     out = tmp_path / "out"
     done = study("--nproc", "2", "--studies", "seed001", "--strategies", "ddp", "--out", str(out),
                  "--quiet", "--no-report")
     assert done.returncode == 0, done.stderr
+    note = ("study.py: note: 2 ranks share 1 CPU core: the findings are the same, but "
+            "timings will be slow")
+    assert done.stderr.count(note) == 1, done.stderr
     frame = pd.read_csv(out / "seed001.csv")
     assert sorted(frame.world_size.unique()) == [1, 2]
     assert (frame.launch_world_size == 2).all()
@@ -43,6 +50,7 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.launches(seconds=6)
 def test_a_failed_rank_is_the_last_line_naming_rank_and_cause_without_traceback(tmp_path):
     out = tmp_path / "out"
     done = study("--nproc", "2", "--studies", "reduction", "--strategies", "ddp", "--out",
@@ -55,6 +63,7 @@ def test_a_failed_rank_is_the_last_line_naming_rank_and_cause_without_traceback(
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
 
 
+@pytest.mark.launches(seconds=6)
 def test_a_rank_failing_outside_any_case_still_says_why(tmp_path):
     # The journal cannot be started: a file stands where its folder goes.
     out = tmp_path / "out"

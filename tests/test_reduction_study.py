@@ -11,15 +11,14 @@ import torch
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows
-
-#: Its module fixture runs the study on forked ranks: scheduled among the first.
-pytestmark = pytest.mark.launches(seconds=6)
+from tests.scheduling import launching
 
 RTOL = relative_tolerance(torch.float64)
 WORLD = 4
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=6)
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
     codes = run_cli(WORLD, ["--studies", "reduction,seed001", "--out", str(out), "--quiet",

@@ -20,6 +20,7 @@ from harness.report.cli import main as report_main
 from harness.report.text import small
 from harness.studies.base import named_multiple
 from tests.distributed import run_cli
+from tests.scheduling import launching
 
 RUN_ARGS = ["--studies", "reduction,seed001", "--strategies", "ddp,dp-emulated",
             "--no-report", "--quiet"]
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
+@launching(seconds=4)
 def reported_run(tmp_path_factory) -> Path:
     """A 2-rank run of reduction and seed001 with its report, made once per test session.
 

@@ -7,15 +7,16 @@ row that rests on the DataParallel emulation alone says so.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from harness.report import REPORT_NAME, write_report
+from harness.report import REPORT_NAME
 from harness.report.findings import emulation_only
 from harness.report.text import number, small
+from tests.reports import committed_report
+from tests.scheduling import launching
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The longest an answer-table cell may be, link markup included.
@@ -30,12 +31,10 @@ def answer_rows(report: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module", params=["results", "results/frameworks"])
+@launching(seconds=5)
 def rendered(request, tmp_path_factory) -> str:
     """The report of a committed results folder, rendered afresh from its CSVs."""
-    folder = Path(shutil.copytree(ROOT / request.param, tmp_path_factory.mktemp("r") / "run",
-                                  ignore=shutil.ignore_patterns("frameworks")))
-    write_report(folder)
-    return (folder / REPORT_NAME).read_text()
+    return (committed_report(tmp_path_factory, request.param).folder / REPORT_NAME).read_text()
 
 
 def test_every_answer_cell_fits_at_a_glance(rendered):

@@ -21,8 +21,7 @@ import pytest
 from harness.studies import STUDIES
 from tests.distributed import run_cli
 from tests.launch import ROOT, free_port
-
-pytestmark = pytest.mark.launches(seconds=13)
+from tests.scheduling import launching
 
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "study.sbatch"
 CLUSTER_SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
@@ -43,6 +42,7 @@ def _slurm_missing_reason() -> str | None:
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=5)
 def slurm_env(tmp_path_factory):
     """The environment of a client of a freshly started one-node cluster."""
     reason = _slurm_missing_reason()
@@ -87,6 +87,7 @@ def reference_run(out: Path) -> pd.DataFrame:
 
 
 @pytest.mark.slurm
+@pytest.mark.launches(seconds=13)
 def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_path):
     done, job_id, output = sbatch(slurm_env, tmp_path, *ARGS, ranks=RANKS)
     assert done.returncode == 0, output
@@ -113,6 +114,7 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
 
 
 @pytest.mark.slurm
+@pytest.mark.launches(seconds=4)
 def test_world_sizes_the_job_cannot_hold_fail_the_job_with_one_line(slurm_env, tmp_path):
     done, job_id, output = sbatch(slurm_env, tmp_path, "--world-sizes", "1,3", ranks=2)
     assert done.returncode == 2, "sbatch --wait returns the job's exit code"

@@ -24,6 +24,8 @@ SETUP = DiagnosticsSetup(epochs=1, train_samples=300, learning_rates=(0.1, 10.0)
 #: Columns whose exact-zero definition a one-ulp change used to flip.
 COUNT_LIKE = ("zero_grad_fraction", "dead_relu_fraction", "zero_since", "steps_completed")
 VERDICTS = ("parameter_moved", "relu_dead", "grads_averaged", "running_stats_changed")
+#: Each test runs the (reduced) study once more: seconds, not for the quick run.
+pytestmark = pytest.mark.launches(seconds=1)
 
 
 def one_ulp_up(images: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from harness.studies.training.study import (
 from harness.tolerances import trajectory_tolerance
 from tests.distributed import run_ranks
 from tests.runs import make_run
+from tests.scheduling import launching
 
 TOL = trajectory_tolerance(torch.float64)
 EPOCHS = 2
@@ -58,6 +59,7 @@ def _ddp_rank(rank, world_size):
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=2)
 def ddp(tmp_path_factory):
     frames = run_ranks(2, _ddp_rank, store_dir=tmp_path_factory.mktemp("store"))
     assert frames[1] is None, "only rank 0 returns rows"

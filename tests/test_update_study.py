@@ -32,9 +32,7 @@ from harness.tasks import Batch
 from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE, update_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows as select
-
-#: Its module fixture runs the study on forked ranks: scheduled among the first.
-pytestmark = pytest.mark.launches(seconds=5)
+from tests.scheduling import launching
 
 WORLD = 3
 K = 3
@@ -48,6 +46,7 @@ CLIP_EPS = 1e-6
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=5)
 def frame(tmp_path_factory):
     out = tmp_path_factory.mktemp("update")
     codes = run_cli(WORLD, ["--studies", "update", "--world-sizes", "1,3",

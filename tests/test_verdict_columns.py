@@ -10,10 +10,6 @@ tolerances equal to the studies'.
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +32,7 @@ from harness.tolerances import (
     trajectory_tolerance,
 )
 from harness.verdicts import Equivalence
+from tests.reports import committed_report
 from tests.test_verdicts import SIDES, nudged
 
 
@@ -169,23 +166,14 @@ def test_the_report_draws_with_the_tolerances_the_studies_judged_with():
         assert tolerance(name) == relative_tolerance(dtype) == RELATIVE_TOLERANCE[name]
 
 
+@pytest.mark.launches(seconds=5)
 def test_rendering_the_committed_results_never_imports_torch_and_every_section_renders(
-        tmp_path):
+        tmp_path_factory):
     """The report path (the registry, every study's section) loads without torch: importing
     it was most of what a report used to cost. Rendering a copy of the committed results/
     also proves every section reads only columns its study writes (a failed section prints
     ``report: section ... failed`` and is left out)."""
-    results = Path(__file__).resolve().parent.parent / "results"
-    copy = shutil.copytree(results, tmp_path / "results", ignore=shutil.ignore_patterns(
-        "figures", "REPORT.md"))
-    code = ("import sys\n"
-            "from harness.report import write_report\n"
-            "from harness.studies import STUDY_PACKAGES, report_section\n"
-            "assert all(report_section(name) is not None for name in STUDY_PACKAGES)\n"
-            f"write_report({str(copy)!r})\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True)
-    assert done.stdout.strip() == "[]", done.stdout
-    assert "failed" not in done.stderr, done.stderr
-    assert (copy / "REPORT.md").read_text().count("\n## ") >= 2
+    rendered = committed_report(tmp_path_factory, "results")
+    assert rendered.torch_modules == []
+    assert "failed" not in rendered.stderr, rendered.stderr
+    assert (rendered.folder / "REPORT.md").read_text().count("\n## ") >= 2
