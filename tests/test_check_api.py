@@ -35,6 +35,7 @@ def make_dying_setup(folder: str) -> Setup:
     return Setup(make_model=make_model, batch=mlp.batch, loss=mlp.mean_loss, name="dying")
 
 
+@pytest.mark.launches(seconds=3)  # the first DDP-free check in a process: imports
 def test_local_runs_in_this_process_on_no_process_group():
     rows = check("examples.mlp:make_setup", strategies=["local"], world_sizes=(1, 2))
     assert tuple(rows.columns) == COLUMN_NAMES

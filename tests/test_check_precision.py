@@ -65,6 +65,7 @@ def test_a_difference_where_nothing_is_split_blames_the_micro_step_not_the_split
     assert "split" not in grad["fix"].split(":", 1)[1]
 
 
+@pytest.mark.launches(seconds=3)  # imports transformers
 def test_a_hugging_face_llama_with_window_token_normalization_matches():
     pytest.importorskip("transformers")
     rows = check("examples.hf_llama:make_window_setup", strategies=["local"],

@@ -37,6 +37,7 @@ from harness.check.reference import compute_reference
 from harness.check.strategies import LocalCase
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
 from tests.launch import ForkedPython, _environment, run_python
+from tests.scheduling import launching
 from tests.test_check import is_split, read_rows, rows_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +169,7 @@ def _check(*args: str, timeout: float = 300, env: dict | None = None
 
 
 @pytest.fixture(scope="module")
+@launching(seconds=40)
 def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("check")
     done = _check("--nproc", "2", *LAUNCHED.values(), "--drop-last", "--out", str(out))
@@ -463,7 +465,7 @@ def make_slow_setup() -> Setup:
     return Setup(make_model=_linear, batch=_batch, loss=_slow_loss)
 
 
-@pytest.mark.launches
+@pytest.mark.launches(seconds=8)
 def test_a_keyboard_interrupt_in_the_loss_is_one_line_exit_130(tmp_path):
     out = tmp_path / "out"
     done = _check("--nproc", "2", f"{HERE}:make_interrupting_setup", "--strategies", "ddp",
@@ -473,7 +475,7 @@ def test_a_keyboard_interrupt_in_the_loss_is_one_line_exit_130(tmp_path):
     assert not (out / CSV_NAME).exists()
 
 
-@pytest.mark.launches
+@pytest.mark.launches(seconds=12)
 def test_ctrl_c_to_the_launcher_is_one_line_exit_130_nothing_written(tmp_path):
     out = tmp_path / "out"
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"

@@ -53,6 +53,7 @@ def test_clip_in_before_step_sees_the_big_batch_norm_under_every_strategy(tmp_pa
     assert sum(kind == "DTensor" for kind, _ in norms) == 2
 
 
+@pytest.mark.launches(seconds=5)
 def test_clipping_inside_the_micro_step_differs_where_before_step_matches():
     wrong = check(real_step.make_micro_clip_setup, strategies=["local"], world_sizes=(1,),
                   accum_steps=(2,))

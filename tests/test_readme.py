@@ -192,7 +192,8 @@ def test_the_frameworks_sentences_follow_the_rows_of_each_baseline(tmp_path):
         "scaled", 0.5, "scaled", 0.5]
     frame.to_csv(csv, index=False)
     summary = docs.frameworks_summary(docs.Results(folder))
-    assert ("accelerate: 0.5 × the big batch's at k = 1; the big batch's at k = 4; lightning: "
-            "the big batch's at k = 1, 4") in summary
+    assert ("accelerate handed the optimizer 0.5 × the big batch's gradient at k = 1 and the "
+            "big batch's gradient at k = 4; lightning handed the optimizer the big batch's "
+            "gradient at k = 1, 4") in summary
     assert "accelerate `tiny-lm` with `default` (0.5 × the big batch's at k = 1)" in (
         docs.frameworks_answer(docs.Results(folder)))
