@@ -266,30 +266,36 @@ def check_lines(check: dict) -> list[str]:
         right=2)
 
 
+def launch_rows(nproc: int, launch: dict) -> list[list[str]]:
+    """The launch benchmark's rows of the wall-time table, each against the bare launch."""
+    return [
+        [f"bare `torchrun --nproc_per_node={nproc}` (init gloo, exit)",
+         f"{launch['bare']:.1f} s", "1.00"],
+        ["`--studies reduction,seed001,accumulation`", f"{launch['three']:.1f} s",
+         f"{launch['three'] / launch['bare']:.2f}"],
+        ["full default run (every study)", f"{launch['all']:.1f} s",
+         f"{launch['all'] / launch['bare']:.2f}"],
+    ]
+
+
+def study_share_lines(launch: dict) -> list[str]:
+    """Each study's seconds in the default run, and what it adds to the run without it."""
+    rest = {name: launch["all"] - seconds for name, seconds in launch["studies"].items()}
+    return table(["study in the default run", "its seconds", "added to the run without it"],
+                 [[name, f"{seconds:.1f} s", f"{100 * seconds / rest[name]:.0f}%"]
+                  for name, seconds in launch["studies"].items()], right=2)
+
+
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
     lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
-    benchmarks = []
-    if "launch" in timings:
-        launch = timings["launch"]
-        benchmarks += [
-            [f"bare `torchrun --nproc_per_node={nproc}` (init gloo, exit)",
-             f"{launch['bare']:.1f} s", "1.00"],
-            ["`--studies reduction,seed001,accumulation`", f"{launch['three']:.1f} s",
-             f"{launch['three'] / launch['bare']:.2f}"],
-            ["full default run (every study)", f"{launch['all']:.1f} s",
-             f"{launch['all'] / launch['bare']:.2f}"],
-        ]
+    benchmarks = launch_rows(nproc, timings["launch"]) if "launch" in timings else []
     if "suite" in timings:
         benchmarks.append(["test suite, `python -m pytest -n auto`",
                            f"{timings['suite']['suite']:.1f} s", ""])
     if benchmarks:
         lines += table(["benchmark", "wall time", "ratio"], benchmarks)
     if "launch" in timings:
-        launch = timings["launch"]
-        rest = {name: launch["all"] - seconds for name, seconds in launch["studies"].items()}
-        lines += table(["study in the default run", "its seconds", "added to the run without it"],
-                       [[name, f"{seconds:.1f} s", f"{100 * seconds / rest[name]:.0f}%"]
-                        for name, seconds in launch["studies"].items()], right=2)
+        lines += study_share_lines(timings["launch"])
     if "scaling" in timings:
         lines += table(["accumulation matrix", "`--accum-steps`", "cases", "study time", "cases/s"],
                        [[scale, SCALES[scale], str(entry["cases"]), f"{entry['study_s']:.1f} s",
