@@ -226,6 +226,17 @@ def _launch_size(text: str) -> int:
     return nproc
 
 
+def _launch(config: RunConfig, nproc_flag: str, argv: list[str]) -> int:
+    """--nproc: make every check a rank would make, before any rank exists (a bad flag is
+    one line here, not N), then start the ranks."""
+    nproc = _launch_size(nproc_flag)
+    planned = Launch.planned(nproc)
+    config.resolved_world_sizes(planned)
+    choose_placement(config.backend, config.device, planned)
+    say_if_oversubscribed(nproc, PROG)
+    return launch_ranks(nproc, argv, PROG)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     leader = leader_from_environment()
@@ -237,13 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         config = config_from_args(args)
         if args.nproc is not None:
-            nproc = _launch_size(args.nproc)
-            # Every check a rank would make, before any rank exists.
-            planned = Launch.planned(nproc)
-            config.resolved_world_sizes(planned)
-            choose_placement(config.backend, config.device, planned)
-            say_if_oversubscribed(nproc, PROG)
-            return launch_ranks(nproc, argv, PROG)
+            return _launch(config, args.nproc, argv)
         launch = Launch.from_environment()
         world_sizes = config.resolved_world_sizes(launch)
         placement = choose_placement(config.backend, config.device, launch)

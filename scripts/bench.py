@@ -55,13 +55,20 @@ import tempfile
 import time
 from pathlib import Path
 
+# The script's own folder is on the path when it runs: its rank programs sit next to it.
+from bench_programs import (
+    BARE,
+    BARE_CHECK_RANK,
+    BARE_COMM,
+    CHECK_RANK,
+    CHECK_SETUP,
+    FRAMEWORKS_RANK,
+    STUDY_COMM,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 # Runnable from a checkout without installing: the package sits next to scripts/.
 sys.path.insert(0, str(ROOT))
-BARE = """import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.destroy_process_group()
-"""
 SCALES = {"1x": "4", "2x": "3,5", "4x": "2,3,5,6"}
 
 #: Message sizes of the comm benchmark: the comm study's default sizes.
@@ -69,44 +76,6 @@ COMM_SIZES = (8, 64 * 1024, 4 * 1024 * 1024)
 #: Iterations per size in both loops of the comm benchmark, and rounds over the sizes per
 #: launch (the median round counts): one launch sees the machine at one moment.
 COMM_WARMUP, COMM_ITERATIONS, COMM_ROUNDS = 5, 50, 3
-#: The plain loop a user would write: seconds per all_reduce of float64 zeros, rank 0's clock.
-BARE_COMM = """import json, statistics, sys, time
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
-seconds = {size: [] for size in sizes}
-for _ in range(rounds):
-    for size in sizes:
-        tensor = torch.zeros(max(1, size // 8), dtype=torch.float64)
-        for _ in range(warmup):
-            dist.all_reduce(tensor)
-        start = time.perf_counter()
-        for _ in range(iterations):
-            dist.all_reduce(tensor)
-        seconds[size].append((time.perf_counter() - start) / iterations)
-if dist.get_rank() == 0:
-    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
-dist.destroy_process_group()
-"""
-#: The same sizes timed by the comm study's own function (median of per-iteration times).
-STUDY_COMM = """import json, statistics, sys
-sys.path.insert(0, sys.argv[5])
-import torch, torch.distributed as dist
-from harness.studies.comm.collectives import measure_collective
-from harness.studies.comm.timing import Timing
-dist.init_process_group("gloo")
-sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
-timing = Timing(warmup=warmup, iterations=iterations)
-seconds = {size: [] for size in sizes}
-for _ in range(rounds):
-    for size in sizes:
-        seconds[size].append(measure_collective("all_reduce", size, dist.group.WORLD,
-                                                torch.device("cpu"), torch.float64,
-                                                timing).seconds)
-if dist.get_rank() == 0:
-    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
-dist.destroy_process_group()
-"""
 
 
 def completed(command: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -207,76 +176,6 @@ def bench_comm(nproc: int, repeat: int, scratch: Path) -> dict[str, dict[str, fl
     return results
 
 
-#: The check benchmark's setup, a module written next to the launches: 6 layers of
-#: 4096 x 4096 (+ bias) = 100.7M parameters, 8 samples per global batch (2 per micro-batch
-#: at N = 2, k = 2), mean squared error, plain SGD.
-CHECK_SETUP = """import torch
-from torch import nn
-from harness.check import Setup
-WIDTH, LAYERS, SAMPLES = 4096, 6, 8
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-def batch(step):
-    generator = torch.Generator().manual_seed(step)
-    return (torch.randn(SAMPLES, WIDTH, generator=generator),
-            torch.randn(SAMPLES, WIDTH, generator=generator))
-def loss(model, data):
-    x, y = data
-    return nn.functional.mse_loss(model(x), y)
-def make_setup():
-    return Setup(make_model=make_model, batch=batch, loss=loss, name="bench-100m")
-"""
-#: Every rank's seconds and peak RSS as a JSON file of its own in the folder argv[4]
-#: (a file, not stdout: the ranks' lines would interleave).
-RANK_REPORT = """
-import json, resource
-with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
-    json.dump({"rank": dist_rank, "seconds": seconds,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
-              report)
-"""
-#: The check, timed in each rank around its whole command line (process group included).
-CHECK_RANK = """import os, sys, time
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
-from harness.check.cli import main
-start = time.perf_counter()
-code = main(["bench_check_setup:make_setup", "--strategies", "ddp", "--world-sizes", "2",
-             "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])
-seconds = time.perf_counter() - start
-dist_rank = int(os.environ["RANK"])
-assert code == 0
-""" + RANK_REPORT
-#: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
-#: With a count in argv[5], the rank first fills a tensor of that many float32 elements
-#: and holds it throughout, outside the timing.
-BARE_CHECK_RANK = """import os, sys, time
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from bench_check_setup import make_setup
-setup, accum_steps = make_setup(), 2
-held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
-start = time.perf_counter()
-dist.init_process_group("gloo")
-dist_rank, world_size = dist.get_rank(), dist.get_world_size()
-model = DistributedDataParallel(setup.make_model())
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-x, y = setup.batch(0)
-per_piece = len(x) // (world_size * accum_steps)
-for micro in range(accum_steps):
-    first = (dist_rank * accum_steps + micro) * per_piece
-    piece = (x[first:first + per_piece], y[first:first + per_piece])
-    if micro < accum_steps - 1:
-        with model.no_sync():
-            (setup.loss(model, piece) / accum_steps).backward()
-    else:
-        (setup.loss(model, piece) / accum_steps).backward()
-optimizer.step()
-optimizer.zero_grad(set_to_none=True)
-dist.destroy_process_group()
-seconds = time.perf_counter() - start
-""" + RANK_REPORT
 
 
 def rank_reports(folder: Path) -> list[dict]:
@@ -320,46 +219,6 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
     return results
 
 
-#: One rank of the frameworks benchmark: argv = target, k, out folder, repeat.
-FRAMEWORKS_RANK = """import json, statistics, sys, time
-from pathlib import Path
-import torch, torch.distributed as dist
-from harness.check.config import CheckConfig
-from harness.check.load import validated_setup
-from harness.check.run import CheckRun, SetupCheck
-from harness.launch import Launch, choose_placement
-from harness.studies.frameworks.measure import measure
-from harness.studies.frameworks.study import FRAMEWORKS
-
-target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-dist.init_process_group("gloo")
-setup = validated_setup(target, [(2, k)], False)
-launch = Launch.from_environment()
-config = CheckConfig(targets=(target,), accum_steps=(k,), strategies=("ddp",),
-                     world_sizes=(2,), out=out)
-run = CheckRun(config, [(target, setup)], launch, choose_placement("gloo", "cpu", launch), (2,))
-groups = {2: dist.new_group([0, 1])}
-
-def timed(case):
-    case()  # start-up: imports, the framework's first run
-    seconds = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        case()
-        dist.barrier()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-cases = {"ddp": lambda: SetupCheck(run, target, setup, groups).run()}
-for name, framework in FRAMEWORKS.items():
-    cases[name] = (lambda f: lambda: measure(f, f.setting("default"), setup, k,
-                                             torch.float64))(framework)
-times = {name: timed(case) for name, case in cases.items()}
-if dist.get_rank() == 0:
-    print(json.dumps(times))
-dist.destroy_process_group()
-"""
 #: The frameworks benchmark's case: a small MLP at N = 2, k = 4.
 FRAMEWORKS_TARGET, FRAMEWORKS_K = "examples.mlp:make_setup", 4
 
@@ -407,30 +266,36 @@ def check_lines(check: dict) -> list[str]:
         right=2)
 
 
+def launch_rows(nproc: int, launch: dict) -> list[list[str]]:
+    """The launch benchmark's rows of the wall-time table, each against the bare launch."""
+    return [
+        [f"bare `torchrun --nproc_per_node={nproc}` (init gloo, exit)",
+         f"{launch['bare']:.1f} s", "1.00"],
+        ["`--studies reduction,seed001,accumulation`", f"{launch['three']:.1f} s",
+         f"{launch['three'] / launch['bare']:.2f}"],
+        ["full default run (every study)", f"{launch['all']:.1f} s",
+         f"{launch['all'] / launch['bare']:.2f}"],
+    ]
+
+
+def study_share_lines(launch: dict) -> list[str]:
+    """Each study's seconds in the default run, and what it adds to the run without it."""
+    rest = {name: launch["all"] - seconds for name, seconds in launch["studies"].items()}
+    return table(["study in the default run", "its seconds", "added to the run without it"],
+                 [[name, f"{seconds:.1f} s", f"{100 * seconds / rest[name]:.0f}%"]
+                  for name, seconds in launch["studies"].items()], right=2)
+
+
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
     lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
-    benchmarks = []
-    if "launch" in timings:
-        launch = timings["launch"]
-        benchmarks += [
-            [f"bare `torchrun --nproc_per_node={nproc}` (init gloo, exit)",
-             f"{launch['bare']:.1f} s", "1.00"],
-            ["`--studies reduction,seed001,accumulation`", f"{launch['three']:.1f} s",
-             f"{launch['three'] / launch['bare']:.2f}"],
-            ["full default run (every study)", f"{launch['all']:.1f} s",
-             f"{launch['all'] / launch['bare']:.2f}"],
-        ]
+    benchmarks = launch_rows(nproc, timings["launch"]) if "launch" in timings else []
     if "suite" in timings:
         benchmarks.append(["test suite, `python -m pytest -n auto`",
                            f"{timings['suite']['suite']:.1f} s", ""])
     if benchmarks:
         lines += table(["benchmark", "wall time", "ratio"], benchmarks)
     if "launch" in timings:
-        launch = timings["launch"]
-        rest = {name: launch["all"] - seconds for name, seconds in launch["studies"].items()}
-        lines += table(["study in the default run", "its seconds", "added to the run without it"],
-                       [[name, f"{seconds:.1f} s", f"{100 * seconds / rest[name]:.0f}%"]
-                        for name, seconds in launch["studies"].items()], right=2)
+        lines += study_share_lines(timings["launch"])
     if "scaling" in timings:
         lines += table(["accumulation matrix", "`--accum-steps`", "cases", "study time", "cases/s"],
                        [[scale, SCALES[scale], str(entry["cases"]), f"{entry['study_s']:.1f} s",

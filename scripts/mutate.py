@@ -148,6 +148,20 @@ def selected(only: str | None) -> list[Mutation]:
     return chosen
 
 
+def surviving(mutations: list[Mutation], copies: queue.Queue) -> list[str]:
+    """The names of the mutations their tests did not kill, each tried on a free copy of
+    the repository; one line per mutation as it finishes."""
+    survivors = []
+    with ThreadPoolExecutor(JOBS) as pool:
+        outcomes = pool.map(lambda m: (m, *try_mutation(m, copies)), mutations)
+        for mutation, killed, seconds in outcomes:
+            print(f"{'killed  ' if killed else 'SURVIVED'} {mutation.name} "
+                  f"({seconds:.1f} s)", flush=True)
+            if not killed:
+                survivors.append(mutation.name)
+    return survivors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
@@ -175,14 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: error: the targeted tests fail without any mutation: "
                   f"{' '.join(dict.fromkeys(every_test))}", file=sys.stderr)
             return 1
-        survivors = []
-        with ThreadPoolExecutor(JOBS) as pool:
-            outcomes = pool.map(lambda m: (m, *try_mutation(m, copies)), mutations)
-            for mutation, killed, seconds in outcomes:
-                print(f"{'killed  ' if killed else 'SURVIVED'} {mutation.name} "
-                      f"({seconds:.1f} s)", flush=True)
-                if not killed:
-                    survivors.append(mutation.name)
+        survivors = surviving(mutations, copies)
     total = time.perf_counter() - begun
     if survivors:
         print(f"{PROG}: error: {len(survivors)} of {len(mutations)} mutations survived the "

@@ -39,24 +39,24 @@ from harness.options import check_out_folder, parse_float, parse_int_list, parse
 PROG = "check.py"
 
 
+DESCRIPTION = textwrap.dedent("""\
+    Does your multi-rank / accumulated training step equal one big-batch step?
+    TARGET names a function returning a harness.check.Setup (model, batches, loss,
+    optimizer). Every strategy x world size N x micro-steps k is compared with one
+    process stepping once on the whole global batch: param.grad before
+    optimizer.step() and the parameters after it.""")
+EPILOG = textwrap.dedent("""\
+    examples:
+      python scripts/check.py --nproc 2 examples.mlp:make_setup
+      torchrun --standalone --nproc_per_node=2 scripts/check.py \\
+          examples.digits_cnn:make_setup --accum-steps 1,4
+      python scripts/check.py --nproc 2 examples.tiny_lm:make_setup --strategies ddp
+    """)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog=PROG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.dedent("""\
-            Does your multi-rank / accumulated training step equal one big-batch step?
-            TARGET names a function returning a harness.check.Setup (model, batches, loss,
-            optimizer). Every strategy x world size N x micro-steps k is compared with one
-            process stepping once on the whole global batch: param.grad before
-            optimizer.step() and the parameters after it."""),
-        epilog=textwrap.dedent("""\
-            examples:
-              python scripts/check.py --nproc 2 examples.mlp:make_setup
-              torchrun --standalone --nproc_per_node=2 scripts/check.py \\
-                  examples.digits_cnn:make_setup --accum-steps 1,4
-              python scripts/check.py --nproc 2 examples.tiny_lm:make_setup --strategies ddp
-            """),
-    )
+    parser = _Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("targets", metavar="TARGET", nargs="+",
                         help="module.path:factory, e.g. examples.mlp:make_setup (imported "
                              "from the current folder or the Python path); several are "

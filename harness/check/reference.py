@@ -110,12 +110,7 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
     batch (all of them when None), from a copy of ``initial`` (left untouched: step 0's
     ``before`` is its tensors) or else from a model of its own; only the tensors (and
     rows) ``keeps`` names are kept, every tensor whole without it."""
-    model = (copy_of(initial, setup, dtype, device) if initial is not None
-             else prepared_model(setup, dtype, device, target))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(setup, trainable)
-    check_optimizer(optimizer, trainable, target)
-    whole = WholeStep(setup, model, optimizer, device)
+    model, optimizer, whole = _reference_training(setup, dtype, device, target, initial)
     param_names, buffer_names = state_names(model)
     if keeps is None:
         keeps = dict.fromkeys(named_state(model))
@@ -129,17 +124,8 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
         state = named_state(source)
         before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
-        with torch.random.fork_rng(devices=[]), whole.forward():
-            torch.manual_seed(FORWARD_SEED)
-            loss = setup.loss(model, window)
-        check_loss(loss, target)
-        whole.backward(loss)
-        # Under a GradScaler a scaled gradient may overflow: the scaler skips that step.
-        if not_finite(loss) or (whole.scaler is None and any(
-                not_finite(params[name].grad) for name in param_names)):
-            raise UsageError(f"{target}: the loss (or gradient) is not finite in step {step} "
-                             f"of the big-batch reference (loss {float(loss.detach()):.6g}); "
-                             "allowed: a loss and gradients finite on every global batch")
+        loss = _loss_backward(setup, model, whole, window, target)
+        _refuse_not_finite(loss, whole, [params[name] for name in param_names], step, target)
         if step == 0:
             with whole.forward():
                 _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
@@ -154,9 +140,44 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
-                                   first_rows))
-        steps[-1].loss_dtype = loss.dtype
+                                   first_rows, loss_dtype=loss.dtype))
     return steps
+
+
+def _reference_training(setup: Setup, dtype: torch.dtype, device: torch.device, target: str,
+                        initial: nn.Module | None
+                        ) -> tuple[nn.Module, torch.optim.Optimizer, WholeStep]:
+    """The reference's model (a copy of ``initial``, else one of its own), its optimizer
+    over the trainable parameters, and the step that drives both."""
+    model = (copy_of(initial, setup, dtype, device) if initial is not None
+             else prepared_model(setup, dtype, device, target))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(setup, trainable)
+    check_optimizer(optimizer, trainable, target)
+    return model, optimizer, WholeStep(setup, model, optimizer, device)
+
+
+def _loss_backward(setup: Setup, model: nn.Module, whole: WholeStep, window,
+                   target: str) -> torch.Tensor:
+    """The big-batch loss, its forward under a fixed seed (and the caller's random state
+    left as it was), and its backward."""
+    with torch.random.fork_rng(devices=[]), whole.forward():
+        torch.manual_seed(FORWARD_SEED)
+        loss = setup.loss(model, window)
+    check_loss(loss, target)
+    whole.backward(loss)
+    return loss
+
+
+def _refuse_not_finite(loss: torch.Tensor, whole: WholeStep, params: list[nn.Parameter],
+                       step: int, target: str) -> None:
+    """A non-finite loss or gradient has no equal to compare with: refused."""
+    # Under a GradScaler a scaled gradient may overflow: the scaler skips that step.
+    if not_finite(loss) or (whole.scaler is None and any(
+            not_finite(param.grad) for param in params)):
+        raise UsageError(f"{target}: the loss (or gradient) is not finite in step {step} "
+                         f"of the big-batch reference (loss {float(loss.detach()):.6g}); "
+                         "allowed: a loss and gradients finite on every global batch")
 
 
 def window_of(setup: Setup, step: int, used_samples: tuple[int, ...] | None,

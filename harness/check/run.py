@@ -240,15 +240,8 @@ class SetupCheck:
             grads_agree = model.ranks_agree("grad")
             self._keep_initial_parameters()
             model.step()
-            update = compare(model.update_pairs(ref, model.param_names), model.param_names,
-                             group, self.device, rtol)
             measured = [("grad", grads, grads_agree),
-                        ("params", update, model.ranks_agree("params"))]
-            if model.buffer_names:
-                buffers = compare_each(model.update_pairs(ref, model.buffer_names),
-                                       model.buffer_names, self.exact_buffers, group,
-                                       self.device, rtol)
-                measured.append(("buffers", buffers, None))
+                        *self._compare_after_step(model, ref, group, rtol)]
             for point, comparison, agree in measured:
                 facts.ranks_agree = agree
                 results.append((step, point, comparison, agree,
@@ -257,6 +250,20 @@ class SetupCheck:
                     # The step's later rows (and every later step's) follow from it.
                     facts.gradient_scale = comparison.scale
         return results
+
+    def _compare_after_step(self, model: CaseModel, ref: ReferenceStep,
+                            group: dist.ProcessGroup | None, rtol: float) -> list[tuple]:
+        """(point, comparison, ranks agree) of the parameters after the step, and of the
+        buffers when the model has any, against the reference's."""
+        update = compare(model.update_pairs(ref, model.param_names), model.param_names,
+                         group, self.device, rtol)
+        measured = [("params", update, model.ranks_agree("params"))]
+        if model.buffer_names:
+            buffers = compare_each(model.update_pairs(ref, model.buffer_names),
+                                   model.buffer_names, self.exact_buffers, group,
+                                   self.device, rtol)
+            measured.append(("buffers", buffers, None))
+        return measured
 
     def _refuse_not_finite(self, model: CaseModel, step: int, case: Case,
                            group: dist.ProcessGroup | None) -> None:

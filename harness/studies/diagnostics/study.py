@@ -116,6 +116,16 @@ def build_mlp(seed: int, setup: DiagnosticsSetup, dtype: torch.dtype,
     return model.to(dtype)
 
 
+def _frozen_layer_mlp(case: Case, run: RunContext, setup: DiagnosticsSetup) -> DiagnosticMLP:
+    """The DDP frozen-layer case's MLP on the run's device: its middle layer frozen
+    (``requires_grad=False``), or, for ``middle`` = unused, left out of the forward."""
+    frozen = case["middle"] == "frozen"
+    model = build_mlp(run.seed, setup, run.dtype, skip_middle=not frozen).to(run.device)
+    if frozen:
+        model.middle.requires_grad_(False)
+    return model
+
+
 def combined_stats(module: nn.Module) -> GradientStats:
     """:class:`GradientStats` of all parameters' gradients as one vector (None: all None);
     each entry is judged dead against its own layer's scale, as per parameter."""
@@ -291,10 +301,7 @@ class DiagnosticsStudy(Study):
         setup, k = self.setup, case["world_size"]
         group = run.group(k)
         rank = dist.get_rank(group)
-        frozen = case["middle"] == "frozen"
-        model = build_mlp(run.seed, setup, run.dtype, skip_middle=not frozen).to(run.device)
-        if frozen:
-            model.middle.requires_grad_(False)
+        model = _frozen_layer_mlp(case, run, setup)
         wrapped = ddp.wrap(model, group, run.device,
                            find_unused_parameters=case["find_unused_parameters"])
         optimizer = torch.optim.SGD(model.parameters(), lr=setup.learning_rate)

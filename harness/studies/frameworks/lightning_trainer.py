@@ -35,46 +35,54 @@ SETTINGS = (Setting(DEFAULT, core=True),)
 QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
 
+class _LaunchedRanks:
+    """The answers a Lightning ``ClusterEnvironment`` gives, from the launch's process
+    group and environment. A plain class, so that this module imports without Lightning:
+    ``_existing_ranks`` joins it to Lightning's base class."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", 0))
+
+    @staticmethod
+    def detect() -> bool:
+        return dist.is_initialized()
+
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def set_world_size(self, size: int) -> None:
+        if size != dist.get_world_size():
+            raise ValueError(f"Lightning asked for {size} ranks; the launch has "
+                             f"{dist.get_world_size()}")
+
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # the launch decided it
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("GROUP_RANK", 0))
+
+
 def _existing_ranks():
     """A cluster environment that is the already-initialized process group."""
     from lightning.fabric.plugins.environments import ClusterEnvironment
 
-    class ExistingProcessGroup(ClusterEnvironment):
-        @property
-        def creates_processes_externally(self) -> bool:
-            return True
-
-        @property
-        def main_address(self) -> str:
-            return os.environ.get("MASTER_ADDR", "127.0.0.1")
-
-        @property
-        def main_port(self) -> int:
-            return int(os.environ.get("MASTER_PORT", 0))
-
-        @staticmethod
-        def detect() -> bool:
-            return dist.is_initialized()
-
-        def world_size(self) -> int:
-            return dist.get_world_size()
-
-        def set_world_size(self, size: int) -> None:
-            if size != dist.get_world_size():
-                raise ValueError(f"Lightning asked for {size} ranks; the launch has "
-                                 f"{dist.get_world_size()}")
-
-        def global_rank(self) -> int:
-            return dist.get_rank()
-
-        def set_global_rank(self, rank: int) -> None:
-            pass  # the launch decided it
-
-        def local_rank(self) -> int:
-            return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-
-        def node_rank(self) -> int:
-            return int(os.environ.get("GROUP_RANK", 0))
+    class ExistingProcessGroup(_LaunchedRanks, ClusterEnvironment):
+        pass
 
     return ExistingProcessGroup()
 

@@ -1,0 +1,157 @@
+"""The programs each launch of scripts/bench.py runs in its ranks, written into the
+scratch folder before the launch: kept apart from the benchmarks that start them, which
+read as the measurement, not as the code under measurement."""
+
+#: A launch that only initialises gloo and exits: what torchrun costs by itself.
+BARE = """import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.destroy_process_group()
+"""
+#: The plain loop a user would write: seconds per all_reduce of float64 zeros, rank 0's clock.
+BARE_COMM = """import json, statistics, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
+seconds = {size: [] for size in sizes}
+for _ in range(rounds):
+    for size in sizes:
+        tensor = torch.zeros(max(1, size // 8), dtype=torch.float64)
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        start = time.perf_counter()
+        for _ in range(iterations):
+            dist.all_reduce(tensor)
+        seconds[size].append((time.perf_counter() - start) / iterations)
+if dist.get_rank() == 0:
+    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
+dist.destroy_process_group()
+"""
+#: The same sizes timed by the comm study's own function (median of per-iteration times).
+STUDY_COMM = """import json, statistics, sys
+sys.path.insert(0, sys.argv[5])
+import torch, torch.distributed as dist
+from harness.studies.comm.collectives import measure_collective
+from harness.studies.comm.timing import Timing
+dist.init_process_group("gloo")
+sizes, warmup, iterations, rounds = json.loads(sys.argv[1]), *map(int, sys.argv[2:5])
+timing = Timing(warmup=warmup, iterations=iterations)
+seconds = {size: [] for size in sizes}
+for _ in range(rounds):
+    for size in sizes:
+        seconds[size].append(measure_collective("all_reduce", size, dist.group.WORLD,
+                                                torch.device("cpu"), torch.float64,
+                                                timing).seconds)
+if dist.get_rank() == 0:
+    print(json.dumps({size: statistics.median(values) for size, values in seconds.items()}))
+dist.destroy_process_group()
+"""
+#: The check benchmark's setup, a module written next to the launches: 6 layers of
+#: 4096 x 4096 (+ bias) = 100.7M parameters, 8 samples per global batch (2 per micro-batch
+#: at N = 2, k = 2), mean squared error, plain SGD.
+CHECK_SETUP = """import torch
+from torch import nn
+from harness.check import Setup
+WIDTH, LAYERS, SAMPLES = 4096, 6, 8
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+def batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randn(SAMPLES, WIDTH, generator=generator),
+            torch.randn(SAMPLES, WIDTH, generator=generator))
+def loss(model, data):
+    x, y = data
+    return nn.functional.mse_loss(model(x), y)
+def make_setup():
+    return Setup(make_model=make_model, batch=batch, loss=loss, name="bench-100m")
+"""
+#: Every rank's seconds and peak RSS as a JSON file of its own in the folder argv[4]
+#: (a file, not stdout: the ranks' lines would interleave).
+RANK_REPORT = """
+import json, resource
+with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
+    json.dump({"rank": dist_rank, "seconds": seconds,
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+              report)
+"""
+#: The check, timed in each rank around its whole command line (process group included).
+CHECK_RANK = """import os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from harness.check.cli import main
+start = time.perf_counter()
+code = main(["bench_check_setup:make_setup", "--strategies", "ddp", "--world-sizes", "2",
+             "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])
+seconds = time.perf_counter() - start
+dist_rank = int(os.environ["RANK"])
+assert code == 0
+""" + RANK_REPORT
+#: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
+#: With a count in argv[5], the rank first fills a tensor of that many float32 elements
+#: and holds it throughout, outside the timing.
+BARE_CHECK_RANK = """import os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from bench_check_setup import make_setup
+setup, accum_steps = make_setup(), 2
+held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
+start = time.perf_counter()
+dist.init_process_group("gloo")
+dist_rank, world_size = dist.get_rank(), dist.get_world_size()
+model = DistributedDataParallel(setup.make_model())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = setup.batch(0)
+per_piece = len(x) // (world_size * accum_steps)
+for micro in range(accum_steps):
+    first = (dist_rank * accum_steps + micro) * per_piece
+    piece = (x[first:first + per_piece], y[first:first + per_piece])
+    if micro < accum_steps - 1:
+        with model.no_sync():
+            (setup.loss(model, piece) / accum_steps).backward()
+    else:
+        (setup.loss(model, piece) / accum_steps).backward()
+optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+dist.destroy_process_group()
+seconds = time.perf_counter() - start
+""" + RANK_REPORT
+#: One rank of the frameworks benchmark: argv = target, k, out folder, repeat.
+FRAMEWORKS_RANK = """import json, statistics, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from harness.check.config import CheckConfig
+from harness.check.load import validated_setup
+from harness.check.run import CheckRun, SetupCheck
+from harness.launch import Launch, choose_placement
+from harness.studies.frameworks.measure import measure
+from harness.studies.frameworks.study import FRAMEWORKS
+
+target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo")
+setup = validated_setup(target, [(2, k)], False)
+launch = Launch.from_environment()
+config = CheckConfig(targets=(target,), accum_steps=(k,), strategies=("ddp",),
+                     world_sizes=(2,), out=out)
+run = CheckRun(config, [(target, setup)], launch, choose_placement("gloo", "cpu", launch), (2,))
+groups = {2: dist.new_group([0, 1])}
+
+def timed(case):
+    case()  # start-up: imports, the framework's first run
+    seconds = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        case()
+        dist.barrier()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+cases = {"ddp": lambda: SetupCheck(run, target, setup, groups).run()}
+for name, framework in FRAMEWORKS.items():
+    cases[name] = (lambda f: lambda: measure(f, f.setting("default"), setup, k,
+                                             torch.float64))(framework)
+times = {name: timed(case) for name, case in cases.items()}
+if dist.get_rank() == 0:
+    print(json.dumps(times))
+dist.destroy_process_group()
+"""
