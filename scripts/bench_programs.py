@@ -128,7 +128,7 @@ from harness.studies.frameworks.study import FRAMEWORKS
 
 target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")
-setup = validated_setup(target, [(2, k)], False)
+setup = validated_setup(target, [(2, k)], False, torch.float64)
 launch = Launch.from_environment()
 config = CheckConfig(targets=(target,), accum_steps=(k,), strategies=("ddp",),
                      world_sizes=(2,), out=out)
