@@ -236,3 +236,44 @@ def test_a_grad_scaler_inside_the_micro_step_is_seen_and_named_in_the_fix():
         torch.amp.GradScaler("cpu").scale(torch.ones(()))
     assert seen == {"GradScaler"}
     assert micro_step_edit_fix(seen).startswith("scale and unscale once per window")
+
+
+class _InfiniteGradientOnStep0(torch.autograd.Function):
+    """Identity forward; backward makes the gradient infinite where the batch says so (a
+    finite loss whose fp16 gradient overflowed), so the GradScaler skips that step."""
+
+    @staticmethod
+    def forward(ctx, output, poisoned):
+        ctx.poisoned = bool(poisoned.any())
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * float("inf") if ctx.poisoned else grad), None
+
+
+def _poisoned_batch(step: int):
+    x, y = mlp.batch(step)
+    return x, y, torch.full((len(x),), float(step == 0))
+
+
+def _poisoned_loss(model: nn.Module, data) -> torch.Tensor:
+    x, y, poisoned = data
+    return nn.functional.mse_loss(_InfiniteGradientOnStep0.apply(model(x), poisoned), y)
+
+
+def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not_fitted(
+        monkeypatch):
+    # The GradScaler runs on the CPU too; the check asks CUDA for it only because float16
+    # autocast, its use, needs CUDA: the guard is lifted here to drive the rows' path.
+    monkeypatch.setattr("harness.check.api.check_step_device", lambda *args: None)
+    monkeypatch.setattr("harness.check.run.check_step_device", lambda *args: None)
+    setup = Setup(make_model=mlp.make_model, batch=_poisoned_batch, loss=_poisoned_loss,
+                  grad_scaler=True, steps=2, name="scaler-skips-step-0")
+    rows = check(lambda: setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))
+    first, second = rows[rows["step"] == 0], rows[rows["step"] == 1]
+    assert len(first) == len(second) == 4 * 2
+    assert all(status.startswith("skipped: the GradScaler skipped step 0 in the big batch "
+                                 "and in the case alike") for status in first["status"])
+    # Both skipped, both halved their scale: the next step is the big batch's again.
+    assert set(second["status"]) == {"ok"} and set(second["verdict"]) == {"matches"}, second

@@ -46,6 +46,8 @@ class ReferenceStep:
     #: The floating type of the loss the user's function returned (float32 where it casts
     #: to float32 inside a float64 model): the precision the reference really had.
     loss_dtype: torch.dtype | None = None
+    #: Whether the GradScaler skipped this step (a gradient not finite once unscaled).
+    skipped: bool = False
 
 
 #: The part of a tensor a rank keeps of the reference: rows [first, stop) along dim 0
@@ -134,13 +136,14 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         # Copies, not the gradient tensors: an optimizer may edit .grad in place while it
         # steps (clipping in a step pre-hook, unscaling), which would rewrite the reference.
         grads = {name: _part(params[name].grad, keeps[name], copy=True) for name in kept_params}
+        skipped = whole.skips(params[name].grad for name in param_names)
         whole.step()
         last = step == setup.steps - 1
         state = named_state(model)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
-                                   first_rows, loss_dtype=loss.dtype))
+                                   first_rows, loss_dtype=loss.dtype, skipped=skipped))
     return steps
 
 

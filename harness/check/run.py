@@ -230,6 +230,9 @@ class SetupCheck:
             facts.loss_combination = self._loss_combination(window, samples, case)
             model.backward_window(window, samples, case.accum_steps)
             self._refuse_not_finite(model, step, case, group)
+            if self._scaler_skipped(model, group) or ref.skipped:
+                results += self._skipped_step(model, step, ref.skipped)
+                continue
             precision = case_precision(self.dtype, self.setup,
                                        [ref.loss_dtype, *model.whole.loss_dtypes])
             self.precisions[case] = precision
@@ -250,6 +253,31 @@ class SetupCheck:
                     # The step's later rows (and every later step's) follow from it.
                     facts.gradient_scale = comparison.scale
         return results
+
+    def _scaler_skipped(self, model: CaseModel, group: dist.ProcessGroup | None) -> bool:
+        """Whether the case's GradScaler skips this step on any rank (all skip together:
+        a DDP gradient is the same everywhere, FSDP's scaler agrees across shards)."""
+        if model.whole.scaler is None:
+            return False
+        skips = torch.tensor([float(model.scaler_skips)], device=self.device)
+        if group is not None:
+            dist.all_reduce(skips, op=dist.ReduceOp.MAX, group=group)
+        return bool(skips.item())
+
+    def _skipped_step(self, model: CaseModel, step: int, reference_skipped: bool) -> list[tuple]:
+        """A step the GradScaler skipped: nothing to fit (its gradient is not finite). Alike
+        in the big batch and the case, as it must be, the rows say so; in one of them only,
+        the case failed."""
+        self._keep_initial_parameters()
+        model.step()
+        if reference_skipped and model.whole.scaler is not None:
+            status, error = (f"skipped: the GradScaler skipped step {step} in the big batch "
+                             "and in the case alike (a non-finite gradient)", "")
+        else:
+            where = "big batch only" if reference_skipped else "case only"
+            status, error = "error", (f"the GradScaler skipped step {step} in the {where}: "
+                                      "a gradient, unscaled, was not finite there alone")
+        return [(step, point, None, None, "", status, error) for point in self.points]
 
     def _compare_after_step(self, model: CaseModel, ref: ReferenceStep,
                             group: dist.ProcessGroup | None, rtol: float) -> list[tuple]:

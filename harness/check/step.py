@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -131,6 +131,12 @@ class WholeStep:
             self.scaler.unscale_(self.optimizer)
         if self.setup.before_step is not None:
             self.setup.before_step(self.module, self.optimizer, where)
+
+    def skips(self, grads: Iterable[torch.Tensor | None]) -> bool:
+        """After :meth:`before_step`: whether the GradScaler will skip this step, as it
+        does where a gradient, unscaled, is not finite (never without a scaler)."""
+        return self.scaler is not None and any(
+            grad is not None and not bool(torch.isfinite(grad.detach()).all()) for grad in grads)
 
     def step(self) -> None:
         if self.scaler is not None:

@@ -106,6 +106,8 @@ class CaseModel(ABC):
         #: The first piece (1..N*k) of the step whose loss was not finite, N*k + 1 where
         #: only a gradient was, inf where all was finite: see :func:`not_finite_message`.
         self.first_not_finite = math.inf
+        #: Whether the GradScaler skips this step on this rank (see WholeStep.skips).
+        self.scaler_skips = False
         self.whole = WholeStep(setup, self.module, self.optimizer, device)
 
     @abstractmethod
@@ -142,6 +144,7 @@ class CaseModel(ABC):
                 not_finite(self.local(p.grad)) for p in self.inner.parameters()):
             self.first_not_finite = pieces + 1
         self.whole.before_step(where)
+        self.scaler_skips = self.whole.skips(self.local(p.grad) for p in self.inner.parameters())
 
     def playing(self, rank: int) -> contextlib.AbstractContextManager:
         """Around the piece of rank ``rank`` (one process playing several ranks: each
