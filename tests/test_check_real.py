@@ -197,7 +197,7 @@ def launched(tmp_path_factory) -> tuple[str, Path]:
 
 
 @pytest.fixture(scope="module")
-@launching(seconds=10)
+@launching(seconds=12)
 def launched_nproc(tmp_path_factory) -> subprocess.CompletedProcess:
     """``check.py --nproc 2``: its ranks are fresh interpreters, started by the launcher."""
     return _check("--nproc", "2", *NPROC_LAUNCHED, "--drop-last", "--out",
