@@ -113,8 +113,11 @@ def _cli(rank: int, world_size: int, argv: list[str], main: Callable | None,
 
 
 def run_cli_importing(modules: list[str], world_size: int, argv: list[str], store_dir: Path,
-                      env: dict[str, str] | None = None, timeout_s: float = 600) -> list[int]:
-    """:func:`run_cli` from a child that first imports ``modules`` (with ``env`` set).
+                      env: dict[str, str] | None = None, timeout_s: float = 600,
+                      main: Callable[[list[str]], int] | None = None,
+                      output: Path | None = None) -> list[int]:
+    """:func:`run_cli` from a child that first imports ``modules`` (with ``env`` set);
+    ``main`` and ``output`` as there.
 
     The ranks fork from that child: modules that take seconds to import (the
     training frameworks) are imported once instead of once per rank, and this
@@ -124,7 +127,8 @@ def run_cli_importing(modules: list[str], world_size: int, argv: list[str], stor
     queue = context.Queue()
     # Not a daemon: a daemon process may not start the ranks.
     child = context.Process(target=_import_then_run_cli,
-                            args=(modules, world_size, argv, store_dir, env or {}, queue))
+                            args=(modules, world_size, argv, store_dir, env or {}, main,
+                                  output, queue))
     child.start()
     try:
         ok, value = queue.get(timeout=timeout_s)
@@ -139,12 +143,13 @@ def run_cli_importing(modules: list[str], world_size: int, argv: list[str], stor
 
 
 def _import_then_run_cli(modules: list[str], world_size: int, argv: list[str],
-                         store_dir: Path, env: dict[str, str], queue: Any) -> None:
+                         store_dir: Path, env: dict[str, str], main: Callable | None,
+                         output: Path | None, queue: Any) -> None:
     try:
         os.environ.update(env)
         for module in modules:
             importlib.import_module(module)
-        queue.put((True, run_cli(world_size, argv, store_dir, env)))
+        queue.put((True, run_cli(world_size, argv, store_dir, env, main, output)))
     except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
         queue.put((False, traceback.format_exc()))
 

@@ -2,9 +2,10 @@
 
 One launch on 2 ranks checks every example and a setup of tests/check_setups.py;
 the tests below read its CSV. Its ranks fork from the test process (tests/distributed.py):
-grad-check's ``--nproc`` is the launch of tests/test_readme.py's example and of the
-refusal by the ranks below. Bad input is refused before any rank starts, so most of
-those tests call ``main`` in-process.
+grad-check's ``--nproc`` is the launch of tests/test_readme.py's example, and below, in
+front of ranks that refuse their input without importing torch (tests/refusing_ranks.py).
+Bad input is refused before any rank starts, so most of those tests call ``main``
+in-process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from harness.check.cli import main
 from harness.check.config import CSV_NAME
 from harness.check.schema import COLUMN_NAMES
+from tests import refusing_ranks
 from tests.distributed import run_cli
 from tests.launch import run_python
 from tests.scheduling import launching
@@ -214,13 +216,27 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_the_ranks_start(
     assert inside_a_file.read_text() == "keep me"
 
 
-@pytest.mark.launches(seconds=10)
+@pytest.mark.launches(seconds=3)
 def test_randomness_inside_the_loss_is_refused_by_the_ranks(tmp_path):
-    out = tmp_path / "out"
-    done = _check("--nproc", "2", f"{HERE}:make_functional_dropout_setup",
-                  "--strategies", "local", "--out", str(out))
-    assert done.returncode == 2, done.stderr
-    line = done.stderr.strip()
+    out, console = tmp_path / "out", tmp_path / "console"
+    console.mkdir()
+    codes = run_cli(2, [f"{HERE}:make_functional_dropout_setup", "--strategies", "local",
+                        "--out", str(out)], console, main=main, output=console)
+    line = (console / "stderr").read_text().strip()
+    assert codes == [2, 2], line
     assert len(line.splitlines()) == 1, line
     assert "changed with the random seed" in line and "dropout" in line
+    assert not out.exists()
+
+
+@pytest.mark.launches(seconds=4)
+def test_bad_input_the_ranks_find_is_one_line_from_the_launcher_without_a_rank(tmp_path):
+    """What the ranks refuse above, under --nproc: the launcher says it once, exit code 2
+    (tests/refusing_ranks.py: check.py's launch, with ranks that refuse at once)."""
+    out = tmp_path / "out"
+    done = run_python([sys.executable, "-m", "tests.refusing_ranks", "--nproc", "2",
+                       "examples.mlp:make_setup", "--out", str(out)])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"check.py: error: {refusing_ranks.MESSAGE}"
+    assert "starting 2 rank(s)" in done.stdout
     assert not out.exists()

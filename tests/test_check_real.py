@@ -4,8 +4,11 @@ model's rotary embedding), batches of varying size, a NaN in one micro-batch, co
 in buffers, Adam over a summed loss, a micro-step that reads ``.grad``; and the input
 the check must refuse before any rank starts, the exit codes CI gates on, Ctrl-C.
 
-One launch (``--nproc 2 --drop-last``) checks the setups that train; the tests below
-read its CSV and output.
+One launch (``--drop-last``, on 2 ranks forked from a process that has imported
+transformers: tests/distributed.py) checks the setups that train; the tests below read
+its CSV and output. What only ``--nproc`` does (the progress lines of the launcher, its
+exit code and failing-case lines) is read from a second launch with ``--nproc 2``, on
+light setups only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference
 from harness.check.strategies import LocalCase
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
+from tests.distributed import run_cli_importing
 from tests.launch import ForkedPython, _environment, run_python
 from tests.scheduling import launching
 from tests.test_check import is_split, read_rows, rows_of
@@ -168,13 +172,36 @@ def _check(*args: str, timeout: float = 300, env: dict | None = None
                       env)
 
 
+#: What the ranks of the shared launch import to check the Llama, imported once before they
+#: fork.
+IMPORTED = ("transformers", "transformers.models.llama.modeling_llama") if HAS_TRANSFORMERS else ()
+#: The setups of the --nproc launch: light ones (fresh interpreters import them), among
+#: them rows that fail.
+NPROC_LAUNCHED = [LAUNCHED[name] for name in ("clip-in-optimizer", "nan-in-one-piece",
+                                              "counters")]
+
+
 @pytest.fixture(scope="module")
-@launching(seconds=40)
-def launched(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("check")
-    done = _check("--nproc", "2", *LAUNCHED.values(), "--drop-last", "--out", str(out))
-    assert (out / CSV_NAME).exists(), done.stderr
-    return done, out
+@launching(seconds=8)
+def launched(tmp_path_factory) -> tuple[str, Path]:
+    """The console output (stderr) of the shared launch and its folder."""
+    out, console = tmp_path_factory.mktemp("check"), tmp_path_factory.mktemp("console")
+    codes = run_cli_importing(list(IMPORTED), 2, [*LAUNCHED.values(), "--drop-last", "--out",
+                                                  str(out)],
+                              console, main=main, output=console)
+    stderr = (console / "stderr").read_text()
+    assert (out / CSV_NAME).exists(), stderr
+    # Rank 0 judges the rows (no launcher does): the NaN piece and the counters fail.
+    assert codes == [1, 0], stderr
+    return stderr, out
+
+
+@pytest.fixture(scope="module")
+@launching(seconds=12)
+def launched_nproc(tmp_path_factory) -> subprocess.CompletedProcess:
+    """``check.py --nproc 2``: its ranks are fresh interpreters, started by the launcher."""
+    return _check("--nproc", "2", *NPROC_LAUNCHED, "--drop-last", "--out",
+                  str(tmp_path_factory.mktemp("check-nproc")))
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +209,11 @@ def rows(launched) -> pd.DataFrame:
     return read_rows(launched[1])
 
 
-@pytest.mark.launches
 def test_an_optimizer_that_clips_grad_in_place_does_not_rewrite_the_reference(rows):
     frame = rows_of(rows, "clip-in-optimizer")
     assert set(frame.verdict) == {"matches"}, frame[["strategy", "point", "scale"]]
 
 
-@pytest.mark.launches
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
 def test_a_hugging_face_llama_with_rotary_buffers_matches_everywhere(rows):
     frame = rows_of(rows, "hf-llama")
@@ -198,14 +223,12 @@ def test_a_hugging_face_llama_with_rotary_buffers_matches_everywhere(rows):
     assert len(buffers) == 12 and all("rotary_emb.inv_freq" in w for w in buffers.worst_tensors)
 
 
-@pytest.mark.launches
 def test_drop_last_cuts_each_batch_by_its_own_size(rows):
     frame = rows_of(rows, "shrinking-batches")
     assert set(frame.step) == {0, 1}
     assert set(frame.verdict) == {"matches"}, frame[frame.verdict != "matches"]
 
 
-@pytest.mark.launches
 def test_a_nan_in_one_micro_batch_is_named_not_fitted(rows):
     frame = rows_of(rows, "nan-in-one-piece")
     # N*k = 4 pieces of 2: the last holds only the two samples of weight 0 (0 / 0).
@@ -216,7 +239,6 @@ def test_a_nan_in_one_micro_batch_is_named_not_fitted(rows):
     assert set(frame[~is_split(frame)].verdict) == {"matches"}
 
 
-@pytest.mark.launches
 def test_counters_are_judged_on_their_own_not_with_the_weights(rows):
     frame = rows_of(rows, "counters")
     weights = frame[frame.point != "buffers"]
@@ -236,7 +258,6 @@ def test_counters_are_judged_on_their_own_not_with_the_weights(rows):
         assert float(errors["calls"]) == calls and float(errors["seen"]) == seen, row
 
 
-@pytest.mark.launches
 def test_adam_rows_after_a_scaled_gradient_name_that_scale_as_their_cause(rows):
     frame = rows_of(rows, "adam-sum")
     case = frame[(frame.strategy == "ddp") & (frame.world_size == 2) & (frame.accum_steps == 2)]
@@ -249,7 +270,6 @@ def test_adam_rows_after_a_scaled_gradient_name_that_scale_as_their_cause(rows):
                        "multiply the loss by 4 = N*k"), fix
 
 
-@pytest.mark.launches
 def test_local_shows_each_played_rank_only_its_own_gradient(rows):
     frame = rows_of(rows, "reads-grad")
     keys = ["world_size", "accum_steps", "step", "point"]
@@ -261,21 +281,19 @@ def test_local_shows_each_played_rank_only_its_own_gradient(rows):
     assert set(local.loc[(2, 1)].verdict) == {"matches"}
 
 
-@pytest.mark.launches
-def test_failing_rows_exit_1_and_name_their_cases(launched):
-    done = launched[0]
-    assert done.returncode == 1, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith("check.py: ") and lines[-1].endswith(
-        "fail --fail-on differs: exit code 1")
-    assert "nan-in-one-piece local N=1 k=4" not in done.stderr  # k=4 is not in the matrix
-    assert any(line.startswith("check.py: nan-in-one-piece local N=2 k=2: step 0: the loss "
-                               "is not finite") for line in lines), lines
+def test_failing_rows_exit_1_and_name_their_cases(launched, launched_nproc):
+    for stderr, code in ((launched[0], 1), (launched_nproc.stderr, launched_nproc.returncode)):
+        assert code == 1, stderr
+        lines = stderr.strip().splitlines()
+        assert lines[-1].startswith("check.py: ") and lines[-1].endswith(
+            "fail --fail-on differs: exit code 1")
+        assert "nan-in-one-piece local N=1 k=4" not in stderr  # k=4 is not in the matrix
+        assert any(line.startswith("check.py: nan-in-one-piece local N=2 k=2: step 0: the "
+                                   "loss is not finite") for line in lines), lines
 
 
-@pytest.mark.launches
-def test_progress_is_shown_while_setups_load(launched):
-    stdout = launched[0].stdout
+def test_progress_is_shown_while_setups_load(launched_nproc):
+    stdout = launched_nproc.stdout
     first = stdout.index(f"check.py: loading {LAUNCHED['clip-in-optimizer']}")
     assert first < stdout.index("check.py: starting 2 rank(s)") < stdout.index("\ncounters:\n")
 

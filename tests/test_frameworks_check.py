@@ -1,7 +1,8 @@
 """``grad-check --frameworks``: a user's own Setup through each installed framework.
 
-One launch (module-scoped) of ``check.py --nproc 2 --frameworks ...`` on two setups of
-this module at k = 1 and 4; the tests read its ``frameworks.csv``. The expectations
+One launch (module-scoped) of ``check.py --frameworks ...`` on two setups of this module
+at k = 1 and 4, on 2 ranks forked from a process that has imported the frameworks
+(tests/distributed.py); the tests read its ``frameworks.csv``. The expectations
 come from first principles, never from the harness's code:
 
 - ``steep_setup``: a mean-squared-error loss over equal micro-batches, whose big-batch
@@ -15,6 +16,7 @@ come from first principles, never from the harness's code:
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pandas as pd
@@ -22,15 +24,17 @@ import pytest
 import torch
 from torch import nn
 
+from harness.check.cli import main
 from harness.check.setup import Setup
 from harness.studies.frameworks.registry import INSTALL_HINT
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
-from tests.launch import ROOT, run_python
+from tests.distributed import run_cli_importing
+from tests.scheduling import launching
+from tests.test_frameworks_study import FRAMEWORK_ENV, FRAMEWORK_MODULES
 
 WORLD, KS = 2, (1, 4)
 MISS = 1e-3
 FRAMEWORKS = "accelerate,lightning,transformers,transformers:max_grad_norm=0,deepspeed"
-pytestmark = pytest.mark.launches(seconds=70)
 
 
 # ---------------------------------------------------------------- the user setups
@@ -68,16 +72,21 @@ def steep_gradient_norm() -> float:
 
 # ---------------------------------------------------------------- the launch
 @pytest.fixture(scope="module")
+@launching(seconds=10)
 def frame(tmp_path_factory) -> pd.DataFrame:
     for module in ("accelerate", "lightning", "transformers", "deepspeed"):
-        pytest.importorskip(module, reason=f"{module} is not installed; {INSTALL_HINT}")
+        # Found, not imported: the ranks' parent imports them, this process need not.
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed; {INSTALL_HINT}")
     out = tmp_path_factory.mktemp("frameworks-check")
-    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
-                       "--frameworks", FRAMEWORKS, f"{__name__}:steep_setup",
-                       f"{__name__}:drops_count_setup", "--accum-steps", "1,4", "--out",
-                       str(out)], timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "configuration as passed:" in done.stdout
+    console = tmp_path_factory.mktemp("console")
+    codes = run_cli_importing(list(FRAMEWORK_MODULES), WORLD,
+                              ["--frameworks", FRAMEWORKS, f"{__name__}:steep_setup",
+                               f"{__name__}:drops_count_setup", "--accum-steps", "1,4",
+                               "--out", str(out)],
+                              console, FRAMEWORK_ENV, main=main, output=console)
+    assert codes == [0] * WORLD, (console / "stderr").read_text()[-4000:]
+    assert "configuration as passed:" in (console / "stdout").read_text()
     return pd.read_csv(out / "frameworks.csv", keep_default_na=False,
                        dtype={"fix": str, "error": str})
 
@@ -132,10 +141,27 @@ def test_a_model_dropping_num_items_in_batch_gets_k_times_n_from_the_trainer(fra
     assert (grad(frame, "drops-count", "accelerate").verdict == "matches").all()
 
 
+# ---------------------------------------------------------------- --nproc
+def test_nproc_checks_the_setups_then_starts_the_check_on_its_ranks(monkeypatch, tmp_path):
+    """The launch above forks its ranks; with --nproc, check.py starts them itself (the
+    launcher's own tests: tests/test_launcher.py)."""
+    import harness.launcher
+
+    started = []
+    monkeypatch.setattr(harness.launcher, "launch_ranks",
+                        lambda *args, **kwargs: started.append((args, kwargs)) or 0)
+    argv = ["--nproc", "2", "--frameworks", "accelerate", f"{__name__}:steep_setup",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    assert started == [((WORLD, argv, "check.py"), {"module": "harness.check",
+                                                    "name_rank_of_bad_input": False})]
+    bad_setup = ["--nproc", "2", "--frameworks", "accelerate", "examples.mlp:no_such_setup",
+                 "--out", str(tmp_path / "out")]
+    assert main(bad_setup) == 2 and len(started) == 1
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_framework_names_are_one_line_and_exit_2(capsys, tmp_path):
-    from harness.check.cli import main
-
     for name, expected in (("torch", "no framework 'torch'"),
                            ("deepspeed:zero9", "deepspeed has no setting 'zero9'")):
         assert main(["--nproc", "2", "--frameworks", name, "examples.mlp:make_setup",
@@ -146,8 +172,6 @@ def test_bad_framework_names_are_one_line_and_exit_2(capsys, tmp_path):
 
 
 def test_a_missing_framework_names_the_extra(monkeypatch, capsys, tmp_path):
-    from harness.check.cli import main
-
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     assert main(["--nproc", "2", "--frameworks", "deepspeed", "examples.mlp:make_setup",
                  "--out", str(tmp_path / "out")]) == 2

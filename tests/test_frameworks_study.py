@@ -46,7 +46,7 @@ def installed(module: str) -> None:
 
 
 @pytest.fixture(scope="module")
-@launching(seconds=15)
+@launching(seconds=9)
 def frame(tmp_path_factory):
     if not any(importlib.util.find_spec(f.module) for f in FRAMEWORKS.values()):
         pytest.skip(f"no framework is installed; {INSTALL_HINT}")
