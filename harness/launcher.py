@@ -105,8 +105,10 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
             if usage and cause and not name_rank_of_bad_input:
                 print(f"{prog}: error: {cause}", file=sys.stderr)
                 return USAGE_EXIT
-            what = (_describe_exit(failure.exitcode, killed_in_case(Path(error_dir), rank))
-                    if failure.exitcode < 0 or not cause else cause)
+            # The rank's own line, where it wrote one, even if a signal ended it after
+            # (a crash while exiting must not hide the error that made it exit).
+            what = cause or _describe_exit(failure.exitcode,
+                                           killed_in_case(Path(error_dir), rank))
             print(f"{prog}: error: rank {rank} failed: {what}", file=sys.stderr)
             return USAGE_EXIT if usage else 1
     return 0
