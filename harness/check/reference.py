@@ -18,7 +18,7 @@ from torch import nn
 from harness.check import batches
 from harness.check.load import check_loss, check_optimizer, copy_of, prepared_model
 from harness.check.setup import MicroStep, Setup, make_optimizer
-from harness.check.step import WholeStep
+from harness.check.step import WholeStep, not_finite
 from harness.errors import UsageError
 from harness.tolerances import close
 
@@ -78,12 +78,6 @@ def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     non-persistent buffers (a rotary embedding's ``inv_freq``), which a forward still reads
     and may change."""
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def not_finite(tensor: torch.Tensor | None) -> bool:
-    """Whether ``tensor`` holds a NaN or an infinity. A NaN compares unequal to everything,
-    so without this test it reads as randomness or as a split that differs."""
-    return tensor is not None and not bool(torch.isfinite(tensor.detach()).all())
 
 
 def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol: float,

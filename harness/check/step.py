@@ -26,6 +26,12 @@ def run_dtype(setup: Setup, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if setup.autocast is not None and dtype == torch.float64 else dtype
 
 
+def not_finite(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` holds a NaN or an infinity. A NaN compares unequal to everything,
+    so without this test it reads as randomness or as a split that differs."""
+    return tensor is not None and not bool(torch.isfinite(tensor.detach()).all())
+
+
 def check_step_device(setup: Setup, target: str, device: torch.device) -> None:
     """Refuse what the device cannot run, before any rank starts."""
     if setup.autocast == torch.float16 and device.type != "cuda":
@@ -135,8 +141,7 @@ class WholeStep:
     def skips(self, grads: Iterable[torch.Tensor | None]) -> bool:
         """After :meth:`before_step`: whether the GradScaler will skip this step, as it
         does where a gradient, unscaled, is not finite (never without a scaler)."""
-        return self.scaler is not None and any(
-            grad is not None and not bool(torch.isfinite(grad.detach()).all()) for grad in grads)
+        return self.scaler is not None and any(map(not_finite, grads))
 
     def step(self) -> None:
         if self.scaler is not None:

@@ -24,11 +24,10 @@ from harness.check.reference import (
     Rows,
     make_optimizer,
     named_state,
-    not_finite,
     state_names,
 )
 from harness.check.setup import MicroStep, Setup
-from harness.check.step import WholeStep
+from harness.check.step import WholeStep, not_finite
 from harness.launch import Placement
 from harness.strategies import STRATEGIES
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from harness.check.load import validated_setup
 from harness.check.setup import Setup
+from harness.check.table import aligned, number
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.options import check_out_folder, parse_float, parse_int_list, parse_name_list
@@ -135,27 +136,18 @@ def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]
     return 0
 
 
-def _number(value: float) -> str:
-    return "" if value != value else f"{value:.4g}"  # NaN: no number
-
-
 def _cells(row: dict[str, Any]) -> tuple[str, ...]:
     verdict = row["verdict"] if row["status"] == "ok" else f"error: {row['error']}"
     recipe = "" if row["recipe"] == "none" else row["recipe_verdict"]
     return (f"{row['framework']} {row['framework_version']}", row["setting"],
             str(row["world_size"]), str(row["accum_steps"]), row["point"], verdict,
-            _number(row["scale"]), _number(row["residual"]), row["recipe"], recipe,
+            number(row["scale"]), number(row["residual"]), row["recipe"], recipe,
             row["fix"])
 
 
 def render(rows: Sequence[dict[str, Any]]) -> str:
     """Aligned columns, one line per case and point; each case's configuration under it."""
-    lines = [HEADER, *(_cells(row) for row in rows)]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER) - 1)]
-    text = []
-    for line in lines:
-        cells = [cell.ljust(width) for cell, width in zip(line[:-1], widths, strict=True)]
-        text.append("  ".join([*cells, line[-1]]).rstrip())
+    text = aligned([HEADER, *(_cells(row) for row in rows)])
     configs = dict.fromkeys(f"  {row['framework']} {row['setting']} k={row['accum_steps']}: "
                             f"{row['code']}" for row in rows if row["code"])
     return "\n".join([*text, "configuration as passed:", *configs])
