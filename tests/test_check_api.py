@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,22 @@ SUM_SETUP = "examples.mlp:make_sum_setup"
 
 
 def make_dying_setup(folder: str) -> Setup:
-    """Rank 1 dies while building its model; rank 0 leaves its pid and waits for it."""
+    """Rank 1 dies while building its model once rank 0 has left its pid; rank 0 then
+    waits for rank 1."""
+    pid_file = Path(folder) / "rank0.pid"
+
     def make_model():
         if dist.is_initialized():
             if dist.get_rank() == 1:
+                # Only once rank 0 is known: dying first, rank 1 could have rank 0 stopped
+                # before it writes its pid.
+                deadline = time.monotonic() + 60
+                while not pid_file.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os._exit(7)
-            (Path(folder) / "rank0.pid").write_text(str(os.getpid()))
+            partial = pid_file.with_suffix(".partial")
+            partial.write_text(str(os.getpid()))
+            partial.replace(pid_file)
         return mlp.make_model()
 
     return Setup(make_model=make_model, batch=mlp.batch, loss=mlp.mean_loss, name="dying")
