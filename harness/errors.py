@@ -41,14 +41,15 @@ def record_error(rank: int, line: str) -> None:
             path.write_text(line + "\n")
 
 
-def refuse(error: UsageError, rank: int, prog: str = "study.py") -> int:
+def refuse(error: UsageError, rank: int, prog: str = "study.py", wait: bool = True) -> int:
     """Bad input, said once: through the launcher that started the ranks, or by rank 0
-    (the others wait for its line to get out); the exit code to return."""
+    (the others wait for its line to get out: ``wait=False`` where the caller makes them
+    wait on rank 0 itself); the exit code to return."""
     if launched_by_harness():
         record_error(rank, str(error))
     elif rank == 0:
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
-    else:
+    elif wait:
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
     return USAGE_EXIT
 

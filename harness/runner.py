@@ -156,8 +156,12 @@ class Runner:
         return self._write_report() if self.leader and self.config.report else 0
 
     def _refuse(self, error: UsageError) -> int:
+        """Every rank reaches the same refusal (its inputs were gathered), so the quiet
+        ranks wait on a barrier for rank 0's line instead of sleeping."""
+        code = refuse(error, self.launch.rank, wait=False)
+        dist.barrier(group=self.idle_group)
         dist.destroy_process_group()
-        return refuse(error, self.launch.rank)
+        return code
 
     def _run_plan(self, plan: list, ctx: RunContext, done: dict[str, list[dict]],
                   journal: Journal) -> dict[str, float]:

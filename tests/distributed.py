@@ -24,14 +24,24 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
+from harness import errors
+
 RANK_TIMEOUT_S = 120
+
+
+def _as_forked_rank(rank: int, world_size: int, env: dict[str, str]) -> None:
+    """The environment of a rank that torchrun would have started."""
+    # No launcher here stops rank 0 when another rank exits, which is all that the
+    # quiet ranks' delay on bad input guards against (torchrun's is tested for itself).
+    errors.QUIET_RANK_EXIT_DELAY_S = 0.0
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
 
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
             env: dict[str, str], queue: Any) -> None:
-    os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    _as_forked_rank(rank, world_size, env)
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
@@ -159,9 +169,7 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
     """A rank that behaves like a torchrun worker: ``main``'s result is its exit code."""
     if stderr is not None:
         _append_to(2, stderr)
-    os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    _as_forked_rank(rank, world_size, env)
     code = 1
     try:
         torch.set_num_threads(1)
