@@ -1,34 +1,42 @@
 """``study.py --nproc N``: start the ranks ourselves, without torchrun's noise.
 
-torch's elastic launch API (what torchrun itself calls) starts N ranks of
-``python -m harness`` on this machine, rendezvousing on a free local port as
-``torchrun --standalone`` does. Every flag has been validated before this runs,
-so a rank that fails now fails for a reason of its own (an exception, a crash,
-a hang): each rank writes its one error line into a folder the launcher hands
-it (:data:`ERROR_DIR_VARIABLE`), and the launcher turns the first failure into
-one line naming the rank and the cause -- the line always reaches the user,
-whichever rank died first, and no launcher traceback follows it. A rank killed by a
-signal writes nothing, so the line names the signal and the case the rank had
-announced (harness/failure.py).
+The launcher does what ``torchrun --standalone`` does for one machine: it hosts the
+ranks' rendezvous store (a TCPStore on a free port of localhost) and starts N ranks of
+``python -m harness`` with torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT...). The
+ranks are forked from a fork server that has imported torch and the harness once
+(harness/ranks.py), not N interpreters importing them afresh. Every flag has been
+validated before this runs, so a rank that fails now fails for a reason of its own (an
+exception, a crash, a hang): each rank writes its one error line into a folder the
+launcher hands it (:data:`ERROR_DIR_VARIABLE`), and the launcher turns the first failure
+into one line naming the rank and the cause -- the line always reaches the user,
+whichever rank died first, and no traceback follows it. A rank killed by a signal writes
+nothing, so the line names the signal and the case the rank had announced
+(harness/failure.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
+import runpy
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, USAGE_EXIT
 from harness.failure import killed_in_case
+from harness.ranks import Surroundings, describe_exit, detach_from_launcher, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Loggers of torch's launcher: their per-rank failure reports and tracebacks are what
-#: the one line replaces.
-LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+#: What the fork server imports before it forks the ranks: torch, what DDP imports on first
+#: use (torch._dynamo, ~1 s of CPU) and the harness's two command lines.
+PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "harness.cli", "harness.runner",
+             "harness.check.cli", "harness.check.run")
+#: Where the ranks meet: the launcher's store, on loopback.
+STORE_HOST = "127.0.0.1"
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:
@@ -44,85 +52,69 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def _quiet_launcher() -> None:
-    # torch gives some of its modules' loggers a level of their own (e.g. the agent's
-    # "Received 2 death signal" warning on Ctrl-C): those are silenced one by one.
-    names = [name for name in logging.root.manager.loggerDict
-             if name.startswith(LAUNCHER_LOGGERS)]
-    for name in {*LAUNCHER_LOGGERS, *names}:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _rank_environment(error_dir: str) -> None:
-    """What every rank inherits: the harness importable, one thread each, the error folder."""
+def _rank_environment(error_dir: str, nproc: int, port: int) -> dict[str, str]:
+    """What every rank gets: the harness importable (by what the rank starts too), one
+    thread each, the error folder, and torchrun's variables but the rank's own."""
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # torchrun's default too, without its warning: tiny models gain nothing from threads.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ[ERROR_DIR_VARIABLE] = error_dir
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+            # torchrun's default too, without its warning: tiny models gain nothing from
+            # threads.
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            ERROR_DIR_VARIABLE: error_dir,
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": STORE_HOST, "MASTER_PORT": str(port),
+            # init_process_group("env://") then joins the launcher's store as a client.
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _first_error_line(error_dir: Path, rank: int) -> str:
-    """The line rank ``rank`` wrote, else any rank's, else ''."""
-    own = error_dir / f"rank{rank}.txt"
-    for path in [own, *sorted(error_dir.glob("rank*.txt"))]:
-        if path.is_file() and (text := path.read_text().strip()):
-            return text.splitlines()[0]
-    return ""
+def _rank(module: str, argv: list[str], surroundings) -> None:
+    """One rank: ``python -m <module> argv``, in a process forked from the fork server
+    (``sys.exit(code)`` inside makes ``code`` the rank's exit code)."""
+    detach_from_launcher()
+    surroundings.enter()
+    # The fork server's OpenMP read its variable when it loaded torch, maybe another value.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
                  name_rank_of_bad_input: bool = True) -> int:
-    """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed) or 2.
+    """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2 or
+    130 (interrupted).
 
     ``name_rank_of_bad_input=False``: bad input that only the ranks can find (e.g. the
     check's randomness in a user's loss) is reported as the launcher-side checks report
     theirs, without a rank number: it is the input's fault, not the rank's.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    _quiet_launcher()
+    store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
+    ranks_argv = strip_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
-        _rank_environment(error_dir)
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                              run_id=f"{module}-{os.getpid()}", rdzv_backend="c10d",
-                              rdzv_endpoint="localhost:0", max_restarts=0)
+        environment = _rank_environment(error_dir, nproc, store.port)
+        # Here too, before the fork server starts: OpenMP reads its variable when torch
+        # loads it, and the launcher's own checks ask whether a launcher speaks for them.
+        os.environ.update({name: environment[name]
+                           for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)})
         try:
-            elastic_launch(config, sys.executable)("-m", module, *strip_nproc(argv))
-        except (SignalException, KeyboardInterrupt):
-            # Ctrl-C: torch's agent stops the ranks and raises; one line, nothing else.
+            failure = run_ranks(nproc, _rank, lambda rank: (module, ranks_argv, Surroundings(
+                {**os.environ, **environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                os.getcwd())), Path(error_dir), PRELOADED)
+        except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
-        except ChildFailedError as failed:
-            if any(f.exitcode == INTERRUPTED_EXIT for f in failed.failures.values()):
-                print(f"{prog}: interrupted", file=sys.stderr)
-                return INTERRUPTED_EXIT
-            rank, failure = failed.get_first_failure()
-            cause = _first_error_line(Path(error_dir), rank)
-            usage = failure.exitcode == USAGE_EXIT
-            if usage and cause and not name_rank_of_bad_input:
-                print(f"{prog}: error: {cause}", file=sys.stderr)
-                return USAGE_EXIT
-            # The rank's own line, where it wrote one, even if a signal ended it after
-            # (a crash while exiting must not hide the error that made it exit).
-            what = cause or _describe_exit(failure.exitcode,
-                                           killed_in_case(Path(error_dir), rank))
-            print(f"{prog}: error: rank {rank} failed: {what}", file=sys.stderr)
-            return USAGE_EXIT if usage else 1
-    return 0
-
-
-def _describe_exit(exitcode: int, case_id: str = "") -> str:
-    where = f" in case {case_id}" if case_id else ""
-    if exitcode < 0:
-        try:
-            name = f" ({signal.Signals(-exitcode).name})"
-        except ValueError:
-            name = ""
-        return f"killed by signal {-exitcode}{name}{where}"
-    return f"exited with code {exitcode}{where} without saying why"
+        if failure is None:
+            return 0
+        if failure.exitcode == INTERRUPTED_EXIT:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return INTERRUPTED_EXIT
+        usage = failure.exitcode == USAGE_EXIT
+        if usage and failure.line and not name_rank_of_bad_input:
+            print(f"{prog}: error: {failure.line}", file=sys.stderr)
+            return USAGE_EXIT
+        what = failure.line or describe_exit(failure.exitcode,
+                                              killed_in_case(Path(error_dir), failure.rank))
+        print(f"{prog}: error: rank {failure.rank} failed: {what}", file=sys.stderr)
+        return USAGE_EXIT if usage else 1
 
 
 def usable_cores() -> int:

@@ -4,7 +4,9 @@ The command a user types (``python scripts/study.py ...``, ``python -m
 torch.distributed.run ...``) runs in a process forked from the test process
 rather than a fresh interpreter: the script, its flags, its output and its exit
 code are the same, without paying ``import torch`` (seconds of CPU) for each
-launcher. The ranks a launcher starts are fresh interpreters, as under a user.
+launcher. The ranks a launcher starts are what a user's get: fresh interpreters under
+torchrun; under ``--nproc``, forks of a fork server that has imported torch and the
+harness (one per test process here, rather than one per launcher).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ForkedPython:
     def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
                  stderr: Path) -> None:
         self.args, self.returncode = command, None
+        _start_the_fork_server()
         self.pid = os.fork()
         if self.pid == 0:
             _run_python_here(command[1:], env, stdout, stderr)
@@ -87,6 +90,7 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
+        _use_the_parents_fork_server()
         os.chdir(ROOT)
         sys.argv = list(argv[2:] if argv[0] == "-m" else argv)
         if argv[0] == "-m":
@@ -106,6 +110,31 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr.flush()
         # Skip the test process's exit handlers (pytest's, xdist's): they belong to the parent.
         os._exit(code)
+
+
+def _start_the_fork_server() -> None:
+    """This test process's fork server, started once, for every ``--nproc`` launcher forked
+    from it: each would otherwise start one of its own, which imports torch afresh.
+
+    The launcher gives each rank its own environment, working folder and streams
+    (harness/ranks.py: ``Surroundings``), so a rank forked from this server is the rank
+    the launcher's own server would have forked.
+    """
+    from multiprocessing import forkserver
+
+    from harness.check.api import PRELOADED as CHECK_API_PRELOADED
+    from harness.launcher import PRELOADED
+
+    forkserver.set_forkserver_preload([*PRELOADED, *CHECK_API_PRELOADED])
+    forkserver.ensure_running()
+
+
+def _use_the_parents_fork_server() -> None:
+    """In the forked launcher: the server is the test process's child, not this one's
+    (``ensure_running`` would wait for it); it runs as long as the test process does."""
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running
 
 
 def _exit_code(done: SystemExit) -> int:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import harness.launcher as launcher
+from harness import ranks
 from harness.failure import TORCHRUN_ERROR_FILE, killed_in_case, report_failure, running_case
 from tests.launch import ROOT, run_python, torchrun
 
@@ -92,4 +93,4 @@ def test_a_raising_case_leaves_its_own_line_not_the_announcement(launched):
     (3, "exited with code 3 in case c without saying why"),
 ])
 def test_an_exit_without_a_line_is_described(exitcode, words):
-    assert launcher._describe_exit(exitcode, "c") == words
+    assert ranks.describe_exit(exitcode, "c") == words

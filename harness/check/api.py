@@ -23,7 +23,6 @@ started at the first such call, which imports the script that called it as
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import socket
 import sys
@@ -31,7 +30,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,7 @@ from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError
 from harness.launch import Launch, choose_placement
-from harness.launcher import _describe_exit
+from harness.ranks import Failure, describe_exit, run_ranks
 from harness.strategies import STRATEGIES
 
 #: What ``setup`` may be: see the module's docstring.
@@ -57,8 +55,6 @@ SetupSource = str | Callable[[], Setup] | Setup
 #: later launch starts ranks that have them already (torch's DDP imports torch._dynamo on
 #: first use, seconds on a small machine).
 PRELOADED = ["harness.check.api", "torch._dynamo"]
-#: Seconds a rank that is told to stop may take before it is killed.
-STOP_GRACE_S = 2.0
 ROWS_FILE = "rows.pkl"
 #: Marks a rank's error line as bad input rather than a failure of the rank.
 BAD_INPUT = "bad input: "
@@ -191,66 +187,21 @@ def _on_ranks(source: SetupSource, config: CheckConfig,
     nproc = max(sizes)
     # Forked from a server process that holds nothing of the caller's (no CUDA context,
     # no process group, no OpenMP threads), which a plain fork of the caller could hold.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOADED)
     with tempfile.TemporaryDirectory(prefix="grad-check-") as folder:
-        ranks = [context.Process(target=_rank_main, name=f"grad-check rank {rank}",
-                                 args=(rank, nproc, folder, source, config, sizes),
-                                 daemon=True)
-                 for rank in range(nproc)]
-        try:
-            for process in ranks:
-                process.start()
-            _wait_for(ranks, Path(folder))
-        finally:
-            _stop(ranks)
+        failure = run_ranks(nproc, _rank_main,
+                            lambda rank: (rank, nproc, folder, source, config, sizes),
+                            Path(folder), PRELOADED)
+        if failure is not None:
+            raise _failure(failure)
         with open(Path(folder) / ROWS_FILE, "rb") as rows:
             return pickle.load(rows)
 
 
-def _wait_for(ranks: list, folder: Path) -> None:
-    """Until every rank has ended; the first that fails ends the others and raises."""
-    running = list(ranks)
-    while running:
-        wait([process.sentinel for process in running])
-        running = [process for process in running if process.exitcode is None]
-        failed = [rank for rank, process in enumerate(ranks) if process.exitcode]
-        if failed:
-            _stop(ranks)
-            first = min(failed, key=lambda rank: _failed_at(folder, rank))
-            raise _failure(first, ranks[first].exitcode, folder)
-
-
-def _failed_at(folder: Path, rank: int) -> float:
-    """When ``rank`` wrote its error line; a rank that died without one died first, as far
-    as anyone can tell (the others' errors are then about losing it)."""
-    path = folder / f"rank{rank}.txt"
-    return path.stat().st_mtime if path.is_file() else float("-inf")
-
-
-def _failure(rank: int, exitcode: int, folder: Path) -> Exception:
-    line = _error_line(folder, rank)
-    if exitcode == USAGE_EXIT and line.startswith(BAD_INPUT):
-        return UsageError(line.removeprefix(BAD_INPUT))
-    return RuntimeError(f"grad-check rank {rank} failed: {line or _describe_exit(exitcode)}")
-
-
-def _error_line(folder: Path, rank: int) -> str:
-    path = folder / f"rank{rank}.txt"
-    return path.read_text().strip() if path.is_file() else ""
-
-
-def _stop(ranks: list) -> None:
-    """Terminate the ranks still running, kill those that do not stop, reap all."""
-    for process in ranks:
-        if process.is_alive():
-            process.terminate()
-    for process in ranks:
-        if process.pid is not None:
-            process.join(STOP_GRACE_S)
-            if process.is_alive():
-                process.kill()
-                process.join()
+def _failure(failure: Failure) -> Exception:
+    if failure.exitcode == USAGE_EXIT and failure.line.startswith(BAD_INPUT):
+        return UsageError(failure.line.removeprefix(BAD_INPUT))
+    return RuntimeError(f"grad-check rank {failure.rank} failed: "
+                        f"{failure.line or describe_exit(failure.exitcode)}")
 
 
 def _rank_main(rank: int, nproc: int, folder: str, source: SetupSource, config: CheckConfig,
