@@ -473,8 +473,13 @@ def make_interrupting_setup() -> Setup:
     return Setup(make_model=_linear, batch=_batch, loss=_interrupting_loss)
 
 
+#: A file the ranks' slow loss creates: the ranks are computing once it exists.
+IN_SLOW_LOSS = "HARNESS_TEST_IN_SLOW_LOSS"
+
+
 def _slow_loss(model: nn.Module, data) -> torch.Tensor:
     if ERROR_DIR_VARIABLE in os.environ:
+        Path(os.environ[IN_SLOW_LOSS]).touch()
         time.sleep(0.5)
     return mean_loss(model, data)
 
@@ -495,17 +500,16 @@ def test_a_keyboard_interrupt_in_the_loss_is_one_line_exit_130(tmp_path):
 
 @pytest.mark.launches(seconds=12)
 def test_ctrl_c_to_the_launcher_is_one_line_exit_130_nothing_written(tmp_path):
-    out = tmp_path / "out"
+    out, in_loss = tmp_path / "out", tmp_path / "in-slow-loss"
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
     launcher = ForkedPython([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc",
                              "2", f"{HERE}:make_slow_setup", "--out", str(out)],
-                            _environment(None), stdout, stderr)
+                            _environment({IN_SLOW_LOSS: str(in_loss)}), stdout, stderr)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-                stdout.exists() and "starting 2 rank(s)" in stdout.read_text()):
-            time.sleep(0.2)
-        time.sleep(5.0)  # the ranks are in their slow losses by now
+        while time.monotonic() < deadline and not in_loss.exists():
+            time.sleep(0.05)
+        assert "starting 2 rank(s)" in stdout.read_text()
         os.kill(launcher.pid, signal.SIGINT)
         assert launcher.wait(timeout=120) == INTERRUPTED_EXIT, stderr.read_text()
     finally:

@@ -64,20 +64,29 @@ def _clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STUDY_"))}
 
 
-def sbatch(env: dict[str, str], folder: Path, *args: str,
-           ranks: int) -> tuple[subprocess.CompletedProcess, str, str]:
-    """``sbatch --wait`` the study script; the result, the job id and the job's output."""
+def submit(env: dict[str, str], folder: Path, *args: str, ranks: int) -> subprocess.Popen:
+    """``sbatch --wait`` the study script, started: :func:`finish` waits for it."""
     job_env = {**env, "STUDY_NPROC_PER_NODE": str(ranks), "STUDY_PYTHON": sys.executable,
                "STUDY_RESULTS": str(folder / "results"), "STUDY_RDZV_PORT": str(free_port()),
                "OMP_NUM_THREADS": "1"}
     # One CPU per job: the cluster is this machine, which may have only two.
     command = ["sbatch", "--wait", "--parsable", "--cpus-per-task=1",
                f"--output={folder}/slurm-%j.out", str(SBATCH_SCRIPT), *args]
-    done = subprocess.run(command, cwd=ROOT, env=job_env, capture_output=True, text=True,
-                          timeout=300)
-    job_id = done.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch gave no job id:\n{done.stdout}\n{done.stderr}"
-    return done, job_id, (folder / f"slurm-{job_id}.out").read_text()
+    return subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(submitted: subprocess.Popen, folder: Path) -> tuple[int, str, str]:
+    """The exit code of a :func:`submit`, the job id and the job's output."""
+    stdout, stderr = submitted.communicate(timeout=300)
+    job_id = stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch gave no job id:\n{stdout}\n{stderr}"
+    return submitted.returncode, job_id, (folder / f"slurm-{job_id}.out").read_text()
+
+
+def sbatch(env: dict[str, str], folder: Path, *args: str, ranks: int) -> tuple[int, str, str]:
+    """``sbatch --wait`` the study script; its exit code, the job id and the job's output."""
+    return finish(submit(env, folder, *args, ranks=ranks), folder)
 
 
 def reference_run(out: Path) -> pd.DataFrame:
@@ -89,8 +98,11 @@ def reference_run(out: Path) -> pd.DataFrame:
 @pytest.mark.slurm
 @pytest.mark.launches(seconds=13)
 def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_path):
-    done, job_id, output = sbatch(slurm_env, tmp_path, *ARGS, ranks=RANKS)
-    assert done.returncode == 0, output
+    submitted = submit(slurm_env, tmp_path, *ARGS, ranks=RANKS)
+    # Measured while the job waits for its turn, and for sbatch's next look at it.
+    reference = reference_run(tmp_path / "reference")
+    code, job_id, output = finish(submitted, tmp_path)
+    assert code == 0, output
     # The endpoint comes from the job's node list, through scontrol.
     assert (f"study.sbatch: job {job_id}: 1 node(s) x {RANKS} rank(s) = {RANKS} ranks"
             in output)
@@ -103,7 +115,6 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
     assert (frame[["hosts", "nodes", "ranks_per_node", "launch_world_size"]]
             == [1, 1, RANKS, RANKS]).all().all()
 
-    reference = reference_run(tmp_path / "reference")
     assert list(frame.verdict) == list(reference.verdict)
     # Not the verdicts alone: every measured number is the same, bit for bit.
     pd.testing.assert_frame_equal(frame.drop(columns="slurm_job_id"),
@@ -116,8 +127,8 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
 @pytest.mark.slurm
 @pytest.mark.launches(seconds=4)
 def test_world_sizes_the_job_cannot_hold_fail_the_job_with_one_line(slurm_env, tmp_path):
-    done, job_id, output = sbatch(slurm_env, tmp_path, "--world-sizes", "1,3", ranks=2)
-    assert done.returncode == 2, "sbatch --wait returns the job's exit code"
+    code, job_id, output = sbatch(slurm_env, tmp_path, "--world-sizes", "1,3", ranks=2)
+    assert code == 2, "sbatch --wait returns the job's exit code"
     assert output.splitlines() == [
         "study.sbatch: error: --world-sizes: 3 is more than this job's 2 ranks "
         "(1 node(s) x 2 per node); allowed: 1..2, or more nodes (sbatch --nodes) "
