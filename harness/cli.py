@@ -87,9 +87,10 @@ def _new_parser(studies: dict) -> argparse.ArgumentParser:
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     """The run-wide flags (the study's own come from their options dataclasses)."""
     parser.add_argument("--nproc", metavar="N", default=None,
-                        help="start N ranks on this machine (torch's elastic launch, as "
-                             "torchrun --standalone does) after checking every flag; a failed "
-                             "rank becomes one line. Leave it out under torchrun or Slurm")
+                        help="start N ranks on this machine (as torchrun --standalone does, the "
+                             "ranks forked from one process that imports torch once) after "
+                             "checking every flag; a failed rank becomes one line. Leave it "
+                             "out under torchrun or Slurm")
     parser.add_argument("--list", action="store_true",
                         help="list the studies, one line each, and exit")
     parser.add_argument("--studies", metavar="NAME[,NAME]", default=None,

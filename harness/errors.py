@@ -13,6 +13,8 @@ from pathlib import Path
 USAGE_EXIT = 2
 #: Exit code after Ctrl-C, as a shell gives a command killed by SIGINT (128 + 2).
 INTERRUPTED_EXIT = 130
+#: The line an interrupted rank leaves for the launcher.
+INTERRUPTED_LINE = "interrupted"
 #: How long a rank other than 0 waits before exiting on bad input: torchrun stops every
 #: rank once one exits, and rank 0 (the one that prints) must have printed by then.
 QUIET_RANK_EXIT_DELAY_S = 2.0
@@ -58,7 +60,7 @@ def interrupted(prog: str, speaks: bool) -> int:
     """Ctrl-C (or a KeyboardInterrupt in the user's code): one line, by the launcher that
     started the ranks or else by ``speaks`` (rank 0), no traceback; the exit code."""
     if launched_by_harness():
-        record_error(0, "interrupted")
+        record_error(0, INTERRUPTED_LINE)
     elif speaks:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
     return INTERRUPTED_EXIT

@@ -5,9 +5,9 @@ Two launchers read it:
 - ``study.py --nproc`` (harness/launcher.py) reads the folder named by
   :data:`~harness.errors.ERROR_DIR_VARIABLE`: ``rank<R>.txt`` (the rank's error line) and
   ``rank<R>.case`` (the case it was running);
-- torchrun -- plain, or under ``--nproc``, which uses the same agent -- reads the file
-  named by :data:`TORCHRUN_ERROR_FILE`: its summary prints the file's message as the
-  rank's "traceback" and names the failure with the earliest timestamp as the root cause.
+- torchrun reads the file named by :data:`TORCHRUN_ERROR_FILE`: its summary prints the
+  file's message as the rank's "traceback" and names the failure with the earliest
+  timestamp as the root cause.
 
 A rank that raises writes its line to both. A rank killed by a signal (SIGKILL, the
 out-of-memory killer) can write nothing when it dies, so each case is announced before
@@ -107,7 +107,8 @@ def withdraw_on_stop(rank: int) -> None:
     Python, never while it waits inside a collective; so the handler's C part also writes
     the signal to a socket (``signal.set_wakeup_fd``) that a helper thread waits on, and
     the thread, which runs while the main thread waits, withdraws and exits.
-    Only under torchrun's agent (plain torchrun or --nproc), from the main thread.
+    Only under torchrun's agent, from the main thread (``--nproc`` names the first failure
+    itself: harness/ranks.py).
     """
     if TORCHRUN_ERROR_FILE not in os.environ:
         return

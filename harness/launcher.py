@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, USAGE_EXIT
+from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, INTERRUPTED_LINE, USAGE_EXIT
 from harness.failure import killed_in_case
-from harness.ranks import Surroundings, describe_exit, detach_from_launcher, run_ranks
+from harness.ranks import Failure, Surroundings, describe_exit, detach_from_launcher, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the fork server imports before it forks the ranks: torch, what DDP imports on first
@@ -102,19 +102,25 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
-        if failure is None:
-            return 0
-        if failure.exitcode == INTERRUPTED_EXIT:
-            print(f"{prog}: interrupted", file=sys.stderr)
-            return INTERRUPTED_EXIT
-        usage = failure.exitcode == USAGE_EXIT
-        if usage and failure.line and not name_rank_of_bad_input:
-            print(f"{prog}: error: {failure.line}", file=sys.stderr)
-            return USAGE_EXIT
-        what = failure.line or describe_exit(failure.exitcode,
-                                              killed_in_case(Path(error_dir), failure.rank))
-        print(f"{prog}: error: rank {failure.rank} failed: {what}", file=sys.stderr)
-        return USAGE_EXIT if usage else 1
+        return 0 if failure is None else _said(failure, prog, Path(error_dir),
+                                               name_rank_of_bad_input)
+
+
+def _said(failure: Failure, prog: str, error_dir: Path, name_rank_of_bad_input: bool) -> int:
+    """The one line a failed launch ends with; its exit code."""
+    # By its code, or by its line: a rank stopped while it was exiting has neither its own
+    # code nor any other.
+    if INTERRUPTED_EXIT in failure.exitcodes or failure.line == INTERRUPTED_LINE:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    usage = failure.exitcode == USAGE_EXIT
+    if usage and failure.line and not name_rank_of_bad_input:
+        print(f"{prog}: error: {failure.line}", file=sys.stderr)
+        return USAGE_EXIT
+    what = failure.line or describe_exit(failure.exitcode,
+                                          killed_in_case(error_dir, failure.rank))
+    print(f"{prog}: error: rank {failure.rank} failed: {what}", file=sys.stderr)
+    return USAGE_EXIT if usage else 1
 
 
 def usable_cores() -> int:

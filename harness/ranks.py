@@ -30,7 +30,7 @@ from pathlib import Path
 
 #: Seconds the other ranks get to end by themselves once one has failed (a rank that lost
 #: its peer fails at once, with its own line and exit code), before they are stopped.
-SETTLE_S = 0.5
+SETTLE_S = 1.0
 #: Seconds a rank told to stop (SIGTERM) gets before it is killed.
 STOP_GRACE_S = 2.0
 #: ``prctl`` option: the signal a process gets when its parent dies (Linux).
@@ -69,11 +69,13 @@ class _ReceivedSurroundings:
 
 @dataclass(frozen=True)
 class Failure:
-    """The rank that failed first: its exit code and its error line ('' if it wrote none)."""
+    """The rank that failed first: its exit code and its error line ('' if it wrote none);
+    and every rank's exit code (the others' once they ended or were stopped)."""
 
     rank: int
     exitcode: int
     line: str
+    exitcodes: tuple[int, ...] = ()
 
 
 def error_line(folder: Path, rank: int) -> str:
@@ -128,7 +130,8 @@ def _first_failure(ranks: list, died: set[int], folder: Path) -> Failure:
     candidates = [rank for rank in range(len(ranks))
                   if rank in died or (folder / f"rank{rank}.txt").is_file()]
     first = min(candidates, key=failed_at)
-    return Failure(first, ranks[first].exitcode, error_line(folder, first))
+    return Failure(first, ranks[first].exitcode, error_line(folder, first),
+                   tuple(process.exitcode for process in ranks))
 
 
 def stop(ranks: list) -> None:

@@ -1,0 +1,74 @@
+"""harness/ranks.py: the first failure among local ranks, and what a rank takes from the
+process that starts it, whichever fork server forks it."""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing import forkserver
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from harness.ranks import Surroundings, _first_failure, run_ranks
+
+
+def _ranks(*exitcodes: int | None) -> list:
+    return [SimpleNamespace(exitcode=code) for code in exitcodes]
+
+
+def _line(folder: Path, rank: int, text: str, age_s: float) -> None:
+    path = folder / f"rank{rank}.txt"
+    path.write_text(text + "\n")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+
+
+def test_the_rank_whose_line_is_oldest_failed_first_whichever_exited_first(tmp_path):
+    # Rank 0 lost its peer and exited first; rank 1 raised before that, and was stopped.
+    _line(tmp_path, 0, "RuntimeError: Connection reset by peer", age_s=1)
+    _line(tmp_path, 1, "RuntimeError: the cause", age_s=2)
+    failure = _first_failure(_ranks(1, -15), died={0}, folder=tmp_path)
+    assert (failure.rank, failure.exitcode, failure.line) == (1, -15, "RuntimeError: the cause")
+
+
+def test_a_rank_that_died_without_a_line_failed_before_every_line(tmp_path):
+    _line(tmp_path, 0, "RuntimeError: Connection reset by peer", age_s=5)
+    failure = _first_failure(_ranks(1, -9), died={0, 1}, folder=tmp_path)
+    assert (failure.rank, failure.exitcode, failure.line) == (1, -9, "")
+
+
+def test_a_rank_stopped_without_a_line_is_not_the_cause(tmp_path):
+    _line(tmp_path, 1, "ValueError: bad", age_s=0)
+    failure = _first_failure(_ranks(-15, 1, -15), died={1}, folder=tmp_path)
+    assert failure.rank == 1
+
+
+def _report_surroundings(rank: int, surroundings, folder: str) -> None:
+    surroundings.enter()
+    print(f"rank {rank} says hello", flush=True)
+    Path(folder, f"rank{rank}.seen").write_text(
+        f"{os.environ.get('HARNESS_TEST_VALUE')}\n{os.getcwd()}")
+
+
+@pytest.mark.launches(seconds=3)
+def test_a_rank_takes_the_environment_folder_and_stdout_of_its_launch(tmp_path, monkeypatch):
+    forkserver.ensure_running()  # started before any of what the ranks must see
+    monkeypatch.setenv("HARNESS_TEST_VALUE", "set after the fork server started")
+    monkeypatch.chdir(tmp_path)
+    stdout = tmp_path / "stdout"
+    saved = os.dup(1)
+    os.dup2(os.open(stdout, os.O_WRONLY | os.O_CREAT, 0o644), 1)
+    try:
+        failure = run_ranks(2, _report_surroundings, lambda rank: (
+            rank, Surroundings(dict(os.environ), os.getcwd()), str(tmp_path)), tmp_path, [])
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    assert failure is None
+    for rank in range(2):
+        value, cwd = (tmp_path / f"rank{rank}.seen").read_text().splitlines()
+        assert (value, cwd) == ("set after the fork server started", str(tmp_path))
+    assert sorted(stdout.read_text().splitlines()) == ["rank 0 says hello",
+                                                       "rank 1 says hello"]
