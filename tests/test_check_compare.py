@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from harness.check import Setup
-from harness.check.compare import Pair, compare
+from harness.check.compare import Pair, compare, worst_tensors
 from harness.check.load import copy_of
 from harness.check.reference import compute_reference
 from harness.check.strategies import DDPCase, FSDPCase, LocalCase, deal, merged, shard_rows
@@ -86,8 +86,16 @@ def test_one_differing_tensor_is_the_worst_and_the_verdict_differs():
     measured["t2"] = measured["t2"] * 1.5
     result = judged(measured, reference)
     assert result.verdict is Equivalence.DIFFERS
-    assert result.worst[0][0] == "t2"
+    assert worst_tensors(result.errors.items(), rtol=1e-9).startswith("t2=")
     assert_as_computed_directly(result, measured, reference, rel=1e-9)
+
+
+def test_worst_tensors_writes_errors_within_the_tolerance_as_0_in_model_order():
+    errors = [("a", 3e-16), ("b", 0.25), ("c", 1e-15), ("d", 0.5), ("e", 2e-16)]
+    # Rounding differs between machines: below rtol, only the model's order is left.
+    assert worst_tensors(errors, rtol=1e-9) == "d=0.5;b=0.25;a=0"
+    assert worst_tensors([("a", 1e-15), ("c", 3e-16), ("e", 1e-16)], 1e-9) == "a=0;c=0;e=0"
+    assert worst_tensors([("x", math.inf), ("y", 0.0)], 1e-9) == "x=inf;y=0"
 
 
 def test_updates_are_compared_from_the_origin():

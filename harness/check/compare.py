@@ -59,18 +59,24 @@ class Pair:
     origin: torch.Tensor | None = None
 
 
+def worst_tensors(errors: Iterable[tuple[str, float]], rtol: float) -> str:
+    """``name=error;...``: the :data:`WORST` largest relative errors, worst first.
+
+    An error within ``rtol`` is written 0, and ties keep the model's order: below the
+    tolerance an error is rounding, which differs from one machine to the next, and the
+    cell must not (grad-compare reads it as text).
+    """
+    judged = [(name, error if not error <= rtol else 0.0) for name, error in errors]
+    ranked = sorted(judged, key=lambda item: -item[1])
+    return ";".join(f"{name}={error:.3g}" for name, error in ranked[:WORST])
+
+
 @dataclass(frozen=True)
 class Comparison:
     fit: ScaleFit
     verdict: Equivalence
     #: Every tensor's relative error after the fitted scale, by name.
     errors: dict[str, float]
-
-    @property
-    def worst(self) -> tuple[tuple[str, float], ...]:
-        """The :data:`WORST` largest errors, worst first (ties in model order)."""
-        ranked = sorted(self.errors.items(), key=lambda item: -item[1])
-        return tuple(ranked[:WORST])
 
     @property
     def scale(self) -> float:

@@ -26,6 +26,7 @@ from harness.check.compare import (
     compare_each,
     same_on_every_rank,
     sampled_fingerprint,
+    worst_tensors,
 )
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
@@ -378,6 +379,7 @@ class SetupCheck:
         if not self.launch.is_leader:
             return []
         rows = []
+        rtol = check_tolerance(self.precisions.get(case, self.dtype))
         for step, point, comparison, agree, fix, status, error in results:
             rows.append({
                 "setup": self.setup.name, "strategy": case.strategy,
@@ -386,7 +388,8 @@ class SetupCheck:
                 "verdict": str(comparison.verdict) if comparison else "",
                 "scale": comparison.scale if comparison else float("nan"),
                 "residual": comparison.residual if comparison else float("nan"),
-                "worst_tensors": format_worst(comparison) if comparison else "",
+                "worst_tensors": (worst_tensors(comparison.errors.items(), rtol)
+                                  if comparison else ""),
                 "ranks_agree": "" if agree is None else agree,
                 "fix": fix, "dtype": dtype_name(self.dtype), "status": status, "error": error,
                 "precision": dtype_name(self.precisions.get(case, self.dtype)),
@@ -403,6 +406,3 @@ def copied(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
         return spare.copy_(tensor)
     return tensor.clone()
 
-
-def format_worst(comparison: Comparison) -> str:
-    return ";".join(f"{name}={error:.3g}" for name, error in comparison.worst)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.check.compare import worst_tensors
 from harness.check.fix import loss_scale_fix
 from harness.check.setup import Setup
 from harness.errors import first_sentence
@@ -37,7 +38,6 @@ POINTS = ("grad", "params")
 CHATTY_LOGGERS = ("accelerate", "transformers", "DeepSpeed", "deepspeed", "torch.distributed")
 NUMBERS = ("scale", "residual", "relative_error", "rank_spread", "recipe_scale",
            "recipe_residual")
-WORST = 3
 #: Two gradients clipped to the same norm have scales within the clip's own epsilon
 #: (1e-6 of the norm) of each other, whatever their scales before: closer than this, a
 #: binding clip explains the scale, far below the 1/k or 1/N a wrong accumulation gives.
@@ -155,14 +155,15 @@ def _compare(point: str, captures: list[StepCapture], plain: Reference, recipe: 
     return {"point": point, "verdict": equivalence_verdict(fit, rtol), "scale": fit.scale,
             "residual": fit.residual, "relative_error": relative_error(measured[0], expected),
             "rank_spread": relative_spread(measured[0], measured),
-            "worst_tensors": worst_tensors(measured[0], expected, fit.scale, plain.shapes),
+            "worst_tensors": worst_tensors(
+                tensor_errors(measured[0], expected, fit.scale, plain.shapes), rtol),
             "recipe_verdict": equivalence_verdict(recipe_fit, rtol),
             "recipe_scale": recipe_fit.scale, "recipe_residual": recipe_fit.residual}
 
 
-def worst_tensors(measured: torch.Tensor, expected: torch.Tensor, scale: float,
-                  shapes: tuple[tuple[str, int], ...]) -> str:
-    """``name=error;...``: the tensors with the largest ``||m - s r|| / ||s r||``."""
+def tensor_errors(measured: torch.Tensor, expected: torch.Tensor, scale: float,
+                  shapes: tuple[tuple[str, int], ...]) -> list[tuple[str, float]]:
+    """Each tensor's ``||m - s r|| / ||s r||``, in the model's order."""
     errors, start = [], 0
     for name, size in shapes:
         m, r = measured[start:start + size], expected[start:start + size] * scale
@@ -170,8 +171,7 @@ def worst_tensors(measured: torch.Tensor, expected: torch.Tensor, scale: float,
         norm = float(r.norm())
         left = float((m - r).norm())
         errors.append((name, left / norm if norm > 0 else (math.inf if left else 0.0)))
-    errors.sort(key=lambda item: -item[1])
-    return ";".join(f"{name}={error:.3g}" for name, error in errors[:WORST])
+    return errors
 
 
 def _fix_of(framework: Framework, applied: Applied, point: str,
