@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -112,20 +113,37 @@ def _watch(ranks: list, folder: Path) -> Failure | None:
     while running:
         wait([process.sentinel for process in running])
         running = [process for process in running if process.exitcode is None]
-        died = {rank for rank, process in enumerate(ranks) if process.exitcode}
-        if died:
-            # The others that are failing too end by themselves, with their own codes.
-            wait([process.sentinel for process in running], timeout=SETTLE_S)
+        if any(process.exitcode for process in ranks):
+            _settle(running)
+            # Ended by themselves, before anyone was stopped (whenever their ends were
+            # seen: a rank's end reaches the fork server's parent a moment after it).
+            died = {rank for rank, process in enumerate(ranks) if process.exitcode}
             stop(ranks)
             return _first_failure(ranks, died, folder)
     return None
 
 
+def _settle(running: list) -> None:
+    """Up to :data:`SETTLE_S` for the ranks still running to end by themselves (those that
+    are failing too, with their own lines and codes)."""
+    deadline = time.monotonic() + SETTLE_S
+    while running and (left := deadline - time.monotonic()) > 0:
+        wait([process.sentinel for process in running], timeout=left)
+        running = [process for process in running if process.exitcode is None]
+
+
 def _first_failure(ranks: list, died: set[int], folder: Path) -> Failure:
-    """Among the ranks with a line and those that had died when the failure was seen."""
+    """The first failure among the ranks that left a line and those that died by themselves.
+
+    A line is dated by its file; a rank that died without one (a signal) by the case it
+    had announced and never withdrawn (``rank<R>.case``, harness/failure.py): it began
+    before the others noticed the death. Without either, it counts as the first.
+    """
     def failed_at(rank: int) -> float:
-        path = folder / f"rank{rank}.txt"
-        return path.stat().st_mtime if path.is_file() else float("-inf")
+        for name in (f"rank{rank}.txt", f"rank{rank}.case"):
+            with contextlib.suppress(OSError):
+                return (folder / name).stat().st_mtime
+        return float("-inf")
 
     candidates = [rank for rank in range(len(ranks))
                   if rank in died or (folder / f"rank{rank}.txt").is_file()]

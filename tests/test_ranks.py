@@ -39,6 +39,17 @@ def test_a_rank_that_died_without_a_line_failed_before_every_line(tmp_path):
     assert (failure.rank, failure.exitcode, failure.line) == (1, -9, "")
 
 
+def test_a_rank_killed_in_a_case_failed_when_the_case_began(tmp_path):
+    # Its end was seen after the line of the rank that lost it; its case began before.
+    _line(tmp_path, 0, "RuntimeError: Connection reset by peer", age_s=1)
+    case = tmp_path / "rank1.case"
+    case.write_text("reduction/strategy=ddp/world_size=2\n")
+    then = time.time() - 2
+    os.utime(case, (then, then))
+    failure = _first_failure(_ranks(1, -9), died={0, 1}, folder=tmp_path)
+    assert (failure.rank, failure.exitcode, failure.exitcodes) == (1, -9, (1, -9))
+
+
 def test_a_rank_stopped_without_a_line_is_not_the_cause(tmp_path):
     _line(tmp_path, 1, "ValueError: bad", age_s=0)
     failure = _first_failure(_ranks(-15, 1, -15), died={1}, folder=tmp_path)
