@@ -6,7 +6,8 @@
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
-   initialises gloo and exits -- the harness's cost over the launch it needs anyway.
+   initialises gloo and exits -- the harness's cost over the launch it needs anyway;
+   and the full default run under ``--nproc N`` (ranks forked from one fork server).
 2. suite: wall time of the test suite, ``python -m pytest -n auto``.
 3. scaling: cases per second of the accumulation study at 1x, 2x and 4x the
    cases, with the same mean work per case: ``--accum-steps`` 4 | 3,5 | 2,3,5,6
@@ -122,6 +123,10 @@ def bench_launch(nproc: int, repeat: int, scratch: Path) -> dict[str, float]:
             per_study.setdefault(name, []).append(entry["wall_time_s"])
     timings["all"] = statistics.median(walls)
     timings["studies"] = {name: statistics.median(v) for name, v in per_study.items()}
+    # The same run started by the harness: its ranks fork from one fork server that
+    # imports torch once, where torchrun's N ranks each import it.
+    timings["nproc"] = median_of(repeat, [sys.executable, study, "--nproc", str(nproc),
+                                          *common])
     return timings
 
 
@@ -275,6 +280,8 @@ def launch_rows(nproc: int, launch: dict) -> list[list[str]]:
          f"{launch['three'] / launch['bare']:.2f}"],
         ["full default run (every study)", f"{launch['all']:.1f} s",
          f"{launch['all'] / launch['bare']:.2f}"],
+        [f"the same, `--nproc {nproc}` instead of torchrun", f"{launch['nproc']:.1f} s",
+         f"{launch['nproc'] / launch['bare']:.2f}"],
     ]
 
 

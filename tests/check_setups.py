@@ -1,8 +1,8 @@
 """Setups of tests/test_check.py, in a module of their own.
 
-Ranks that grad-check's ``--nproc`` starts are fresh interpreters, which import the
-module a target names: this one imports what a user's setup would (torch and
-``harness.check``), not the test module's pandas and pytest (seconds per rank).
+Ranks that grad-check's ``--nproc`` starts import the module a target names, each for
+itself: this one imports what a user's setup would (torch and ``harness.check``), not
+the test module's pandas and pytest.
 """
 
 from __future__ import annotations

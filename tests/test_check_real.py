@@ -175,7 +175,7 @@ def _check(*args: str, timeout: float = 300, env: dict | None = None
 #: What the ranks of the shared launch import to check the Llama, imported once before they
 #: fork.
 IMPORTED = ("transformers", "transformers.models.llama.modeling_llama") if HAS_TRANSFORMERS else ()
-#: The setups of the --nproc launch: light ones (fresh interpreters import them), among
+#: The setups of the --nproc launch: light ones (each rank imports them), among
 #: them rows that fail.
 NPROC_LAUNCHED = [LAUNCHED[name] for name in ("clip-in-optimizer", "nan-in-one-piece",
                                               "counters")]
@@ -199,7 +199,7 @@ def launched(tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 @launching(seconds=12)
 def launched_nproc(tmp_path_factory) -> subprocess.CompletedProcess:
-    """``check.py --nproc 2``: its ranks are fresh interpreters, started by the launcher."""
+    """``check.py --nproc 2``: its ranks are started by the launcher."""
     return _check("--nproc", "2", *NPROC_LAUNCHED, "--drop-last", "--out",
                   str(tmp_path_factory.mktemp("check-nproc")))
 
