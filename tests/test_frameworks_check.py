@@ -27,6 +27,7 @@ from torch import nn
 from harness.check.cli import main
 from harness.check.setup import Setup
 from harness.studies.frameworks.registry import INSTALL_HINT
+from harness.studies.frameworks.schema import CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing
 from tests.scheduling import launching
@@ -83,9 +84,13 @@ def frame(tmp_path_factory) -> pd.DataFrame:
     codes = run_cli_importing(list(FRAMEWORK_MODULES), WORLD,
                               ["--frameworks", FRAMEWORKS, f"{__name__}:steep_setup",
                                f"{__name__}:drops_count_setup", "--accum-steps", "1,4",
-                               "--out", str(out)],
+                               "--fail-on", "scaled", "--out", str(out)],
                               console, FRAMEWORK_ENV, main=main, output=console)
-    assert codes == [0] * WORLD, (console / "stderr").read_text()[-4000:]
+    stderr = (console / "stderr").read_text()
+    # Rank 0 judges the rows (no launcher does): the Trainer's k x N fails --fail-on scaled.
+    assert codes == [1, 0], stderr[-4000:]
+    assert "check.py: drops-count transformers default N=2 k=1: the step grad scaled" in stderr
+    assert stderr.rstrip().endswith("fail --fail-on scaled: exit code 1"), stderr[-2000:]
     assert "configuration as passed:" in (console / "stdout").read_text()
     return pd.read_csv(out / "frameworks.csv", keep_default_na=False,
                        dtype={"fix": str, "error": str})
@@ -148,8 +153,14 @@ def test_nproc_checks_the_setups_then_starts_the_check_on_its_ranks(monkeypatch,
     import harness.launcher
 
     started = []
-    monkeypatch.setattr(harness.launcher, "launch_ranks",
-                        lambda *args, **kwargs: started.append((args, kwargs)) or 0)
+
+    def launch(*args, **kwargs) -> int:  # the ranks would write the rows: none fail here
+        started.append((args, kwargs))
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "frameworks.csv").write_text(",".join(CHECK_COLUMNS) + "\n")
+        return 0
+
+    monkeypatch.setattr(harness.launcher, "launch_ranks", launch)
     argv = ["--nproc", "2", "--frameworks", "accelerate", f"{__name__}:steep_setup",
             "--out", str(tmp_path / "out")]
     assert main(argv) == 0
@@ -177,3 +188,22 @@ def test_a_missing_framework_names_the_extra(monkeypatch, capsys, tmp_path):
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"deepspeed is not installed; {INSTALL_HINT}" in err
+
+
+# ---------------------------------------------------------------- the exit code
+def _framework_row(verdict: str, recipe_verdict: str, status: str = "ok") -> dict:
+    return {"setup": "lm", "framework": "transformers", "setting": "default",
+            "world_size": "2", "accum_steps": "4", "point": "grad", "verdict": verdict,
+            "recipe_verdict": recipe_verdict, "status": status, "error": "boom"}
+
+
+def test_a_frameworks_row_fails_by_its_verdict_against_the_frameworks_recipe():
+    from harness.check.outcome import failing_cases
+
+    # A shipped clip: against the plain big batch it differs, against the big batch
+    # clipped once (the recipe) it matches: the step is right.
+    assert failing_cases([_framework_row("differs", "matches")], "differs") == {}
+    assert failing_cases([_framework_row("matches", "differs")], "differs") == {
+        "lm transformers default N=2 k=4": "the step grad differs"}
+    assert failing_cases([_framework_row("", "", status="error")], "error") == {
+        "lm transformers default N=2 k=4": "the step: boom"}

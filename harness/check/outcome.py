@@ -29,8 +29,16 @@ SHOWN_CASES = 5
 
 
 def _case(row: dict[str, Any]) -> str:
-    return (f"{row['setup']} {row['strategy']} N={row['world_size']} "
-            f"k={row['accum_steps']}")
+    # A strategy's row (check.csv), or a framework's (``--frameworks``: frameworks.csv).
+    how = row.get("strategy") or f"{row['framework']} {row['setting']}"
+    return f"{row['setup']} {how} N={row['world_size']} k={row['accum_steps']}"
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    """What the row says of the step: a framework's row is judged against the big batch
+    under the framework's own recipe (its shipped clip applied once), which is its
+    ``verdict`` where the recipe is none."""
+    return str(row.get("recipe_verdict") or row["verdict"])
 
 
 def failing_cases(rows: Sequence[dict[str, Any]], fail_on: str) -> dict[str, str]:
@@ -38,10 +46,11 @@ def failing_cases(rows: Sequence[dict[str, Any]], fail_on: str) -> dict[str, str
     verdicts = FAIL_ON[fail_on]
     failing: dict[str, str] = {}
     for row in rows:
+        where = f"step {row['step']}" if "step" in row else "the step"
         if row["status"] == "error":
-            why = f"step {row['step']}: {row['error']}"
-        elif str(row["verdict"]) in verdicts:
-            why = f"step {row['step']} {row['point']} {row['verdict']}"
+            why = f"{where}: {row['error']}"
+        elif _verdict(row) in verdicts:
+            why = f"{where} {row['point']} {_verdict(row)}"
         else:
             continue
         failing.setdefault(_case(row), why)

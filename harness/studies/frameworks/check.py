@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.check.load import validated_setup
+from harness.check.outcome import exit_code, rows_of
 from harness.check.setup import Setup
 from harness.check.table import aligned, number
 from harness.config import DTYPES
@@ -92,8 +93,10 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
         if args.nproc is not None:
             from harness.launcher import launch_ranks
 
-            return launch_ranks(world_size, list(argv), prog, module="harness.check",
+            code = launch_ranks(world_size, list(argv), prog, module="harness.check",
                                 name_rank_of_bad_input=False)
+            # The launcher judges the rows the ranks wrote, as grad-check's own does.
+            return code or exit_code(rows_of(out / CSV_NAME), args.fail_on, prog)
     except UsageError as error:
         return refuse(error, 0 if leader else 1, prog)
     return _run(chosen, setups, accum_steps, args, out, timeout, prog)
@@ -133,6 +136,8 @@ def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]
                 print(f"\n{setup.name}:\n" + render([r for r in rows
                                                      if r["setup"] == setup.name]))
             print(f"{prog}: {len(rows)} rows -> {out / CSV_NAME}")
+        if not launched_by_harness():  # else the launcher judges the CSV
+            return exit_code(rows, args.fail_on, prog)
     return 0
 
 
