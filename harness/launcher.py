@@ -16,18 +16,21 @@ nothing, so the line names the signal and the case the rank had announced
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, INTERRUPTED_LINE, USAGE_EXIT
-from harness.failure import killed_in_case
+from harness.failure import STOPPED_EXIT, killed_in_case
 from harness.ranks import Failure, Surroundings, describe_exit, detach_from_launcher, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,10 +81,32 @@ def _rank(module: str, argv: list[str], surroundings) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
+class Stopped(Exception):
+    """The launcher was told to stop (SIGTERM: ``kill``, a job scheduler's cancel)."""
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`Stopped` inside, so that the ranks are stopped before the
+    launcher exits (from the main thread only, where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: object) -> None:
+        raise Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
                  name_rank_of_bad_input: bool = True) -> int:
-    """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2 or
-    130 (interrupted).
+    """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2,
+    130 (interrupted) or 143 (SIGTERM).
 
     ``name_rank_of_bad_input=False``: bad input that only the ranks can find (e.g. the
     check's randomness in a user's loss) is reported as the launcher-side checks report
@@ -96,12 +121,17 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
         os.environ.update({name: environment[name]
                            for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)})
         try:
-            failure = run_ranks(nproc, _rank, lambda rank: (module, ranks_argv, Surroundings(
-                {**os.environ, **environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                os.getcwd())), Path(error_dir), PRELOADED)
+            with _stopped_by_sigterm():
+                failure = run_ranks(nproc, _rank, lambda rank: (
+                    module, ranks_argv, Surroundings({**os.environ, **environment,
+                                                      "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                                     os.getcwd())), Path(error_dir), PRELOADED)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
+        except Stopped:
+            print(f"{prog}: stopped by SIGTERM", file=sys.stderr)
+            return STOPPED_EXIT
         return 0 if failure is None else _said(failure, prog, Path(error_dir),
                                                name_rank_of_bad_input)
 
