@@ -18,6 +18,7 @@ weights after the step.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -99,12 +100,13 @@ def _watch(engine, model: nn.Module, capture: StepCapture, stage: int) -> None:
 def train(job: Job) -> Applied:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import deepspeed.comm.torch
 
     # DeepSpeed's CPU backend compiles a shared-memory all-reduce on first use (a C++
-    # build of minutes, needing a compiler) that only its inference path calls: training
-    # reduces through torch.distributed either way.
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # build of tens of seconds, needing a compiler) that only its inference path calls:
+    # training reduces through torch.distributed either way. The module is taken from
+    # importlib: the attribute ``deepspeed.comm.torch`` is torch itself (deepspeed.comm
+    # star-imports it), where patching the build would change nothing.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     model, window = job.model(), job.window()
     rank, world = dist.get_rank(), dist.get_world_size()
