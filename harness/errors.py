@@ -32,12 +32,17 @@ def launched_by_harness() -> bool:
     return ERROR_DIR_VARIABLE in os.environ
 
 
+def error_file(folder: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` leaves its error line in a launcher's folder."""
+    return Path(folder) / f"rank{rank}.txt"
+
+
 def record_error(rank: int, line: str) -> None:
     """Leave ``line`` for the launcher (the first line a rank records is kept)."""
     folder = os.environ.get(ERROR_DIR_VARIABLE)
     if not folder:
         return
-    path = Path(folder) / f"rank{rank}.txt"
+    path = error_file(folder, rank)
     with contextlib.suppress(OSError):
         if not path.exists():
             path.write_text(line + "\n")

@@ -40,10 +40,15 @@ STOPPED_EXIT = 128 + signal.SIGTERM
 _WAKEUP: list[socket.socket] = []
 
 
+def case_file(folder: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` announces the case it runs in a launcher's folder."""
+    return Path(folder) / f"rank{rank}.case"
+
+
 def case_marker(rank: int) -> Path | None:
     """``rank<R>.case`` in the --nproc launcher's folder (None outside --nproc)."""
     folder = os.environ.get(ERROR_DIR_VARIABLE)
-    return Path(folder) / f"rank{rank}.case" if folder else None
+    return case_file(folder, rank) if folder else None
 
 
 def _write_torchrun_message(line: str, timestamp: float) -> None:
@@ -93,9 +98,8 @@ def running_case(rank: int, case_id: str) -> Iterator[None]:
 
 def killed_in_case(error_dir: Path, rank: int) -> str:
     """The case rank ``rank`` announced and never withdrew ('' if none)."""
-    path = error_dir / f"rank{rank}.case"
     with contextlib.suppress(OSError):
-        return path.read_text().strip()
+        return case_file(error_dir, rank).read_text().strip()
     return ""
 
 

@@ -29,6 +29,9 @@ from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from harness.errors import error_file
+from harness.failure import case_file
+
 #: Seconds the other ranks get to end by themselves once one has failed (a rank that lost
 #: its peer fails at once, with its own line and exit code), before they are stopped.
 SETTLE_S = 1.0
@@ -81,9 +84,8 @@ class Failure:
 
 def error_line(folder: Path, rank: int) -> str:
     """The line rank ``rank`` left in ``folder`` ('' if none)."""
-    path = folder / f"rank{rank}.txt"
     with contextlib.suppress(OSError):
-        text = path.read_text().strip()
+        text = error_file(folder, rank).read_text().strip()
         return text.splitlines()[0] if text else ""
     return ""
 
@@ -140,13 +142,13 @@ def _first_failure(ranks: list, died: set[int], folder: Path) -> Failure:
     before the others noticed the death. Without either, it counts as the first.
     """
     def failed_at(rank: int) -> float:
-        for name in (f"rank{rank}.txt", f"rank{rank}.case"):
+        for path in (error_file(folder, rank), case_file(folder, rank)):
             with contextlib.suppress(OSError):
-                return (folder / name).stat().st_mtime
+                return path.stat().st_mtime
         return float("-inf")
 
     candidates = [rank for rank in range(len(ranks))
-                  if rank in died or (folder / f"rank{rank}.txt").is_file()]
+                  if rank in died or error_file(folder, rank).is_file()]
     first = min(candidates, key=failed_at)
     return Failure(first, ranks[first].exitcode, error_line(folder, first),
                    tuple(process.exitcode for process in ranks))

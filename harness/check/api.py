@@ -44,7 +44,7 @@ from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
 from harness.check.table import render
-from harness.errors import USAGE_EXIT, UsageError
+from harness.errors import USAGE_EXIT, UsageError, error_file
 from harness.launch import Launch, choose_placement
 from harness.ranks import Failure, describe_exit, run_ranks
 from harness.strategies import STRATEGIES
@@ -236,5 +236,5 @@ def _rank_main(rank: int, nproc: int, folder: str, source: SetupSource, config: 
 
 
 def _leave(folder: str, rank: int, line: str, code: int) -> int:
-    (Path(folder) / f"rank{rank}.txt").write_text(line.splitlines()[0] if line else "")
+    error_file(folder, rank).write_text(line.splitlines()[0] if line else "")
     return code

@@ -379,7 +379,8 @@ class SetupCheck:
         if not self.launch.is_leader:
             return []
         rows = []
-        rtol = check_tolerance(self.precisions.get(case, self.dtype))
+        precision = self.precisions.get(case, self.dtype)
+        rtol = check_tolerance(precision)
         for step, point, comparison, agree, fix, status, error in results:
             rows.append({
                 "setup": self.setup.name, "strategy": case.strategy,
@@ -392,7 +393,7 @@ class SetupCheck:
                                   if comparison else ""),
                 "ranks_agree": "" if agree is None else agree,
                 "fix": fix, "dtype": dtype_name(self.dtype), "status": status, "error": error,
-                "precision": dtype_name(self.precisions.get(case, self.dtype)),
+                "precision": dtype_name(precision),
             })
         return rows
 
