@@ -150,6 +150,8 @@ def test_a_model_dropping_num_items_in_batch_gets_k_times_n_from_the_trainer(fra
 def test_nproc_checks_the_setups_then_starts_the_check_on_its_ranks(monkeypatch, tmp_path):
     """The launch above forks its ranks; with --nproc, check.py starts them itself (the
     launcher's own tests: tests/test_launcher.py)."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip(f"accelerate is not installed; {INSTALL_HINT}")
     import harness.launcher
 
     started = []
