@@ -31,21 +31,26 @@ README = (ROOT / "README.md").read_text()
 RESULTS_DOC = (ROOT / "docs" / "results.md").read_text()
 
 
-def _committed_results() -> Path:
-    """The results the README and docs/ quote: ``results/`` as committed.
+def _git_changed(*paths: str) -> bool:
+    """Whether ``paths`` differ from git's HEAD (False outside a git checkout)."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=ROOT,
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+def _quoted_results() -> Path:
+    """The results the README and docs/ quote: those they were generated from.
 
     The Quick start's study writes into ``results/`` (the README says so), and a run of
-    its own has other wall times: in a checkout where ``results/`` differs from git's
-    HEAD, the committed folder is read from git, so that the two Quick start commands
-    pass in either order. A clean checkout (CI) reads ``results/`` itself.
+    its own has other wall times; while the README and docs/ are as committed, they quote
+    the committed results, read from git, so that the two Quick start commands pass in
+    either order. Otherwise (a clean checkout, as in CI, or results and docs regenerated
+    together) ``results/`` itself.
     """
     folder = ROOT / "results"
-    try:
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "results"],
-                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return folder  # not a git checkout: results/ is what shipped
-    if not changed.strip():
+    if not _git_changed("results") or _git_changed("README.md", "docs"):
         return folder
     archive = subprocess.run(["git", "archive", "HEAD", "results"], cwd=ROOT,
                              capture_output=True, check=True).stdout
@@ -55,7 +60,7 @@ def _committed_results() -> Path:
     return target / "results"
 
 
-RESULTS = docs.Results(_committed_results())
+RESULTS = docs.Results(_quoted_results())
 #: A schema row of a generated table: the column, then its unit.
 ROW = re.compile(r"^\| `(?P<name>[^`]+)` \| (?P<unit>.*?) \| ", re.MULTILINE)
 
