@@ -7,19 +7,11 @@ study's measuring code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from harness.columns import ACCUM_STEPS, EQUIVALENCES, Column, names
+from harness.columns import WORLD_SIZE as _ANY_WORLD_SIZE
 
-from harness.verdicts import Equivalence
-
-
-@dataclass(frozen=True)
-class Column:
-    """One column of a study's CSV: its name, its unit (or allowed values), its meaning."""
-
-    name: str
-    unit: str
-    doc: str
-
+__all__ = ["ACCUM_STEPS", "EMULATED", "EQUIVALENCES", "LEADING_COLUMNS", "STRATEGY",
+           "STRATEGY_OR_LOCAL", "TRAILING_COLUMNS", "WORLD_SIZE", "Column", "names"]
 
 #: Columns every CSV starts with and ends with, around the study's own.
 LEADING_COLUMNS = (
@@ -49,13 +41,6 @@ STRATEGY = Column("strategy", "`ddp`, `fsdp`, `dp-emulated`, `dp`",
 STRATEGY_OR_LOCAL = Column("strategy", "`local`, " + STRATEGY.unit,
                            "one process with nothing to reduce, or " + STRATEGY.doc)
 EMULATED = Column("emulated", "bool", "true for the emulation")
-WORLD_SIZE = Column("world_size", "devices",
-                    "k: ranks (DDP, FSDP) or devices asked for (DataParallel)")
-#: k where N names the ranks.
-ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")
-#: The values of a verdict against the big batch (:class:`harness.verdicts.Equivalence`).
-EQUIVALENCES = ", ".join(f"`{value}`" for value in Equivalence)
-
-
-def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
-    return tuple(c.name for c in columns)
+#: N of a study whose strategies include DataParallel, which counts devices, not ranks.
+WORLD_SIZE = _ANY_WORLD_SIZE.described(
+    "N: ranks (DDP, FSDP) or devices asked for (DataParallel)", unit="devices")

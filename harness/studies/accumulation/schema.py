@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import EMULATED, EQUIVALENCES, STRATEGY_OR_LOCAL, WORLD_SIZE, Column
+from harness.studies.schema import (
+    ACCUM_STEPS,
+    EMULATED,
+    EQUIVALENCES,
+    STRATEGY_OR_LOCAL,
+    WORLD_SIZE,
+    Column,
+)
 
 COLUMNS = (
     STRATEGY_OR_LOCAL,
     EMULATED,
     WORLD_SIZE,
-    Column("accum_steps", "micro-steps",
-           "k, micro-steps per optimizer step"),
+    ACCUM_STEPS,
     Column("zero_grad", "`never`, `every-micro-step`, `every-step`",
            "when `zero_grad` runs: never (seed 000/001's bug), before every backward (only "
            "the last micro-batch survives), after every optimizer step (the textbook recipe)"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import Column
+from harness.columns import WORLD_SIZE, Column
 
 #: Samples per device, as in the reduction study's default.
 SHARD_SIZE = 4
@@ -13,8 +13,8 @@ COLUMNS = (
            "a collective (SUM where it reduces, rank 0 the root of broadcast; reduce_scatter"
            " and all_gather on single tensors, as FSDP calls them), or a training step of "
            "DistributedDataParallel or DataParallel (CUDA only)"),
-    Column("world_size", "ranks",
-           "k: ranks 0..k-1 of the launch (`dp-step`: CUDA devices 0..k-1 of one process)"),
+    WORLD_SIZE.described("N: ranks 0..N-1 of the launch (`dp-step`: CUDA devices 0..N-1 of "
+                         "one process)"),
     Column("size_bytes", "bytes",
            "message size asked for (collectives): 8 B, 64 KiB, 4 MiB by default; 8 B and "
            "every power of 4 from 16 B to 64 MiB with `--matrix full`"),

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import Column
+from harness.columns import WORLD_SIZE, Column
 
 COLUMNS = (
     Column("experiment", "`lr-sweep`, `frozen-layer`, `train-vs-eval`, `no-grad`",
            "which question (above)"),
     Column("strategy", "",
            "`local` at 1, or `ddp` at k"),
-    Column("world_size", "",
-           "`local` at 1, or `ddp` at k"),
+    WORLD_SIZE.described("`local` at 1, or `ddp` at N"),
     Column("setting", "text",
            "the variant: `lr=10`, `middle frozen (requires_grad=False)`, `middle unused, "
            "find_unused_parameters=False`, `train()`, `torch.no_grad()`, ..."),

@@ -3,7 +3,7 @@ and the settings they document."""
 
 from __future__ import annotations
 
-from harness.studies.schema import Column
+from harness.columns import WORLD_SIZE, Column
 
 #: SGD steps per case.
 STEPS = 5
@@ -34,8 +34,7 @@ COLUMNS = (
            "what is switched on (`setting` spells it out)"),
     Column("setting", "text",
            "the variant's exact settings, as code"),
-    Column("world_size", "ranks",
-           "k (2 and up: with one rank there is nothing to reduce)"),
+    WORLD_SIZE.described("N (2 and up: with one rank there is nothing to reduce)"),
     Column("step", "optimizer steps",
            f"the step the row measures, 1..{STEPS} (PowerSGD: 1..{POWERSGD_STEPS})"),
     Column("model_dtype", "`float64`, `float32`",

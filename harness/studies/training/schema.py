@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.studies.schema import Column
+from harness.columns import WORLD_SIZE, Column
 
 UPDATE_RULES = ("autograd.grad", "backward-no-zero", "backward-zero-grad", "optim.SGD")
 #: The rule that never zeroes ``.grad`` (the seed's second loop): the one the study is about.
@@ -15,8 +15,7 @@ RANK0_ALONE = "autograd.grad-rank0-shards"
 COLUMNS = (
     Column("strategy", "`local`, `ddp`",
            "one process, or DistributedDataParallel over ranks 0..k-1"),
-    Column("world_size", "ranks",
-           "1 for `local`, k for `ddp`"),
+    WORLD_SIZE.described("1 for `local`, N for `ddp`"),
     Column("variant", "`autograd.grad`, `backward-no-zero`, `backward-zero-grad`, `optim.SGD`",
            "the update rule (above)"),
     Column("epoch", "epochs",

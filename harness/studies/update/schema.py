@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.studies.schema import Column
+from harness.studies.schema import ACCUM_STEPS, WORLD_SIZE, Column
 
 COLUMNS = (
     Column("experiment", "`lr-factor`, `clipping`, `grad-scaler`, `non-finite`, "
@@ -15,9 +15,8 @@ COLUMNS = (
            "one process; DistributedDataParallel; FSDP2's `fully_shard`; the CPU emulation of "
            "DataParallel; the real DataParallel (CUDA)"),
     Column("emulated", "bool", "true for the DataParallel emulation"),
-    Column("world_size", "devices", "N: ranks (DDP, FSDP) or devices (DataParallel); 1 for "
-           "`local`"),
-    Column("accum_steps", "micro-steps", "k, micro-steps per optimizer step"),
+    WORLD_SIZE.described(WORLD_SIZE.doc + "; 1 for `local`"),
+    ACCUM_STEPS,
     Column("micro_batch", "samples", "b, samples per device per micro-step"),
     Column("loss", "`mean`, `mean/k`, `sum`, `sum/b`, `sum/(N*k*b)`",
            "each micro-step's loss from the loss terms of what this process's forward saw "

@@ -1,0 +1,57 @@
+"""What a CSV of the harness holds: its columns, each with a unit and a meaning, and the
+columns several CSVs share, declared once.
+
+Free of torch, so that the studies' registry, the check, the README tests and the report
+read every schema without loading any measuring code. Letters mean one thing everywhere:
+**N** is the world size (ranks or devices), **k** the micro-steps of one optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from harness.verdicts import Equivalence
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a CSV: its name, its unit (or allowed values), its meaning."""
+
+    name: str
+    unit: str
+    doc: str
+
+    def described(self, doc: str, unit: str | None = None) -> Column:
+        """The same column (its name, and unit unless given) with a meaning of a CSV's own:
+        what ``world_size`` counts in that CSV, say."""
+        return replace(self, doc=doc, unit=self.unit if unit is None else unit)
+
+
+def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
+    return tuple(c.name for c in columns)
+
+
+#: The values of a verdict against the big batch (:class:`harness.verdicts.Equivalence`).
+EQUIVALENCES = ", ".join(f"`{value}`" for value in Equivalence)
+
+WORLD_SIZE = Column("world_size", "ranks", "N: ranks the global batch is split across")
+ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")
+
+#: A verdict against the single-process big-batch step, and the fit it is read from.
+VERDICT = Column("verdict", EQUIVALENCES,
+                 "against the single-process big-batch step: the same, a pure multiple s of "
+                 "it, or no multiple")
+SCALE = Column("scale", "ratio",
+               "s in `measured ~ s * reference` (least squares over every tensor)")
+RESIDUAL = Column("residual", "ratio",
+                  "`||measured - s*reference|| / ||measured||`: 0 when a pure scale explains it")
+WORST_TENSORS = Column("worst_tensors", "`name=error;...`",
+                       "the three tensors with the largest `||m - s*r|| / ||s*r||`, worst "
+                       "first (an error within the row's tolerance written 0)")
+PRECISION = Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
+                   "the lowest precision the step really ran in (the model's type, the "
+                   "autocast type, the type of every loss the user's code returned): the "
+                   "row's tolerance is that precision's")
+FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches")
+ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
+               "else empty")
