@@ -24,6 +24,7 @@ from typing import Any
 from harness.context import CONTEXT_COLUMNS
 from harness.errors import USAGE_EXIT, UsageError
 from harness.manifest import RunManifest, read_manifest
+from harness.options import CommandParser
 
 PROG = "compare.py"
 #: Difference lines printed at most; the counts below them cover the rest.
@@ -368,15 +369,8 @@ def _verdict(comparison: Comparison) -> str:
 
 
 # ------------------------------------------------------------ command line
-class _Parser(argparse.ArgumentParser):
-    """argparse, but errors raise UsageError: one line, exit code 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0] + "\n\n" + rules(),
         epilog=textwrap.dedent("""\

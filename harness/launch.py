@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from harness.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where a placement is chosen: parsing flags needs none
+    import torch
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
@@ -103,6 +105,8 @@ def choose_placement(backend: str, device: str, launch: Launch) -> Placement:
         raise UsageError(f"--backend {backend!r} is unknown; allowed: {', '.join(BACKENDS)}")
     if device not in DEVICES:
         raise UsageError(f"--device {device!r} is unknown; allowed: {', '.join(DEVICES)}")
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "auto":
         device = "cuda" if gpus > 0 else "cpu"

@@ -36,8 +36,8 @@ from harness.ranks import Failure, Surroundings, describe_exit, detach_from_laun
 ROOT = Path(__file__).resolve().parent.parent
 #: What the fork server imports before it forks the ranks: torch, what DDP imports on first
 #: use (torch._dynamo, ~1 s of CPU) and the harness's two command lines.
-PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "harness.cli", "harness.runner",
-             "harness.check.cli", "harness.check.run")
+PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "harness.grad_study", "harness.runner",
+             "harness.check.grad_check", "harness.check.run")
 #: Where the ranks meet: the launcher's store, on loopback.
 STORE_HOST = "127.0.0.1"
 

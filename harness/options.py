@@ -9,6 +9,7 @@ flag, the value and what is allowed. Defaults live in the dataclass alone.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
+from harness.launch import leader_from_environment, under_torchrun
 
 #: The longest ``--timeout``: a collective still waiting after a day is hung, not slow,
 #: and far larger values overflow the timedelta handed to torch.distributed.
@@ -157,3 +159,31 @@ class StudyOptions:
 @dataclass(frozen=True)
 class NoOptions(StudyOptions):
     """A study without settings of its own."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for every command of the harness: an error raises UsageError (one line,
+    exit 2, like every other bad input) and only the rank that speaks (rank 0, or a
+    process outside torchrun) prints ``--help``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+    def _print_message(self, message: str, file=None) -> None:
+        if leader_from_environment():
+            super()._print_message(message, file)
+
+
+#: More local ranks than this would only oversubscribe a machine's cores.
+MAX_NPROC = 256
+
+
+def parse_nproc(text: str) -> int:
+    """``--nproc N``: the ranks a command starts itself, which it cannot under torchrun."""
+    nproc = parse_int(text, "--nproc")
+    if not 1 <= nproc <= MAX_NPROC:
+        raise UsageError(f"--nproc {nproc} is not allowed; allowed: 1..{MAX_NPROC}")
+    if under_torchrun():
+        raise UsageError("--nproc starts ranks of its own; under torchrun (or Slurm's "
+                         "torchrun) leave it out")
+    return nproc

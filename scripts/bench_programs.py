@@ -77,7 +77,7 @@ with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
 #: The check, timed in each rank around its whole command line (process group included).
 CHECK_RANK = """import os, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
-from harness.check.cli import main
+from harness.check.grad_check import main
 start = time.perf_counter()
 code = main(["bench_check_setup:make_setup", "--strategies", "ddp", "--world-sizes", "2",
              "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])

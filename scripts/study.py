@@ -14,7 +14,7 @@ from pathlib import Path
 # Runnable from a checkout without installing: the package sits next to scripts/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.cli import main  # noqa: E402
+from harness.grad_study import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -104,7 +104,7 @@ def run_cli(world_size: int, argv: list[str], store_dir: Path,
             output: Path | None = None) -> list[int]:
     """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code.
 
-    ``main``: another command's ``main`` (``harness.check.cli.main``: ``scripts/check.py``).
+    ``main``: another command's ``main`` (``harness.check.grad_check.main``: ``scripts/check.py``).
     ``output``: a folder that gets the ranks' stdout and stderr, appended to files
     ``stdout`` and ``stderr`` as a launcher's console would show them.
     """
@@ -114,7 +114,7 @@ def run_cli(world_size: int, argv: list[str], store_dir: Path,
 def _cli(rank: int, world_size: int, argv: list[str], main: Callable | None,
          output: Path | None) -> int:
     if main is None:
-        from harness.cli import main
+        from harness.grad_study import main
     if output is not None:
         sys.stdout.flush()
         _append_to(1, output / "stdout")
@@ -176,7 +176,7 @@ def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=RANK_TIMEOUT_S))
-        from harness.cli import main
+        from harness.grad_study import main
 
         code = main(argv)
     except BaseException:  # noqa: BLE001 -- a failing worker prints and exits non-zero

@@ -3,7 +3,7 @@ refuse randomness they find in a loss, without importing torch (a rank costs no 
 
 ``python -m tests.refusing_ranks ARGS`` is ``check.py --nproc N ARGS`` whose ranks are
 ``python -m tests.refusing_ranks``: each says :data:`MESSAGE` through
-:func:`harness.errors.refuse`, as ``harness.check.cli`` does, and exits with its code.
+:func:`harness.errors.refuse`, as ``harness.check.grad_check`` does, and exits with its code.
 """
 
 import os
@@ -16,7 +16,7 @@ MESSAGE = "what only the ranks can find is wrong"
 
 def _launcher(argv: list[str]) -> int:
     import harness.launcher
-    from harness.check.cli import main
+    from harness.check.grad_check import main
 
     launch_ranks = harness.launcher.launch_ranks
 

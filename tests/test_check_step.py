@@ -13,7 +13,7 @@ from torch import nn
 
 from examples import mlp, real_step
 from harness.check import MicroStep, Setup, check
-from harness.check.cli import main
+from harness.check.grad_check import main
 from harness.check.step import WholeStep
 from harness.errors import UsageError
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import harness.errors as errors
-from harness.cli import main
+from harness.grad_study import main
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.check.cli import main
+from harness.check.grad_check import main
 from harness.check.setup import Setup
 from harness.studies.frameworks.registry import INSTALL_HINT
 from harness.studies.frameworks.schema import CHECK_COLUMNS

@@ -16,7 +16,7 @@ import pytest
 from filelock import FileLock
 
 from harness.report import REPORT_NAME, write_report
-from harness.report.cli import main as report_main
+from harness.report.grad_report import main as report_main
 from harness.report.text import small
 from harness.studies.base import named_multiple
 from tests.distributed import run_cli

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.cli import main
+from harness.grad_study import main
 from harness.report.figures import FigureWriter, style
 from harness.report.section import SectionInputs
 from harness.strategies.local import LocalTrainer

@@ -9,8 +9,8 @@ before (an integer beyond 2**64, a negative one, inf, nan).
 import numpy as np
 import pytest
 
-from harness.cli import build_parser, config_from_args
 from harness.errors import UsageError
+from harness.grad_study import build_parser, config_from_args
 from harness.options import (
     MAX_SEED,
     parse_float,

@@ -8,7 +8,7 @@ if __name__ == "__main__":
     # Ctrl-C reaches every rank too: the launcher says "interrupted" once; a rank says
     # nothing, even when it comes while the rank is still importing.
     try:
-        from harness.check.cli import main
+        from harness.check.grad_check import main
 
         code = main()
     except KeyboardInterrupt:

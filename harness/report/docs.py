@@ -390,9 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser():
     import argparse
 
-    from harness.report.cli import _Parser
+    from harness.options import CommandParser
 
-    parser = _Parser(prog=PROG, description=(
+    parser = CommandParser(prog=PROG, description=(
         "Fill the generated parts of README.md, docs/results.md and docs/speed.md from the "
         "schema declarations and a results folder (run.json and CSVs, with frameworks/ "
         "inside). Rerun after regenerating the results or changing a study's columns."),

@@ -25,7 +25,13 @@ from harness.check.setup import Setup
 from harness.check.table import aligned, number
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
-from harness.options import check_out_folder, parse_float, parse_int_list, parse_name_list
+from harness.options import (
+    check_out_folder,
+    parse_float,
+    parse_int_list,
+    parse_name_list,
+    parse_nproc,
+)
 from harness.studies.frameworks.registry import DEFAULT, Framework, Setting
 from harness.studies.frameworks.schema import CHECK_COLUMNS
 
@@ -66,7 +72,6 @@ def selections(text: str) -> list[tuple[Framework, Setting]]:
 def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str) -> int:
     """Every check of the input first (before any rank starts with ``--nproc``), then the
     run on every rank."""
-    from harness.cli import _launch_size
     from harness.launch import Launch, under_torchrun
 
     try:
@@ -76,7 +81,7 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
         check_out_folder(out)
         timeout = parse_float(args.timeout, "--timeout")
         if args.nproc is not None:
-            world_size = _launch_size(args.nproc)
+            world_size = parse_nproc(args.nproc)
         elif under_torchrun():
             world_size = Launch.from_environment().world_size
         else:

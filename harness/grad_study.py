@@ -23,30 +23,20 @@ from harness.launch import (
     Launch,
     choose_placement,
     leader_from_environment,
-    under_torchrun,
 )
 from harness.launcher import launch_ranks, say_if_oversubscribed
 from harness.options import (
+    CommandParser,
     StudyOptions,
     check_out_folder,
     parse_float,
     parse_int,
     parse_int_list,
     parse_name_list,
+    parse_nproc,
 )
 
 PROG = "study.py"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but errors raise UsageError (one line, exit 2) and only rank 0 prints."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message)
-
-    def _print_message(self, message: str, file=None) -> None:
-        if leader_from_environment():
-            super()._print_message(message, file)
 
 
 def _studies():
@@ -68,7 +58,7 @@ def _new_parser(studies: dict) -> argparse.ArgumentParser:
     """The parser with its description and every study's example."""
     examples = "\n".join(f"  # {cls.name}: {cls.summary}\n  {cls.example}\n"
                          for cls in studies.values())
-    return _Parser(
+    return CommandParser(
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\
@@ -213,24 +203,10 @@ def list_studies() -> str:
     return "\n".join(lines)
 
 
-#: More local ranks than this would only oversubscribe a machine's cores.
-MAX_NPROC = 256
-
-
-def _launch_size(text: str) -> int:
-    nproc = parse_int(text, "--nproc")
-    if not 1 <= nproc <= MAX_NPROC:
-        raise UsageError(f"--nproc {nproc} is not allowed; allowed: 1..{MAX_NPROC}")
-    if under_torchrun():
-        raise UsageError("--nproc starts ranks of its own; under torchrun (or Slurm's "
-                         "torchrun) leave it out")
-    return nproc
-
-
 def _launch(config: RunConfig, nproc_flag: str, argv: list[str]) -> int:
     """--nproc: make every check a rank would make, before any rank exists (a bad flag is
     one line here, not N), then start the ranks."""
-    nproc = _launch_size(nproc_flag)
+    nproc = parse_nproc(nproc_flag)
     planned = Launch.planned(nproc)
     config.resolved_world_sizes(planned)
     choose_placement(config.backend, config.device, planned)

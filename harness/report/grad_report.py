@@ -8,19 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.errors import UsageError, refuse
+from harness.options import CommandParser
 
 PROG = "report.py"
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but errors raise UsageError: one line, exit code 2, like study.py."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\

@@ -18,7 +18,6 @@ from harness.check.load import validated_setup
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
-from harness.cli import _launch_size, _Parser
 from harness.config import add_dtype_flag, add_timeout_flag
 from harness.errors import (
     UsageError,
@@ -34,7 +33,14 @@ from harness.launch import (
     leader_from_environment,
     under_torchrun,
 )
-from harness.options import check_out_folder, parse_float, parse_int_list, parse_name_list
+from harness.options import (
+    CommandParser,
+    check_out_folder,
+    parse_float,
+    parse_int_list,
+    parse_name_list,
+    parse_nproc,
+)
 
 PROG = "check.py"
 
@@ -55,7 +61,7 @@ EPILOG = textwrap.dedent("""\
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = CommandParser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
                      description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("targets", metavar="TARGET", nargs="+",
                         help="module.path:factory, e.g. examples.mlp:make_setup (imported "
@@ -154,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     """Check the setups here, once, then start the ranks; the exit code from the rows the
     ranks wrote (see outcome.py)."""
-    nproc = _launch_size(nproc_flag)
+    nproc = parse_nproc(nproc_flag)
     planned = Launch.planned(nproc)
     world_sizes = config.resolved_world_sizes(nproc)
     placement = choose_placement("auto", "auto", planned)
