@@ -123,7 +123,7 @@ from harness.check.config import CheckConfig
 from harness.check.load import validated_setup
 from harness.check.run import CheckRun, SetupCheck
 from harness.launch import Launch, choose_placement
-from harness.studies.frameworks.measure import measure
+from harness.frameworks.measure import measure
 from harness.studies.frameworks.study import FRAMEWORKS
 
 target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])

@@ -63,7 +63,7 @@ MUTATIONS = (
              "start = (rank * accum_steps + micro) * per_piece",
              "start = (micro * accum_steps + rank) * per_piece",
              ("tests/test_mutation_targets.py",)),
-    Mutation("capture-after-step", "harness/studies/frameworks/capture.py",
+    Mutation("capture-after-step", "harness/frameworks/capture.py",
              "capture.grad = float64_vector(grads())\n        result = original(**kwargs)",
              "result = original(**kwargs)\n        capture.grad = float64_vector(grads())",
              ("tests/test_capture.py",)),

@@ -8,7 +8,7 @@ the optimizer.
 
 import torch
 
-from harness.studies.frameworks.capture import (
+from harness.frameworks.capture import (
     StepCapture,
     parameter_grads,
     parameter_values,

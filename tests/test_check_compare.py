@@ -11,10 +11,13 @@ import torch
 from torch import nn
 
 from harness.check import Setup
+from harness.check.case import deal, merged, shard_rows
 from harness.check.compare import Pair, compare, worst_tensors
 from harness.check.load import copy_of
 from harness.check.reference import compute_reference
-from harness.check.strategies import DDPCase, FSDPCase, LocalCase, deal, merged, shard_rows
+from harness.strategies.ddp import DDPCheckCase
+from harness.strategies.fsdp import FSDPCheckCase
+from harness.strategies.local import LocalCheckCase
 from harness.verdicts import Equivalence
 
 RTOL = 1e-9
@@ -140,11 +143,11 @@ def test_the_rank_compares_the_tensors_its_strategy_gives_it():
     model = make_model().double()
     # Every buffer, integer counters (num_batches_tracked) included: they are compared too.
     everything = {name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
-    halves = [DDPCase.compared_parts(model, 2, rank) for rank in (0, 1)]
+    halves = [DDPCheckCase.compared_parts(model, 2, rank) for rank in (0, 1)]
     assert set(halves[0]) | set(halves[1]) == everything and not set(halves[0]) & set(halves[1])
     assert set(halves[0].values()) == {None}, "DDP compares whole tensors"
-    assert LocalCase.compared_parts(model, 2, 1) == dict.fromkeys(everything)
-    shards = FSDPCase.compared_parts(model, 2, 1)
+    assert LocalCheckCase.compared_parts(model, 2, 1) == dict.fromkeys(everything)
+    shards = FSDPCheckCase.compared_parts(model, 2, 1)
     assert shards["0.weight"] == (3, 5) and shards["0.bias"] == (3, 5)   # 5 rows: 3 + 2
     assert shards["3.weight"] == (1, 2)
 

@@ -37,8 +37,8 @@ from harness.check.grad_check import main
 from harness.check.load import validated_setup
 from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference
-from harness.check.strategies import LocalCase
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
+from harness.strategies.local import LocalCheckCase
 from tests.distributed import run_cli_importing
 from tests.launch import ForkedPython, _environment, run_python
 from tests.scheduling import launching
@@ -433,7 +433,7 @@ class _Rotary(nn.Module):
 
 def test_non_persistent_buffers_are_compared_and_kept_by_the_reference():
     model = _Rotary()
-    parts = LocalCase.compared_parts(model, 2, 0)
+    parts = LocalCheckCase.compared_parts(model, 2, 0)
     assert "inv_freq" in parts
     setup = Setup(make_model=_Rotary, batch=_batch, loss=mean_loss)
     steps = compute_reference(setup, torch.float64, CPU, None, 1e-9, "t",

@@ -26,7 +26,7 @@ from torch import nn
 
 from harness.check.grad_check import main
 from harness.check.setup import Setup
-from harness.studies.frameworks.registry import INSTALL_HINT
+from harness.frameworks.registry import INSTALL_HINT
 from harness.studies.frameworks.schema import CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing

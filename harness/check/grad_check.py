@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.frameworks:
-            from harness.studies.frameworks.check import main as frameworks_main
+            from harness.check.frameworks import main as frameworks_main
 
             return frameworks_main(args, argv, leader, PROG)
         config = config_from_args(args)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check import batches
+from harness.check.case import CaseModel, case_model, merged, not_finite_message
 from harness.check.compare import (
     Comparison,
     compare,
@@ -43,7 +44,6 @@ from harness.check.reference import (
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
-from harness.check.strategies import CaseModel, case_model, merged, not_finite_message
 from harness.errors import UsageError, first_sentence
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic

@@ -66,9 +66,10 @@ class Strategy:
     measure: Callable[[StepSpec, int, RunContext], StepMeasurement | None] | None = None
     #: A model under the strategy over k devices, fed one micro-step at a time.
     trainer: Callable[[nn.Module, int, RunContext], Trainer] | None = None
-    #: grad-check: the class in :mod:`harness.check.strategies` that runs a user's step
-    #: under this strategy ("": the check does not offer it), and one line for its --help.
-    check_case: str = ""
+    #: grad-check: the :class:`harness.check.case.CaseModel` that runs a user's step under
+    #: this strategy, from the strategy's own module (None: the check does not offer it),
+    #: and one line for its --help.
+    check_case: Callable[[], type] | None = None
     check_description: str = ""
 
     def participants(self, world_size: int) -> int:
@@ -106,7 +107,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "one process, no reduction: the single-device reference",
              collective=False, step_ms=_one_process_ms, syncs=("none",), reference=True,
              trainer=lambda module, k, run: _module("local").LocalTrainer(module, run.device),
-             check_case="LocalCase",
+             check_case=lambda: _module("local").LocalCheckCase,
              check_description="one process playing every rank in turn (N x k pieces, each "
                                "rank's gradient averaged over the N as DDP does): "
                                "accumulation without communication"),
@@ -118,7 +119,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                                                                       run.device),
              trainer=lambda module, k, run: _module("ddp").DDPTrainer(module, run.group(k),
                                                                       run.device),
-             check_case="DDPCase",
+             check_case=lambda: _module("ddp").DDPCheckCase,
              check_description="DistributedDataParallel on ranks 0..N-1, no_sync for the "
                                "first k-1 micro-steps"),
     Strategy("fsdp", "FSDP",
@@ -130,7 +131,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                                                                        run.device),
              trainer=lambda module, k, run: _module("fsdp").FSDPTrainer(module, run.group(k),
                                                                         run.device),
-             check_case="FSDPCase",
+             check_case=lambda: _module("fsdp").FSDPCheckCase,
              check_description="FSDP2 fully_shard on ranks 0..N-1; each rank compares its "
                                "own shard"),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",

@@ -7,6 +7,7 @@ on the subgroup of the first k ranks. Ranks outside it skip the case.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -15,6 +16,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from harness.check.case import CaseModel
+from harness.check.compare import same_on_every_rank, sampled_fingerprint
 from harness.models import device_slot
 from harness.strategies.common import (
     CommCounter,
@@ -138,3 +141,21 @@ class DDPTrainer(Trainer):
 
     def grads_of_every_rank(self) -> list[torch.Tensor] | None:
         return gather_to_leader(flat_grad(self.module), self.group, self.device)
+
+
+class DDPCheckCase(CaseModel):
+    """grad-check: the user's step under DDP on ranks 0..N-1, ``no_sync`` for the first
+    k-1 micro-steps."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return wrap(model, self.group, self.device, **self.setup.ddp_options)
+
+    def sync(self, micro: int, accum_steps: int) -> contextlib.AbstractContextManager:
+        return self.module.no_sync() if micro < accum_steps - 1 else contextlib.nullcontext()
+
+    def ranks_agree(self, point: str) -> bool | None:
+        """DDP's promise: after the reduction every replica holds the same gradient. Where
+        a rank compares tensors the others hold differently, its own values are compared."""
+        params = [param for _, param in self.inner.named_parameters()]
+        tensors = [param.grad for param in params] if point == "grad" else params
+        return same_on_every_rank([sampled_fingerprint(tensors)], self.group, self.device)

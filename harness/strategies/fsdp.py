@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.check.case import CaseModel, shard_rows
 from harness.models import device_slot
 from harness.strategies.common import StepMeasurement, StepSpec, Trainer, buffers_of
 from harness.strategies.ddp import measurement_on_leader
@@ -105,3 +106,37 @@ class FSDPTrainer(Trainer):
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+
+
+class FSDPCheckCase(CaseModel):
+    """grad-check: the user's step under FSDP2 on ranks 0..N-1. Parameters and gradients
+    are DTensors sharded along dim 0 as ``torch.chunk`` cuts
+    it; each rank compares its shard with the same chunk of the reference."""
+
+    shards_parameters = True
+
+    @classmethod
+    def unavailable(cls, placement) -> str | None:
+        return unavailable_reason(placement)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return shard(model, self.group, self.device)
+
+    def sharded(self, name: str) -> bool:
+        return name in self._sharded
+
+    @property
+    def _sharded(self) -> set[str]:
+        return set(self.param_names)
+
+    def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None or not hasattr(tensor, "to_local"):
+            return tensor
+        return tensor.to_local()
+
+    def reference_part(self, reference: torch.Tensor | None, name: str, first_row: int = 0
+                       ) -> torch.Tensor | None:
+        if reference is None or not self.sharded(name) or reference.dim() == 0:
+            return reference
+        first, stop = shard_rows(self.rows[name], self.world_size, self.rank)
+        return reference[first - first_row:stop - first_row]

@@ -10,12 +10,14 @@ one forward, so BatchNorm's reference statistics are those of the full batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from harness.check.case import CaseModel
 from harness.models import device_slot
 from harness.strategies.common import Trainer, buffers_of, clear_grad, flat_grad
 from harness.tasks import Batch, Task
@@ -71,3 +73,45 @@ class LocalTrainer(Trainer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with device_slot(0):
             return self.module(x)
+
+
+class LocalCheckCase(CaseModel):
+    """One process playing the N ranks: their pieces in turn, each rank's gradients held
+    apart (a custom micro_step that reads ``.grad`` sees its own rank's, as under DDP's
+    no_sync), averaged over the N at the end of the step as DDP and FSDP average them."""
+
+    plays_every_rank = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def ranks_played(self) -> list[int]:
+        return list(range(self.world_size))
+
+    #: Each played rank's own gradients (one per trainable parameter) during a step.
+    _held: dict[int, list[torch.Tensor | None]] | None = None
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.inner.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def playing(self, rank: int):
+        params = self._trainable()
+        if self._held is None:
+            self._held = {r: [None] * len(params) for r in range(self.world_size)}
+        for param, grad in zip(params, self._held[rank], strict=True):
+            param.grad = grad
+        try:
+            yield
+        finally:
+            self._held[rank] = [param.grad for param in params]
+
+    def reduce_played(self) -> None:
+        held, self._held = self._held, None
+        for i, param in enumerate(self._trainable()):
+            grads = [held[rank][i] for rank in held if held[rank][i] is not None]
+            if grads:
+                for grad in grads[1:]:
+                    grads[0].add_(grad)
+                grads[0].div_(self.world_size)
+            param.grad = grads[0] if grads else None

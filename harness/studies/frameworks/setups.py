@@ -35,9 +35,9 @@ from harness.check import batches
 from harness.check.load import prepared_model
 from harness.check.reference import make_optimizer
 from harness.check.setup import MicroStep, Setup, default_optimizer
+from harness.frameworks.data import IGNORE
 from harness.seeding import generator_for
 from harness.strategies.common import float64_vector
-from harness.studies.frameworks.data import IGNORE
 
 LOSSES = ("mean", "token")
 VOCAB = 7

@@ -5,7 +5,7 @@ optimizer step of the study's user setups (:mod:`harness.studies.frameworks.setu
 tiny language model, a token-mean cross-entropy, plain SGD, and the variants users
 write) its own way, exactly as shipped (``default``) and with the settings users
 commonly change, through the same code as ``grad-check --frameworks``
-(:mod:`harness.studies.frameworks.measure`).
+(:mod:`harness.frameworks.measure`).
 
 The frameworks reduce over the default process group, so the study measures at a
 launch of exactly two ranks (``--nproc 2``). A framework whose package is missing
@@ -18,23 +18,13 @@ import math
 from typing import Any
 
 from harness.context import RunContext
+from harness.frameworks import FRAMEWORKS
+from harness.frameworks.measure import NUMBERS, measure
+from harness.frameworks.registry import DEFAULT, INSTALL_HINT, Framework, Setting
 from harness.studies.base import Case, Study
-from harness.studies.frameworks import (
-    deepspeed_engine,
-    hf_accelerate,
-    hf_trainer,
-    lightning_trainer,
-)
-from harness.studies.frameworks.measure import NUMBERS, measure
-from harness.studies.frameworks.registry import DEFAULT, INSTALL_HINT, Framework, Setting
 from harness.studies.frameworks.schema import COLUMNS
 from harness.studies.frameworks.setups import LOSSES, PLAIN, VARIANTS, Variant, make_setup
 
-#: Every framework, in row order.
-FRAMEWORKS: dict[str, Framework] = {
-    framework.name: framework
-    for framework in (hf_accelerate.FRAMEWORK, lightning_trainer.FRAMEWORK,
-                      hf_trainer.FRAMEWORK, deepspeed_engine.FRAMEWORK)}
 VARIANT = {variant.name: variant for variant in VARIANTS}
 #: The frameworks reduce over the default process group: exactly these ranks.
 WORLD_SIZE = 2

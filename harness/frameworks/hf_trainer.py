@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check.reference import make_optimizer
-from harness.studies.frameworks.capture import parameter_grads, parameter_values, watch_step
-from harness.studies.frameworks.data import Samples, items, micro_batch_size, used_samples
-from harness.studies.frameworks.registry import (
+from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
+from harness.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.frameworks.registry import (
     DEFAULT,
     Applied,
     Framework,
@@ -110,7 +110,7 @@ def _arguments(job: Job, window: Any, out: str) -> dict:
 def train(job: Job) -> Applied:
     from transformers import PrinterCallback, Trainer, TrainingArguments
 
-    from harness.studies.frameworks.hf_accelerate import reset_accelerate_state
+    from harness.frameworks.hf_accelerate import reset_accelerate_state
 
     window = job.window()
     inner = job.model()

@@ -25,6 +25,7 @@ from harness.check.setup import Setup
 from harness.check.table import aligned, number
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.frameworks.registry import DEFAULT, Framework, Setting
 from harness.options import (
     check_out_folder,
     parse_float,
@@ -32,7 +33,6 @@ from harness.options import (
     parse_name_list,
     parse_nproc,
 )
-from harness.studies.frameworks.registry import DEFAULT, Framework, Setting
 from harness.studies.frameworks.schema import CHECK_COLUMNS
 
 CSV_NAME = "frameworks.csv"
@@ -43,7 +43,7 @@ HEADER = ("framework", "setting", "N", "k", "point", "verdict", "scale", "residu
 
 def frameworks() -> dict[str, Framework]:
     """The adapters, imported only when asked for (they import nothing heavy themselves)."""
-    from harness.studies.frameworks.study import FRAMEWORKS
+    from harness.frameworks import FRAMEWORKS
 
     return FRAMEWORKS
 
@@ -112,8 +112,8 @@ def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]
          prog: str) -> int:
     import torch.distributed as dist
 
+    from harness.frameworks.measure import measure
     from harness.results import write_csv_atomic
-    from harness.studies.frameworks.measure import measure
 
     # The frameworks here train on the CPU over gloo, whatever the machine holds.
     if not dist.is_initialized():  # tests initialise it themselves, through a FileStore

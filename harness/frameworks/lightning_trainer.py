@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from harness.check.reference import make_optimizer
-from harness.studies.frameworks.capture import parameter_grads, parameter_values, watch_step
-from harness.studies.frameworks.data import Samples, items, micro_batch_size, used_samples
-from harness.studies.frameworks.registry import (
+from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
+from harness.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.frameworks.registry import (
     DEFAULT,
     Applied,
     Code,

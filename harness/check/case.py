@@ -1,8 +1,11 @@
-"""The user's step under each strategy, and which tensors each rank compares.
+"""The user's step under a strategy, and which tensors each rank compares.
 
-A :class:`CaseModel` starts from a copy of the model the reference started from (so an
-unseeded ``make_model`` cannot make a false difference), feeds its micro-batches the way
-the strategy would, and lists the (measured, reference) pairs this rank compares.
+Each strategy's module (harness/strategies/) subclasses :class:`CaseModel` for its way of
+feeding the micro-batches and reducing; its spec points to that class
+(``Strategy.check_case``). A :class:`CaseModel` starts from a copy of the model the
+reference started from (so an unseeded ``make_model`` cannot make a false difference),
+feeds its micro-batches the way the strategy would, and lists the (measured, reference)
+pairs this rank compares.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check import batches
-from harness.check.compare import Pair, same_on_every_rank, sampled_fingerprint
+from harness.check.compare import Pair
 from harness.check.reference import (
     ReferenceStep,
     Rows,
@@ -220,102 +223,9 @@ class CaseModel(ABC):
         return pairs
 
 
-class LocalCase(CaseModel):
-    """One process playing the N ranks: their pieces in turn, each rank's gradients held
-    apart (a custom micro_step that reads ``.grad`` sees its own rank's, as under DDP's
-    no_sync), averaged over the N at the end of the step as DDP and FSDP average them."""
-
-    plays_every_rank = True
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def ranks_played(self) -> list[int]:
-        return list(range(self.world_size))
-
-    #: Each played rank's own gradients (one per trainable parameter) during a step.
-    _held: dict[int, list[torch.Tensor | None]] | None = None
-
-    def _trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.inner.parameters() if p.requires_grad]
-
-    @contextlib.contextmanager
-    def playing(self, rank: int):
-        params = self._trainable()
-        if self._held is None:
-            self._held = {r: [None] * len(params) for r in range(self.world_size)}
-        for param, grad in zip(params, self._held[rank], strict=True):
-            param.grad = grad
-        try:
-            yield
-        finally:
-            self._held[rank] = [param.grad for param in params]
-
-    def reduce_played(self) -> None:
-        held, self._held = self._held, None
-        for i, param in enumerate(self._trainable()):
-            grads = [held[rank][i] for rank in held if held[rank][i] is not None]
-            if grads:
-                for grad in grads[1:]:
-                    grads[0].add_(grad)
-                grads[0].div_(self.world_size)
-            param.grad = grads[0] if grads else None
-
-
-class DDPCase(CaseModel):
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from harness.strategies.ddp import wrap
-
-        return wrap(model, self.group, self.device, **self.setup.ddp_options)
-
-    def sync(self, micro: int, accum_steps: int) -> contextlib.AbstractContextManager:
-        return self.module.no_sync() if micro < accum_steps - 1 else contextlib.nullcontext()
-
-    def ranks_agree(self, point: str) -> bool | None:
-        """DDP's promise: after the reduction every replica holds the same gradient. Where
-        a rank compares tensors the others hold differently, its own values are compared."""
-        params = [param for _, param in self.inner.named_parameters()]
-        tensors = [param.grad for param in params] if point == "grad" else params
-        return same_on_every_rank([sampled_fingerprint(tensors)], self.group, self.device)
-
-
-class FSDPCase(CaseModel):
-    """Parameters and gradients are DTensors sharded along dim 0 as ``torch.chunk`` cuts
-    it; each rank compares its shard with the same chunk of the reference."""
-
-    shards_parameters = True
-
-    @classmethod
-    def unavailable(cls, placement: Placement) -> str | None:
-        from harness.strategies.fsdp import unavailable_reason
-
-        return unavailable_reason(placement)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from harness.strategies.fsdp import shard
-
-        return shard(model, self.group, self.device)
-
-    def sharded(self, name: str) -> bool:
-        return name in self._sharded
-
-    @property
-    def _sharded(self) -> set[str]:
-        return set(self.param_names)
-
-    def local(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        if tensor is None or not hasattr(tensor, "to_local"):
-            return tensor
-        return tensor.to_local()
-
-    def reference_part(self, reference: torch.Tensor | None, name: str, first_row: int = 0
-                       ) -> torch.Tensor | None:
-        if reference is None or not self.sharded(name) or reference.dim() == 0:
-            return reference
-        first, stop = shard_rows(self.rows[name], self.world_size, self.rank)
-        return reference[first - first_row:stop - first_row]
-
-
 def case_model(strategy: str) -> type[CaseModel]:
     """The class that runs a user's step under ``strategy``: the one its spec names."""
-    return globals()[STRATEGIES[strategy].check_case]
+    make = STRATEGIES[strategy].check_case
+    if make is None:
+        raise ValueError(f"strategy {strategy!r} has no check case")
+    return make()

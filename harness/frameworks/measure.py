@@ -25,10 +25,10 @@ from harness.check.fix import loss_scale_fix
 from harness.check.setup import Setup
 from harness.errors import first_sentence
 from harness.fit import equivalence_verdict, fit_scale, relative_error
+from harness.frameworks.capture import StepCapture
+from harness.frameworks.data import used_samples
+from harness.frameworks.registry import Applied, Framework, Job, Setting
 from harness.strategies.common import relative_spread
-from harness.studies.frameworks.capture import StepCapture
-from harness.studies.frameworks.data import used_samples
-from harness.studies.frameworks.registry import Applied, Framework, Job, Setting
 from harness.studies.frameworks.setups import Reference, big_batch_steps
 from harness.tolerances import relative_tolerance
 

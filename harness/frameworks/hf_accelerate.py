@@ -13,10 +13,10 @@ from __future__ import annotations
 from torch.utils.data import DataLoader
 
 from harness.check.reference import make_optimizer
-from harness.studies.frameworks import registry
-from harness.studies.frameworks.capture import parameter_grads, parameter_values, watch_step
-from harness.studies.frameworks.data import Samples, items, micro_batch_size, used_samples
-from harness.studies.frameworks.registry import Applied, Code, Job, Setting
+from harness.frameworks import registry
+from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
+from harness.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.frameworks.registry import Applied, Code, Job, Setting
 
 SETTINGS = (
     Setting(registry.DEFAULT, core=True),

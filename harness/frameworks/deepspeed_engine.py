@@ -27,14 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check.reference import make_optimizer
-from harness.studies.frameworks.capture import (
+from harness.frameworks.capture import (
     StepCapture,
     parameter_grads,
     parameter_values,
     watch_step,
 )
-from harness.studies.frameworks.data import items, micro_batch_size, rank_micro_batches
-from harness.studies.frameworks.registry import (
+from harness.frameworks.data import items, micro_batch_size, rank_micro_batches
+from harness.frameworks.registry import (
     DEFAULT,
     Applied,
     Framework,
