@@ -121,10 +121,10 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from harness.check.config import CheckConfig
 from harness.check.load import validated_setup
-from harness.check.run import CheckRun, SetupCheck
+from harness.check.matrix import CheckRun, SetupCheck
 from harness.launch import Launch, choose_placement
 from harness.frameworks.measure import measure
-from harness.studies.frameworks.study import FRAMEWORKS
+from harness.frameworks import FRAMEWORKS
 
 target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")

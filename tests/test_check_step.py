@@ -267,7 +267,7 @@ def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not
     # The GradScaler runs on the CPU too; the check asks CUDA for it only because float16
     # autocast, its use, needs CUDA: the guard is lifted here to drive the rows' path.
     monkeypatch.setattr("harness.check.api.check_step_device", lambda *args: None)
-    monkeypatch.setattr("harness.check.run.check_step_device", lambda *args: None)
+    monkeypatch.setattr("harness.check.matrix.check_step_device", lambda *args: None)
     setup = Setup(make_model=mlp.make_model, batch=_poisoned_batch, loss=_poisoned_loss,
                   grad_scaler=True, steps=2, name="scaler-skips-step-0")
     rows = check(lambda: setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))

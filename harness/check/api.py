@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from harness.check.config import CHECK_STRATEGIES, CheckConfig
 from harness.check.load import check_batches, check_model, load_setup
-from harness.check.run import CheckRun, SetupCheck
+from harness.check.matrix import CheckRun
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
@@ -158,15 +158,9 @@ class RowsRun(CheckRun):
                          choose_placement("auto", "auto", launch), world_sizes)
         self.process_group = process_group
 
-    def _init_distributed(self) -> dict:
+    def init_distributed(self) -> dict:
         # `local` communicates nothing: it runs on no process group at all.
-        return super()._init_distributed() if self.process_group else {}
-
-    def measured_rows(self) -> list[dict[str, Any]]:
-        groups = self._init_distributed()
-        for target, setup in self.setups:
-            self.rows += SetupCheck(self, target, setup, groups).run()
-        return self.rows
+        return super().init_distributed() if self.process_group else {}
 
 
 def _single_launch() -> Launch:

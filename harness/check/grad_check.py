@@ -206,7 +206,7 @@ def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
          placement: Placement, world_sizes: tuple[int, ...]) -> int:
     import torch.distributed as dist
 
-    from harness.check.run import CheckRun
+    from harness.check.matrix import CheckRun
 
     run = CheckRun(config, setups, launch, placement, world_sizes)
     if launch.is_leader and not config.quiet:

@@ -1,10 +1,10 @@
-"""One launch runs the whole matrix: strategy x world size N x micro-steps k.
+"""The Setup matrix: strategy x world size N x micro-steps k, every case in one launch.
 
 Process subgroups of ranks 0..N-1 are created once; a case of world size N runs on
 its subgroup (``local`` on rank 0 alone) while the other ranks go on to the next
 case. Rank 0 takes part in every case, holds every row, and writes ``check.csv``
 atomically at the end. The big-batch reference is computed once per step by every
-rank and shared by all cases.
+rank and shared by all cases (harness/check/baseline.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from harness.check import batches
-from harness.check.case import CaseModel, case_model, merged, not_finite_message
+from harness.check.baseline import Baseline, UsedSamples
+from harness.check.case import CaseModel, case_model, not_finite_message
 from harness.check.compare import (
     Comparison,
     compare,
@@ -31,16 +31,10 @@ from harness.check.compare import (
 )
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
-from harness.check.load import copy_of, prepared_model
+from harness.check.load import prepared_model
 from harness.check.precision import case_precision, unsplit_fix
 from harness.check.precision import name as dtype_name
-from harness.check.reference import (
-    ReferenceStep,
-    Rows,
-    compute_reference,
-    state_names,
-    window_of,
-)
+from harness.check.reference import ReferenceStep, state_names, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
@@ -75,6 +69,22 @@ class Case:
         return f"{self.strategy} N={self.world_size} k={self.accum_steps}"
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One step and point of a case, measured or not: what its CSV row is made from."""
+
+    step: int
+    point: str
+    comparison: Comparison | None = None
+    #: Whether the ranks held the same tensors (DDP's promise); None: not meant to.
+    ranks_agree: bool | None = None
+    fix: str = ""
+    status: str = "ok"
+    error: str = ""
+    #: The precision the row was judged at (None: unmeasured, the run's dtype).
+    precision: torch.dtype | None = None
+
+
 def matrix(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[Case]:
     return [Case(strategy, n, k) for strategy in config.strategies for n in world_sizes
             for k in config.accum_steps]
@@ -89,7 +99,8 @@ class CheckRun:
         self.placement, self.world_sizes = placement, world_sizes
         self.rows: list[dict[str, Any]] = []
 
-    def _init_distributed(self) -> dict[int, dist.ProcessGroup]:
+    def init_distributed(self) -> dict[int, dist.ProcessGroup]:
+        """The process group and one subgroup per world size (``{}``: no process group)."""
         if self.placement.device.type == "cuda":
             torch.cuda.set_device(self.placement.device)
         timeout = timedelta(seconds=self.config.timeout)
@@ -98,11 +109,16 @@ class CheckRun:
         # new_group is collective: every rank creates every group, in the same order.
         return {n: dist.new_group(list(range(n)), timeout=timeout) for n in self.world_sizes}
 
-    def run(self) -> int:
-        """Every setup's cases; rank 0 writes check.csv (rows of all setups). Exit code 0."""
-        groups = self._init_distributed()
+    def measured_rows(self) -> list[dict[str, Any]]:
+        """Every setup's rows (on rank 0; [] elsewhere)."""
+        groups = self.init_distributed()
         for target, setup in self.setups:
             self.rows += SetupCheck(self, target, setup, groups).run()
+        return self.rows
+
+    def run(self) -> int:
+        """Every setup's cases; rank 0 writes check.csv (rows of all setups). Exit code 0."""
+        self.measured_rows()
         if self.launch.is_leader:
             write_csv_atomic(self.config.out / CSV_NAME, self.rows, COLUMN_NAMES)
         dist.barrier()
@@ -111,35 +127,24 @@ class CheckRun:
 
 
 class SetupCheck:
-    """One setup's matrix, sharing the big-batch reference between its cases."""
+    """One setup's matrix, every case compared with the same baseline."""
 
     def __init__(self, run: CheckRun, target: str, setup: Setup,
                  groups: dict[int, dist.ProcessGroup]) -> None:
         self.config, self.launch, self.placement = run.config, run.launch, run.placement
         self.world_sizes, self.target, self.setup, self.groups = (run.world_sizes, target,
                                                                   setup, groups)
-        self.dtype, self.device = self.config.torch_dtype, self.placement.device
-        self.dtype = run_dtype(setup, self.dtype)
+        self.device = self.placement.device
+        self.dtype = run_dtype(setup, self.config.torch_dtype)
         check_step_device(setup, target, self.device)
-        #: The precision each measured case was judged at (see precision.py).
-        self.precisions: dict[Case, torch.dtype] = {}
-        #: Gradient edits the user's micro_step made in the case being measured.
-        self.edits_in_micro_step: set[str] = set()
         self.rtol = check_tolerance(self.dtype)
-        self.references: dict[tuple[int, ...] | None, list[ReferenceStep]] = {}
-        #: The initial model: copied for every case but this rank's last, which takes it.
-        self.initial: nn.Module | None = prepared_model(setup, self.dtype, self.device, target)
-        #: Cases this rank still has to measure.
-        self.cases_left = 0
-        #: Parameters the references share with the model of the last case, until its step.
-        self.parameters_to_keep: set[str] = set()
-        #: The tensors (and rows) this rank compares in some case: all the reference keeps.
-        self.kept: dict[str, Rows] = {}
-        _, buffer_names = state_names(self.initial)
+        self.baseline = Baseline(setup, self.dtype, self.device, target, self.rtol)
+        initial = self.baseline.initial
+        _, buffer_names = state_names(initial)
         #: What each case compares: the buffers on their own, where the model has some.
         self.points = ("grad", "params", *(("buffers",) if buffer_names else ()))
         #: Integer buffers (counters such as BatchNorm's num_batches_tracked) must be equal.
-        self.exact_buffers = {name for name, buffer in self.initial.named_buffers()
+        self.exact_buffers = {name for name, buffer in initial.named_buffers()
                               if not buffer.is_floating_point()}
 
     def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
@@ -148,7 +153,7 @@ class SetupCheck:
         each step's loss and of each batch)."""
         if self.launch.world_size == 1:  # one rank: nothing to tell apart, no collective
             return
-        values = [sampled_fingerprint(self.initial.state_dict().values())]
+        values = [sampled_fingerprint(self.baseline.initial.state_dict().values())]
         values += [step.loss for step in reference]
         values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
         if not same_on_every_rank(values, None, self.device):
@@ -156,7 +161,7 @@ class SetupCheck:
                              "different numbers; allowed: deterministic functions (seed inside "
                              "them, e.g. torch.manual_seed(0) in make_model)")
 
-    def used_samples(self, case: Case) -> tuple[int, ...] | None:
+    def used_samples(self, case: Case) -> UsedSamples:
         """Samples of each step's global batch the case uses: all, unless --drop-last cuts
         some (each batch by its own size: later batches may be smaller than the first)."""
         if not self.config.drop_last:
@@ -165,49 +170,39 @@ class SetupCheck:
         return tuple(batches.sample_count(self.setup.batch(step), f"batch({step})")
                      // pieces * pieces for step in range(self.setup.steps))
 
-    def reference(self, used: tuple[int, ...] | None) -> list[ReferenceStep]:
-        if used not in self.references:
-            self.references[used] = compute_reference(
-                self.setup, self.dtype, self.device, used, self.rtol, self.target,
-                initial=self.initial, keeps=self.kept)
-        return self.references[used]
-
     # ------------------------------------------------------------------- run
     def run(self) -> list[dict[str, Any]]:
         """The rows of every case (on rank 0; [] elsewhere)."""
-        cases = matrix(self.config, self.world_sizes)
+        every_case = matrix(self.config, self.world_sizes)
+        cases = [case for case in every_case if self.launch.rank < case.participants]
         for case in cases:
-            if self.launch.rank < case.participants:
-                parts = case_model(case.strategy).compared_parts(self.initial, case.world_size,
-                                                                  self.launch.rank)
-                for name, rows in parts.items():
-                    self.kept[name] = merged(self.kept[name], rows) if name in self.kept else rows
-                self.cases_left += self._unavailable(case) is None
-        self._same_on_every_rank(self.reference(self.used_samples(cases[0])))
+            self.baseline.expect_case(
+                case_model(case.strategy).compared_parts(self.baseline.initial,
+                                                         case.world_size, self.launch.rank),
+                trains=self._unavailable(case) is None)
+        # The same reference on every rank, whichever cases a rank takes part in.
+        self._same_on_every_rank(self.baseline.reference(self.used_samples(every_case[0])))
         rows: list[dict[str, Any]] = []
         for case in cases:
-            if self.launch.rank < case.participants:
-                rows += self.run_case(case)
+            rows += self.rows(case, self.run_case(case))
         return rows
 
-    def run_case(self, case: Case) -> list[dict[str, Any]]:
-        """The case's rows on rank 0 (one per step and point); [] on the other ranks."""
+    def run_case(self, case: Case) -> list[Measured]:
+        """The case's measurements, one per step and point."""
         reason = self._unavailable(case)
         if reason is not None:
-            return self._rows(case, [(step, point, None, None, "", f"skipped: {reason}", "")
-                                     for step in range(self.setup.steps)
-                                     for point in self.points])
+            return [Measured(step, point, status=f"skipped: {reason}")
+                    for step in range(self.setup.steps) for point in self.points]
         try:
-            measured = self._measure(case)
+            return self._measure(case)
         except UsageError:
             raise
         except NotFinite as error:
-            return self._rows(case, [(error.step, point, None, None, "", "error", str(error))
-                                     for point in self.points])
+            return [Measured(error.step, point, status="error", error=str(error))
+                    for point in self.points]
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
-            return self._rows(case, [(0, point, None, None, "", "error", first_sentence(error))
-                                     for point in self.points])
-        return self._rows(case, measured)
+            return [Measured(0, point, status="error", error=first_sentence(error))
+                    for point in self.points]
 
     def _unavailable(self, case: Case) -> str | None:
         return case_model(case.strategy).unavailable(self.placement)
@@ -215,45 +210,48 @@ class SetupCheck:
     def _group(self, case: Case) -> dist.ProcessGroup | None:
         return self.groups[case.world_size] if STRATEGIES[case.strategy].collective else None
 
-    def _measure(self, case: Case) -> list[tuple]:
-        """Train the case's steps; (step, point, comparison, ranks agree, fix, status, error)
-        each."""
+    def _measure(self, case: Case) -> list[Measured]:
+        """Train the case's steps, each compared with the reference's."""
         used = self.used_samples(case)
-        reference = self.reference(used)
+        reference = self.baseline.reference(used)
         group = self._group(case)
-        model = case_model(case.strategy)(self.setup, self._initial_model(), case.world_size,
-                                           self.device, group)
+        model = case_model(case.strategy)(self.setup, self.baseline.model_for_case(),
+                                           case.world_size, self.device, group)
         facts = self._facts(case, model, reference)
-        results = []
+        measured: list[Measured] = []
         for step, ref in enumerate(reference):
             window = window_of(self.setup, step, used, self.dtype, self.device)
-            samples = batches.sample_count(window, f"batch({step})")
-            facts.loss_combination = self._loss_combination(window, samples, case)
-            model.backward_window(window, samples, case.accum_steps)
-            self._refuse_not_finite(model, step, case, group)
-            if self._scaler_skipped(model, group) or ref.skipped:
-                results += self._skipped_step(model, step, ref.skipped)
-                continue
-            precision = case_precision(self.dtype, self.setup,
-                                       [ref.loss_dtype, *model.whole.loss_dtypes])
-            self.precisions[case] = precision
-            self.edits_in_micro_step = model.whole.edits_in_forward
-            facts.rtol = rtol = check_tolerance(precision)
-            grads = compare(model.grad_pairs(ref), model.param_names, group, self.device,
-                            rtol)
-            grads_agree = model.ranks_agree("grad")
-            self._keep_initial_parameters()
-            model.step()
-            measured = [("grad", grads, grads_agree),
-                        *self._compare_after_step(model, ref, group, rtol)]
-            for point, comparison, agree in measured:
-                facts.ranks_agree = agree
-                results.append((step, point, comparison, agree,
-                                self._fix(point, comparison, facts), "ok", ""))
-                if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
-                    # The step's later rows (and every later step's) follow from it.
-                    facts.gradient_scale = comparison.scale
-        return results
+            measured += self._measure_step(case, model, step, ref, window, facts, group)
+        return measured
+
+    def _measure_step(self, case: Case, model: CaseModel, step: int, ref: ReferenceStep,
+                      window: Any, facts: Facts, group: dist.ProcessGroup | None
+                      ) -> list[Measured]:
+        """One optimizer step of the case: its window's micro-steps, then each point
+        compared and judged at the precision the step ran in."""
+        samples = batches.sample_count(window, f"batch({step})")
+        facts.loss_combination = self._loss_combination(window, samples, case)
+        model.backward_window(window, samples, case.accum_steps)
+        self._refuse_not_finite(model, step, case, group)
+        if self._scaler_skipped(model, group) or ref.skipped:
+            return self._skipped_step(model, step, ref.skipped)
+        precision = case_precision(self.dtype, self.setup,
+                                   [ref.loss_dtype, *model.whole.loss_dtypes])
+        facts.rtol = rtol = check_tolerance(precision)
+        grads = compare(model.grad_pairs(ref), model.param_names, group, self.device, rtol)
+        compared = [("grad", grads, model.ranks_agree("grad"))]
+        self.baseline.before_optimizer_step()
+        model.step()
+        compared += self._compare_after_step(model, ref, group, rtol)
+        measured = []
+        for point, comparison, agree in compared:
+            facts.ranks_agree = agree
+            fix = self._fix(point, comparison, facts, model.whole.edits_in_forward)
+            measured.append(Measured(step, point, comparison, agree, fix, precision=precision))
+            if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
+                # The step's later rows (and every later step's) follow from it.
+                facts.gradient_scale = comparison.scale
+        return measured
 
     def _scaler_skipped(self, model: CaseModel, group: dist.ProcessGroup | None) -> bool:
         """Whether the case's GradScaler skips this step on any rank (all skip together:
@@ -265,11 +263,12 @@ class SetupCheck:
             dist.all_reduce(skips, op=dist.ReduceOp.MAX, group=group)
         return bool(skips.item())
 
-    def _skipped_step(self, model: CaseModel, step: int, reference_skipped: bool) -> list[tuple]:
+    def _skipped_step(self, model: CaseModel, step: int,
+                      reference_skipped: bool) -> list[Measured]:
         """A step the GradScaler skipped: nothing to fit (its gradient is not finite). Alike
         in the big batch and the case, as it must be, the rows say so; in one of them only,
         the case failed."""
-        self._keep_initial_parameters()
+        self.baseline.before_optimizer_step()
         model.step()
         if reference_skipped and model.whole.scaler is not None:
             status, error = (f"skipped: the GradScaler skipped step {step} in the big batch "
@@ -278,7 +277,7 @@ class SetupCheck:
             where = "big batch only" if reference_skipped else "case only"
             status, error = "error", (f"the GradScaler skipped step {step} in the {where}: "
                                       "a gradient, unscaled, was not finite there alone")
-        return [(step, point, None, None, "", status, error) for point in self.points]
+        return [Measured(step, point, status=status, error=error) for point in self.points]
 
     def _compare_after_step(self, model: CaseModel, ref: ReferenceStep,
                             group: dist.ProcessGroup | None, rtol: float) -> list[tuple]:
@@ -286,13 +285,13 @@ class SetupCheck:
         buffers when the model has any, against the reference's."""
         update = compare(model.update_pairs(ref, model.param_names), model.param_names,
                          group, self.device, rtol)
-        measured = [("params", update, model.ranks_agree("params"))]
+        compared = [("params", update, model.ranks_agree("params"))]
         if model.buffer_names:
             buffers = compare_each(model.update_pairs(ref, model.buffer_names),
                                    model.buffer_names, self.exact_buffers, group,
                                    self.device, rtol)
-            measured.append(("buffers", buffers, None))
-        return measured
+            compared.append(("buffers", buffers, None))
+        return compared
 
     def _refuse_not_finite(self, model: CaseModel, step: int, case: Case,
                            group: dist.ProcessGroup | None) -> None:
@@ -305,46 +304,6 @@ class SetupCheck:
             raise NotFinite(step, not_finite_message(float(first), step, case.world_size,
                                                       case.accum_steps))
 
-    def _initial_model(self) -> nn.Module:
-        """A model at the initial state: a copy, except for this rank's last case, which
-        takes the initial model itself (one model's memory less while it trains).
-
-        The references' step-0 state is that model's own tensors, so it must be copied
-        before the case changes them: the floating buffers now (a training-mode forward
-        updates them), the parameters only right before the optimizer step
-        (:meth:`_keep_initial_parameters`), so that the copy is not held while the case
-        builds its wrapper and runs its backward passes.
-        """
-        self.cases_left -= 1
-        if self.cases_left > 0:
-            return copy_of(self.initial, self.setup, self.dtype, self.device)
-        self.parameters_to_keep = {name for name, _ in self.initial.named_parameters()}
-        self._copy_initial_state(lambda name: name not in self.parameters_to_keep)
-        model, self.initial = self.initial, None
-        return model
-
-    def _keep_initial_parameters(self) -> None:
-        """Before the last case's first optimizer step: copy the parameters the references
-        still share with the model. Step 0's gradients have been compared by then in every
-        case, so the copies go into their memory: pages already resident, where fresh ones
-        cost more to fault in than the copy itself (0.5 s for 200 MB on a 2-core VM)."""
-        if self.parameters_to_keep:
-            self._copy_initial_state(self.parameters_to_keep.__contains__, into_grads=True)
-            self.parameters_to_keep = set()
-
-    def _copy_initial_state(self, which, into_grads: bool = False) -> None:
-        """Copy the step-0 tensors ``which`` names that are still the initial model's own
-        (kept rows were copied when they were cut), into step 0's gradient of the same
-        name if ``into_grads`` (those gradients are then gone)."""
-        for reference in self.references.values():
-            first = reference[0]
-            spares = first.grads if into_grads else {}
-            first.before = {name: copied(tensor, spares.get(name))
-                            if which(name) and name not in first.first_rows else tensor
-                            for name, tensor in first.before.items()}
-            if into_grads:
-                first.grads = {}
-
     def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
         return Facts(strategy=case.strategy, world_size=case.world_size,
                      accum_steps=case.accum_steps, batchnorm=batchnorm_tensors(model.inner),
@@ -352,14 +311,15 @@ class SetupCheck:
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)
 
-    def _fix(self, point: str, comparison: Comparison, facts: Facts) -> str:
+    def _fix(self, point: str, comparison: Comparison, facts: Facts,
+             edits_in_micro_step: set[str]) -> str:
         """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
         if not self.launch.is_leader:
             return ""
         if facts.world_size == facts.accum_steps == 1:
             return unsplit_fix(point, comparison, self.setup)
-        if self.edits_in_micro_step and comparison.verdict is not Equivalence.MATCHES:
-            return micro_step_edit_fix(self.edits_in_micro_step)
+        if edits_in_micro_step and comparison.verdict is not Equivalence.MATCHES:
+            return micro_step_edit_fix(edits_in_micro_step)
         return suggest(point, comparison, facts)
 
     def _loss_combination(self, window, samples: int, case: Case):
@@ -375,35 +335,29 @@ class SetupCheck:
 
         return combination
 
-    def _rows(self, case: Case, results: list[tuple]) -> list[dict[str, Any]]:
+    def rows(self, case: Case, measured: list[Measured]) -> list[dict[str, Any]]:
+        """The case's CSV rows, on rank 0 ([] on the other ranks)."""
         if not self.launch.is_leader:
             return []
-        rows = []
-        precision = self.precisions.get(case, self.dtype)
-        rtol = check_tolerance(precision)
-        for step, point, comparison, agree, fix, status, error in results:
-            rows.append({
-                "setup": self.setup.name, "strategy": case.strategy,
-                "world_size": case.world_size, "accum_steps": case.accum_steps,
-                "step": step, "point": point,
-                "verdict": str(comparison.verdict) if comparison else "",
-                "scale": comparison.scale if comparison else float("nan"),
-                "residual": comparison.residual if comparison else float("nan"),
-                "worst_tensors": (worst_tensors(comparison.errors.items(), rtol)
-                                  if comparison else ""),
-                "ranks_agree": "" if agree is None else agree,
-                "fix": fix, "dtype": dtype_name(self.dtype), "status": status, "error": error,
-                "precision": dtype_name(precision),
-            })
-        return rows
+        # Rows left unmeasured (a skipped or failed step) are said at the case's precision.
+        judged = next((m.precision for m in measured if m.precision is not None), self.dtype)
+        return [row_of(self.setup.name, case, self.dtype, m, judged) for m in measured]
 
 
-def copied(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
-    """A copy of ``tensor``, written into ``spare`` where that has its shape, dtype and
-    device (a tensor nobody reads any more), else a new one."""
-    tensor = tensor.detach()
-    if spare is not None and (spare.shape, spare.dtype, spare.device) == (
-            tensor.shape, tensor.dtype, tensor.device):
-        return spare.copy_(tensor)
-    return tensor.clone()
-
+def row_of(setup: str, case: Case, dtype: torch.dtype, measured: Measured,
+           case_precision: torch.dtype) -> dict[str, Any]:
+    """One row of check.csv."""
+    comparison = measured.comparison
+    precision = measured.precision or case_precision
+    return {
+        "setup": setup, "strategy": case.strategy, "world_size": case.world_size,
+        "accum_steps": case.accum_steps, "step": measured.step, "point": measured.point,
+        "verdict": str(comparison.verdict) if comparison else "",
+        "scale": comparison.scale if comparison else math.nan,
+        "residual": comparison.residual if comparison else math.nan,
+        "worst_tensors": (worst_tensors(comparison.errors.items(), check_tolerance(precision))
+                          if comparison else ""),
+        "ranks_agree": "" if measured.ranks_agree is None else measured.ranks_agree,
+        "fix": measured.fix, "dtype": dtype_name(dtype), "status": measured.status,
+        "error": measured.error, "precision": dtype_name(precision),
+    }
