@@ -50,10 +50,11 @@ def captured(optimizer_of) -> tuple[StepCapture, torch.Tensor, torch.Tensor]:
 
 def test_an_optimizer_that_edits_grad_in_step_is_captured_before_the_edit():
     capture, handed, after = captured(lambda model: EditingSGD(model.parameters(), lr=0.1))
-    assert torch.equal(capture.grad, handed)
-    assert not torch.allclose(capture.grad, handed * EDIT)
-    assert torch.equal(capture.params, after)
-    assert capture.steps == 1
+    (step,) = capture.steps
+    assert torch.equal(step.grad, handed)
+    assert not torch.allclose(step.grad, handed * EDIT)
+    assert torch.equal(step.params, after)
+    assert step.lrs == (0.1,)
 
 
 def test_a_clipping_step_pre_hook_is_captured_before_it_clips():
@@ -68,7 +69,7 @@ def test_a_clipping_step_pre_hook_is_captured_before_it_clips():
 
     capture, handed, _ = captured(clipping_sgd)
     assert float(handed.norm()) > 1e-2, "the hook really clips this gradient"
-    assert torch.equal(capture.grad, handed)
+    assert torch.equal(capture.steps[0].grad, handed)
 
 
 def test_a_closure_runs_before_the_gradient_is_read():
@@ -86,4 +87,4 @@ def test_a_closure_runs_before_the_gradient_is_read():
 
     optimizer.step(closure)
     # d(sum of Wx + b)/dW = the column sums of x (2 each), /db = the batch size (2).
-    assert capture.grad.tolist() == [2.0, 2.0, 2.0, 2.0]
+    assert capture.steps[0].grad.tolist() == [2.0, 2.0, 2.0, 2.0]

@@ -235,7 +235,7 @@ def test_ranks_that_disagree_without_a_known_cause_are_the_fix():
     reference = tensors(7, *SHAPES)
     measured = {k: v * 1.5 if k == "t0" else v for k, v in reference.items()}
     result = judged(measured, reference)
-    facts = Facts(strategy="ddp", world_size=2, accum_steps=1, ranks_agree=False)
+    facts = Facts(reduces_in_buckets=True, world_size=2, accum_steps=1, ranks_agree=False)
     assert "the ranks hold different values after DDP's all-reduce" in differs_fix(result, facts)
     facts.ranks_agree = True
     assert "ranks hold" not in differs_fix(result, facts)

@@ -449,7 +449,7 @@ def test_a_loss_nan_on_every_batch_is_refused_as_not_finite():
 
 
 def test_the_params_fix_states_its_factor():
-    facts = Facts(strategy="ddp", world_size=2, accum_steps=2)
+    facts = Facts(reduces_in_buckets=True, world_size=2, accum_steps=2)
     assert scale_fix("params", 0.25, facts) == ("multiply lr by 1/s = 4 = N*k (or fix the "
                                                 "gradient's scale)")
     assert scale_fix("grad", 0.5, facts) == "multiply the loss by 2 = k"

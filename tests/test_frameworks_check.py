@@ -27,7 +27,7 @@ from torch import nn
 from harness.check.grad_check import main
 from harness.check.setup import Setup
 from harness.frameworks.registry import INSTALL_HINT
-from harness.studies.frameworks.schema import CHECK_COLUMNS
+from harness.check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing
 from tests.scheduling import launching
@@ -89,7 +89,7 @@ def frame(tmp_path_factory) -> pd.DataFrame:
     stderr = (console / "stderr").read_text()
     # Rank 0 judges the rows (no launcher does): the Trainer's k x N fails --fail-on scaled.
     assert codes == [1, 0], stderr[-4000:]
-    assert "check.py: drops-count transformers default N=2 k=1: the step grad scaled" in stderr
+    assert "check.py: drops-count transformers default N=2 k=1: step 0 grad scaled" in stderr
     assert stderr.rstrip().endswith("fail --fail-on scaled: exit code 1"), stderr[-2000:]
     assert "configuration as passed:" in (console / "stdout").read_text()
     return pd.read_csv(out / "frameworks.csv", keep_default_na=False,
@@ -140,8 +140,11 @@ def test_a_model_dropping_num_items_in_batch_gets_k_times_n_from_the_trainer(fra
     dropped = grad(frame, "drops-count", "transformers", "max_grad_norm=0")
     assert (dropped.verdict == "scaled").all()
     assert ((dropped.scale - WORLD * dropped.accum_steps).abs() < MISS).all()
+    # The fix names the count the Trainer passed and the loss ignored (measured: the same
+    # loss with twice the count), not the scale alone.
     at_4 = dropped[dropped.accum_steps == 4]
-    assert at_4.fix.str.contains("divide the loss by 8 = N\\*k").all()
+    assert at_4.fix.str.contains("passed num_items_in_batch = ").all()
+    assert at_4.fix.str.contains("the loss ignores the count").all()
     # The same model under Accelerate (no count passed): the big batch.
     assert (grad(frame, "drops-count", "accelerate").verdict == "matches").all()
 

@@ -190,7 +190,7 @@ def test_deepspeed_settings_users_change(frame):
     default = grad(frame, framework="deepspeed", setting="default")
     assert not default.code.str.contains("gradient_clipping|zero_optimization").any()
     refused = rows(frame, framework="deepspeed", setting="zero2+gradient_predivide_factor=2")
-    assert (refused.status == "failed").all()
+    assert (refused.status == "error").all()
     assert refused.error.str.contains("gradient_predivide_factor").all()
 
 

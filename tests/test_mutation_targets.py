@@ -11,7 +11,7 @@ from harness.check.batches import piece
 from harness.check.fix import Facts, scale_fix
 from harness.studies.update.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
 
-DDP_3X2 = Facts(strategy="ddp", world_size=3, accum_steps=2)
+DDP_3X2 = Facts(reduces_in_buckets=True, world_size=3, accum_steps=2)
 
 
 def test_a_gradient_scaled_up_is_fixed_by_dividing_the_loss():

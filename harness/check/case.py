@@ -86,6 +86,8 @@ class CaseModel(ABC):
     plays_every_rank = False
     #: Every rank holds a shard of every parameter, so it compares its shard of each.
     shards_parameters = False
+    #: The reduction is DDP's bucketed all-reduce (see harness/check/fix.py).
+    reduces_in_buckets = False
 
     @classmethod
     def unavailable(cls, placement: Placement) -> str | None:

@@ -28,9 +28,12 @@ NORM_MODULES = (nn.modules.batchnorm._BatchNorm,)
 class Facts:
     """What a fix is decided from, besides the comparison itself."""
 
-    strategy: str
     world_size: int
     accum_steps: int
+    #: The reduction is DDP's bucketed all-reduce, which never reduces a bucket holding a
+    #: parameter that got no gradient; and how to tell DDP to look for such parameters.
+    reduces_in_buckets: bool = False
+    find_unused: str = "pass find_unused_parameters=True to DDP (Setup.ddp_options)"
     #: Parameter and buffer names that belong to BatchNorm modules.
     batchnorm: set[str] = field(default_factory=set)
     #: Parameters without gradient in the reference.
@@ -99,11 +102,10 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
     # BatchNorm first: where its tensors differ, it is a cause whatever else is.
     if any(comparison.errors.get(name, 0.0) > facts.rtol for name in facts.batchnorm):
         return _batchnorm_fix(facts)
-    if facts.strategy == "ddp" and facts.unused and not facts.finds_unused:
+    if facts.reduces_in_buckets and facts.unused and not facts.finds_unused:
         shown = ", ".join(facts.unused[:3]) + (", ..." if len(facts.unused) > 3 else "")
         return (f"the unused parameters ({shown}) get no gradient, so DDP never all-reduces "
-                "the bucket that holds them: pass find_unused_parameters=True to DDP "
-                "(Setup.ddp_options)")
+                f"the bucket that holds them: {facts.find_unused}")
     if facts.ranks_agree is False:
         return ("the ranks hold different values after DDP's all-reduce: something skips or "
                 "changes the reduction on some ranks (a comm hook, a parameter only some ranks "

@@ -1,13 +1,18 @@
-"""``grad-check --frameworks NAME[,NAME] module:factory``: the user's own Setup through
-real frameworks, with the frameworks study's code (:mod:`.measure`).
+"""``grad-check --frameworks NAME[,NAME] module:factory``: the check's second front-end.
+
+The user's own Setup is trained through real frameworks (the adapters of
+harness/frameworks/) instead of the strategies, and judged by the check's engine
+(:mod:`harness.frameworks.measure`): the same references, fit, precision, tolerances,
+verdicts and fixes as the Setup matrix, the same exit codes (harness/check/outcome.py)
+and console table (harness/check/table.py).
 
 ``NAME`` is a framework (``accelerate``, ``lightning``, ``transformers``,
 ``deepspeed``: its ``default``, exactly as shipped) or ``FRAMEWORK:SETTING`` for one of
-the settings users change (``deepspeed:zero1``, ``transformers:max_grad_norm=0``).
-The frameworks reduce over the default process group, so every case runs on all the
-launched ranks (N = the launch's size), at each k of ``--accum-steps``. Each row is
-compared with the plain big batch and with the big batch under the framework's own
-recipe (its clip), as in the study; rank 0 prints the table and writes
+the settings users change (``deepspeed:zero1``, ``transformers:max_grad_norm=0``). The
+frameworks reduce over the default process group, so every case runs on all the
+launched ranks (N = the launch's size), at each k of ``--accum-steps``. A Setup field a
+framework has no place for (DeepSpeed's engine has no hook for ``before_step``) is
+refused by name before any rank starts. Rank 0 prints the table and writes
 ``frameworks.csv`` atomically.
 """
 
@@ -15,17 +20,22 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from harness.check.load import validated_setup
+from harness.check import batches
+from harness.check.grad_check import notices
+from harness.check.load import validated_setups
 from harness.check.outcome import exit_code, rows_of
 from harness.check.setup import Setup
-from harness.check.table import aligned, number
+from harness.check.table import N_AND_K, POINT, STEP, VERDICT_CELLS, Cell, fix_cell, render
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
+from harness.frameworks.columns import NAMES
 from harness.frameworks.registry import DEFAULT, Framework, Setting
+from harness.launch import Launch, under_torchrun
 from harness.options import (
     check_out_folder,
     parse_float,
@@ -33,12 +43,32 @@ from harness.options import (
     parse_name_list,
     parse_nproc,
 )
-from harness.studies.frameworks.schema import CHECK_COLUMNS
 
 CSV_NAME = "frameworks.csv"
-FRAMEWORK_NAMES = ("accelerate", "lightning", "transformers", "deepspeed")
-HEADER = ("framework", "setting", "N", "k", "point", "verdict", "scale", "residual",
-          "recipe", "recipe verdict", "fix")
+#: frameworks.csv: the setup's name, a framework's row, and its status.
+COLUMN_NAMES = ("setup", *NAMES, "status")
+#: The console table: which framework and setting, then the check's verdict columns.
+CELLS = (Cell("framework", lambda row: f"{row['framework']} {row['framework_version']}"),
+         Cell("setting", lambda row: str(row["setting"])), *N_AND_K, STEP, POINT,
+         *VERDICT_CELLS, Cell("recipe", lambda row: str(row["recipe"])),
+         Cell("recipe verdict", lambda row: "" if row["recipe"] in ("none", "")
+              else str(row["recipe_verdict"])),
+         Cell("fix", fix_cell))
+
+
+@dataclass(frozen=True)
+class FrameworksRun:
+    """What one ``--frameworks`` run trains: each setup through each framework and
+    setting, at each k, on every launched rank."""
+
+    setups: list[tuple[str, Setup]]
+    chosen: list[tuple[Framework, Setting]]
+    accum_steps: tuple[int, ...]
+    out: Path
+    dtype: str
+    timeout: float
+    fail_on: str
+    quiet: bool
 
 
 def frameworks() -> dict[str, Framework]:
@@ -58,7 +88,7 @@ def selections(text: str) -> list[tuple[Framework, Setting]]:
         framework = known.get(name)
         if framework is None:
             raise UsageError(f"--frameworks {item}: no framework {name!r}; allowed: "
-                             f"{', '.join(FRAMEWORK_NAMES)}, each optionally :SETTING")
+                             f"{', '.join(known)}, each optionally :SETTING")
         names = [setting.name for setting in framework.settings]
         if (setting_name or DEFAULT) not in names:
             raise UsageError(f"--frameworks {item}: {name} has no setting {setting_name!r}; "
@@ -69,32 +99,52 @@ def selections(text: str) -> list[tuple[Framework, Setting]]:
     return chosen
 
 
+def check_trainable(setup: Setup, target: str, chosen: list[tuple[Framework, Setting]],
+                    world_size: int, accum_steps: Sequence[int]) -> None:
+    """Each framework must be able to run the setup's whole step, and its data loader
+    feeds micro-batches of one size: every step's batch must give the same size."""
+    for framework, _ in chosen:
+        if reason := framework.refused(setup):
+            raise UsageError(f"{target}: {reason}; allowed: the setup without it, or "
+                             "--frameworks without this framework")
+    for k in accum_steps:
+        sizes = {batches.sample_count(setup.batch(step), f"batch({step})") // (world_size * k)
+                 for step in range(setup.steps)}
+        if len(sizes) > 1:
+            raise UsageError(f"{target}: batch(i) gives micro-batches of {len(sizes)} sizes at "
+                             f"N = {world_size}, k = {k} ({', '.join(map(str, sorted(sizes)))}); "
+                             "allowed with --frameworks: global batches of one size")
+
+
+def _world_size(args: argparse.Namespace, prog: str) -> int:
+    if args.nproc is not None:
+        return parse_nproc(args.nproc)
+    if under_torchrun():
+        return Launch.from_environment().world_size
+    raise UsageError(f"{prog} --frameworks needs --nproc N or torchrun to start its ranks; "
+                     "e.g. --nproc 2")
+
+
 def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str) -> int:
     """Every check of the input first (before any rank starts with ``--nproc``), then the
     run on every rank."""
-    from harness.launch import Launch, under_torchrun
-
     try:
         chosen = selections(args.frameworks)
         accum_steps = parse_int_list(args.accum_steps, "--accum-steps")
-        out = Path(args.out)
+        out = Path(args.out).absolute()  # before the user's code can change the folder
         check_out_folder(out)
         timeout = parse_float(args.timeout, "--timeout")
-        if args.nproc is not None:
-            world_size = parse_nproc(args.nproc)
-        elif under_torchrun():
-            world_size = Launch.from_environment().world_size
-        else:
-            raise UsageError(f"{prog} --frameworks needs --nproc N or torchrun to start its "
-                             "ranks; e.g. --nproc 2")
+        world_size = _world_size(args, prog)
         if args.world_sizes and args.world_sizes != str(world_size):
             raise UsageError(f"--world-sizes {args.world_sizes} with --frameworks: the "
                              f"frameworks train on every launched rank; allowed: "
                              f"{world_size} (or leave it out)")
+        speaks = leader and not args.quiet and not launched_by_harness()
         # Each setup's model, batches and one piece are checked here, before any rank starts.
-        setups = [(target, validated_setup(target, [(world_size, k) for k in accum_steps],
-                                           args.drop_last, DTYPES[args.dtype]))
-                  for target in args.targets]
+        setups = validated_setups(args.targets, [(world_size, k) for k in accum_steps],
+                                  args.drop_last, DTYPES[args.dtype], say=notices(speaks))
+        for target, setup in setups:
+            check_trainable(setup, target, chosen, world_size, accum_steps)
         if args.nproc is not None:
             from harness.launcher import launch_ranks
 
@@ -104,28 +154,21 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
             return code or exit_code(rows_of(out / CSV_NAME), args.fail_on, prog)
     except UsageError as error:
         return refuse(error, 0 if leader else 1, prog)
-    return _run(chosen, setups, accum_steps, args, out, timeout, prog)
+    return _run(FrameworksRun(setups, chosen, accum_steps, out, args.dtype, timeout,
+                              args.fail_on, args.quiet), prog)
 
 
-def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]],
-         accum_steps: Sequence[int], args: argparse.Namespace, out: Path, timeout: float,
-         prog: str) -> int:
+def _run(run: FrameworksRun, prog: str) -> int:
     import torch.distributed as dist
 
-    from harness.frameworks.measure import measure
     from harness.results import write_csv_atomic
 
     # The frameworks here train on the CPU over gloo, whatever the machine holds.
     if not dist.is_initialized():  # tests initialise it themselves, through a FileStore
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=run.timeout))
     rank = dist.get_rank()
-    rows: list[dict[str, Any]] = []
     try:
-        for _, setup in setups:
-            for framework, setting in chosen:
-                for k in accum_steps:
-                    measured = measure(framework, setting, setup, k, DTYPES[args.dtype])
-                    rows += [{"setup": setup.name, **row} for row in measured or []]
+        rows = _measured_rows(run)
     except Exception as error:
         if launched_by_harness():  # the launcher prints the line once
             record_error(rank, f"{type(error).__name__}: {error}")
@@ -133,31 +176,35 @@ def _run(chosen: list[tuple[Framework, Setting]], setups: list[tuple[str, Setup]
         raise
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv_atomic(out / CSV_NAME, rows, CHECK_COLUMNS)
-        if not args.quiet:
-            for _, setup in setups:
-                print(f"\n{setup.name}:\n" + render([r for r in rows
-                                                     if r["setup"] == setup.name]))
-            print(f"{prog}: {len(rows)} rows -> {out / CSV_NAME}")
-        if not launched_by_harness():  # else the launcher judges the CSV
-            return exit_code(rows, args.fail_on, prog)
-    return 0
+    if rank != 0:
+        return 0
+    write_csv_atomic(run.out / CSV_NAME, rows, COLUMN_NAMES)
+    if not run.quiet:
+        for _, setup in run.setups:
+            print(f"\n{setup.name}:\n" + table([r for r in rows if r["setup"] == setup.name],
+                                               setup.steps))
+        print(f"{prog}: {len(rows)} rows -> {run.out / CSV_NAME}")
+    if launched_by_harness():  # the launcher judges the CSV
+        return 0
+    return exit_code(rows, run.fail_on, prog)
 
 
-def _cells(row: dict[str, Any]) -> tuple[str, ...]:
-    verdict = row["verdict"] if row["status"] == "ok" else f"error: {row['error']}"
-    recipe = "" if row["recipe"] == "none" else row["recipe_verdict"]
-    return (f"{row['framework']} {row['framework_version']}", row["setting"],
-            str(row["world_size"]), str(row["accum_steps"]), row["point"], verdict,
-            number(row["scale"]), number(row["residual"]), row["recipe"], recipe,
-            row["fix"])
+def _measured_rows(run: FrameworksRun) -> list[dict[str, Any]]:
+    from harness.frameworks.measure import measure
+
+    rows: list[dict[str, Any]] = []
+    for _, setup in run.setups:
+        for framework, setting in run.chosen:
+            for k in run.accum_steps:
+                measured = measure(framework, setting, setup, k, DTYPES[run.dtype])
+                rows += [{"setup": setup.name, **row} for row in measured or []]
+    return rows
 
 
-def render(rows: Sequence[dict[str, Any]]) -> str:
-    """Aligned columns, one line per case and point; each case's configuration under it."""
-    text = aligned([HEADER, *(_cells(row) for row in rows)])
+def table(rows: Sequence[dict[str, Any]], steps: int = 1) -> str:
+    """Aligned columns, one line per case, step and point; each case's configuration
+    under them."""
     configs = dict.fromkeys(f"  {row['framework']} {row['setting']} k={row['accum_steps']}: "
                             f"{row['code']}" for row in rows if row["code"])
-    return "\n".join([*text, "configuration as passed:", *configs])
+    return "\n".join([render(rows, steps, CELLS), "configuration as passed:", *configs])
+

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
-from harness.check.load import validated_setup
+from harness.check.load import validated_setups
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
@@ -122,6 +122,16 @@ def _splits(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[int
     return [(n, k) for n in world_sizes for k in config.accum_steps]
 
 
+def notices(shown: bool) -> Callable[[str], None]:
+    """Where the check's notices go (what is loaded, what is cast): the console, or
+    nowhere (``--quiet``, and every rank but the one that speaks)."""
+    def say(line: str) -> None:
+        if shown:
+            print(f"{PROG}: {line}", flush=True)
+
+    return say
+
+
 def _launch_from_environment() -> Launch:
     if not under_torchrun():
         raise UsageError("check.py needs --nproc N or torchrun to start its ranks; run e.g. "
@@ -147,9 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The launcher has checked the batches and one piece: a rank it started does not
         # again; under torchrun the ranks check the batches (their reference checks the
         # loss and the optimizer as it uses them).
-        setups = _setups(config, world_sizes, batches_too=not launched_by_harness(),
-                         progress=leader and not config.quiet
-                         and not launched_by_harness())
+        setups = validated_setups(config.targets, _splits(config, world_sizes),
+                                  config.drop_last, config.torch_dtype,
+                                  batches_too=not launched_by_harness(), piece_too=False,
+                                  say=notices(leader and not config.quiet
+                                              and not launched_by_harness()))
     except UsageError as error:
         return refuse(error, 0 if leader else 1, PROG)
     except KeyboardInterrupt:
@@ -164,8 +176,9 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     planned = Launch.planned(nproc)
     world_sizes = config.resolved_world_sizes(nproc)
     placement = choose_placement("auto", "auto", planned)
-    for target, setup in _setups(config, world_sizes, batches_too=True, piece_too=True,
-                                 progress=not config.quiet):
+    for target, setup in validated_setups(config.targets, _splits(config, world_sizes),
+                                          config.drop_last, config.torch_dtype,
+                                          say=notices(not config.quiet)):
         check_step_device(setup, target, placement.device)
     from harness.launcher import launch_ranks
 
@@ -176,30 +189,6 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     if code != 0:
         return code
     return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG)
-
-
-def _setups(config: CheckConfig, world_sizes: tuple[int, ...], batches_too: bool,
-            progress: bool, piece_too: bool = False) -> list[tuple[str, Setup]]:
-    """Each target's validated Setup; their names tell their rows apart, so must differ."""
-    splits = _splits(config, world_sizes)
-
-    def say(line: str) -> None:
-        if progress:
-            print(f"{PROG}: {line}", flush=True)
-
-    setups = []
-    for target in config.targets:
-        if progress:  # a factory may load for minutes: say what is being waited for
-            print(f"{PROG}: loading {target}", flush=True)
-        setups.append((target, validated_setup(target, splits, config.drop_last,
-                                               config.torch_dtype, batches_too=batches_too,
-                                               piece_too=piece_too, say=say)))
-    names = [setup.name for _, setup in setups]
-    for name in names:
-        if names.count(name) > 1:
-            raise UsageError(f"two targets give setups named {name!r}; allowed: setups with "
-                             "different names (Setup.name), each target once")
-    return setups
 
 
 def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,

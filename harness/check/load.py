@@ -11,7 +11,7 @@ import importlib
 import inspect
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +261,23 @@ def copy_of(template: nn.Module, setup: Setup, dtype: torch.dtype,
         model = setup.make_model().to(device=device, dtype=dtype)
         model.load_state_dict(template.state_dict())
         return model
+
+
+def validated_setups(targets: Sequence[str], splits: list[tuple[int, int]], drop_last: bool,
+                     dtype: torch.dtype, *, batches_too: bool = True, piece_too: bool = True,
+                     say: Callable[[str], None] = lambda _: None) -> list[tuple[str, Setup]]:
+    """Each target's :func:`validated_setup`, said as it loads (a factory may load for
+    minutes: the user sees what is being waited for); their names tell their rows
+    apart, so must differ."""
+    setups = []
+    for target in targets:
+        say(f"loading {target}")
+        setups.append((target, validated_setup(target, splits, drop_last, dtype,
+                                               batches_too=batches_too, piece_too=piece_too,
+                                               say=say)))
+    names = [setup.name for _, setup in setups]
+    for name in names:
+        if names.count(name) > 1:
+            raise UsageError(f"two targets give setups named {name!r}; allowed: setups with "
+                             "different names (Setup.name), each target once")
+    return setups

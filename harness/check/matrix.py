@@ -305,7 +305,7 @@ class SetupCheck:
                                                       case.accum_steps))
 
     def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
-        return Facts(strategy=case.strategy, world_size=case.world_size,
+        return Facts(world_size=case.world_size, reduces_in_buckets=model.reduces_in_buckets,
                      accum_steps=case.accum_steps, batchnorm=batchnorm_tensors(model.inner),
                      unused=reference[0].unused,
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),

@@ -48,6 +48,8 @@ class ReferenceStep:
     loss_dtype: torch.dtype | None = None
     #: Whether the GradScaler skipped this step (a gradient not finite once unscaled).
     skipped: bool = False
+    #: The learning rate of each parameter group as the step used it.
+    lrs: tuple[float, ...] = ()
 
 
 #: The part of a tensor a rank keeps of the reference: rows [first, stop) along dim 0
@@ -131,13 +133,15 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         # steps (clipping in a step pre-hook, unscaling), which would rewrite the reference.
         grads = {name: _part(params[name].grad, keeps[name], copy=True) for name in kept_params}
         skipped = whole.skips(params[name].grad for name in param_names)
+        lrs = tuple(float(group["lr"]) for group in optimizer.param_groups)
         whole.step()
         last = step == setup.steps - 1
         state = named_state(model)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
         steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
-                                   first_rows, loss_dtype=loss.dtype, skipped=skipped))
+                                   first_rows, loss_dtype=loss.dtype, skipped=skipped,
+                                   lrs=lrs))
     return steps
 
 

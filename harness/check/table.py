@@ -1,18 +1,35 @@
-"""The short console table rank 0 prints: one line per case and comparison point."""
+"""The short console tables rank 0 prints: one line per case, step and comparison point.
+
+Every front-end of the check (the Setup matrix, ``--frameworks``, ``grad-check run``)
+prints its rows with :func:`render`: the columns its rows identify a case by, then the
+verdict columns every front-end shares. A failed case says ``error`` in its verdict cell
+and its error in the last cell, where it widens no other column.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-HEADER = ("strategy", "N", "k", "step", "point", "verdict", "scale", "residual", "precision",
-          "worst tensors", "fix")
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One console column: its header and how a row fills it."""
+
+    header: str
+    of: Callable[[Row], str]
 
 
 def number(value: float | None) -> str:
     """A table's number: four significant digits, nothing for a missing one (None, NaN)."""
-    return "" if value is None or math.isnan(value) else f"{value:.4g}"
+    if value is None or value == "":
+        return ""
+    value = float(value)
+    return "" if math.isnan(value) else f"{value:.4g}"
 
 
 def aligned(lines: Sequence[Sequence[str]]) -> list[str]:
@@ -22,21 +39,40 @@ def aligned(lines: Sequence[Sequence[str]]) -> list[str]:
             .rstrip() for line in lines]
 
 
-def _cells(row: dict[str, Any], steps: int) -> tuple[str, ...]:
-    verdict = row["verdict"] if row["status"] == "ok" else row["status"]
-    if row["error"]:
-        verdict = f"error: {row['error']}"
+def verdict_cell(row: Row) -> str:
+    if row["status"] == "ok":
+        return str(row["verdict"])
+    return "error" if row["status"] == "error" else str(row["status"])
+
+
+def worst_cell(row: Row) -> str:
     # Only where no scale explains the measurement do the worst tensors say something.
-    worst = row["worst_tensors"] if row["verdict"] == "differs" else ""
-    return (row["strategy"], str(row["world_size"]), str(row["accum_steps"]),
-            str(row["step"]) if steps > 1 else "", row["point"], verdict,
-            number(row["scale"]), number(row["residual"]), row.get("precision", ""),
-            worst.replace(";", " "),
-            row["fix"])
+    return str(row["worst_tensors"]).replace(";", " ") if row["verdict"] == "differs" else ""
 
 
-def render(rows: Sequence[dict[str, Any]], steps: int = 1) -> str:
+def fix_cell(row: Row) -> str:
+    return str(row["error"]) if row.get("error") else str(row["fix"])
+
+
+#: The columns every front-end's table ends with.
+VERDICT_CELLS = (
+    Cell("verdict", verdict_cell),
+    Cell("scale", lambda row: number(row["scale"])),
+    Cell("residual", lambda row: number(row["residual"])),
+    Cell("precision", lambda row: str(row.get("precision", ""))),
+)
+N_AND_K = (Cell("N", lambda row: str(row["world_size"])),
+           Cell("k", lambda row: str(row["accum_steps"])))
+STEP = Cell("step", lambda row: str(row["step"]))
+POINT = Cell("point", lambda row: str(row["point"]))
+#: The Setup matrix's table (check.csv's rows).
+MATRIX_CELLS = (Cell("strategy", lambda row: str(row["strategy"])), *N_AND_K, STEP, POINT,
+                *VERDICT_CELLS, Cell("worst tensors", worst_cell), Cell("fix", fix_cell))
+
+
+def render(rows: Sequence[Row], steps: int = 1, cells: Sequence[Cell] = MATRIX_CELLS) -> str:
     """Aligned columns; the step column only when the setup has several steps."""
-    keep = [i for i in range(len(HEADER)) if HEADER[i] != "step" or steps > 1]
-    lines = [HEADER, *(_cells(row, steps) for row in rows)]
-    return "\n".join(aligned([[line[i] for i in keep] for line in lines]))
+    shown = [cell for cell in cells if cell is not STEP or steps > 1]
+    lines = [[cell.header for cell in shown], *([cell.of(row) for cell in shown]
+                                                 for row in rows)]
+    return "\n".join(aligned(lines))

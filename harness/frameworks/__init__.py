@@ -2,17 +2,29 @@
 
 Both the frameworks study (harness/studies/frameworks/) and ``grad-check --frameworks``
 (harness/check/frameworks.py) train through these adapters and measure with
-:mod:`harness.frameworks.measure`. An adapter is one module exporting a
+:mod:`harness.frameworks.measure`, which judges what each optimizer was handed with the
+check's own engine. An adapter is one module exporting a
 :class:`~harness.frameworks.registry.Framework` (its package, settings and ``train``);
-a new one is that module plus one line in :data:`FRAMEWORKS`. The adapters import their
-framework only inside ``train``, so this registry imports none of them.
+a new one is that module plus one line in :data:`ADAPTERS`. The adapters import their
+framework only inside ``train``; this package imports none of them (nor torch) until
+``FRAMEWORKS`` is asked for, so that :mod:`harness.frameworks.columns` stays torch-free.
 """
 
-from harness.frameworks import deepspeed_engine, hf_accelerate, hf_trainer, lightning_trainer
-from harness.frameworks.registry import Framework
+from __future__ import annotations
 
-#: Every framework, in row order.
-FRAMEWORKS: dict[str, Framework] = {
-    framework.name: framework
-    for framework in (hf_accelerate.FRAMEWORK, lightning_trainer.FRAMEWORK,
-                      hf_trainer.FRAMEWORK, deepspeed_engine.FRAMEWORK)}
+import importlib
+from typing import Any
+
+#: The adapter modules, in row order.
+ADAPTERS = ("hf_accelerate", "lightning_trainer", "hf_trainer", "deepspeed_engine")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FRAMEWORKS":
+        frameworks = {}
+        for module in ADAPTERS:
+            framework = importlib.import_module(f"{__name__}.{module}").FRAMEWORK
+            frameworks[framework.name] = framework
+        globals()["FRAMEWORKS"] = frameworks
+        return frameworks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,14 @@
-"""A user's global batch, fed to a framework as its own data loader would.
+"""A user's global batches, fed to a framework as its own data loader would.
 
 The frameworks shard and batch a *data set*; a :class:`harness.check.setup.Setup`
-hands over one global batch of any structure (a tensor, a tuple/list/dict of them).
-The data set is then the batch's sample indices, and a collate function takes the
-samples at a micro-batch's indices from every tensor: any structure, no copy of the
-batch per sample.
+hands over one global batch per optimizer step, of any structure (a tensor, a
+tuple/list/dict of them). The data set is then the sample indices of every step's
+window, one window after the other, and a collate function takes the samples at a
+micro-batch's indices from every tensor of their window: any structure, no copy of the
+batch per sample. Every sharding used here (Accelerate's batch shards, a
+``DistributedSampler`` without shuffling, DeepSpeed's rank slices) keeps a window's
+samples within its N x k micro-batches, so that each optimizer step trains on its own
+global batch.
 """
 
 from __future__ import annotations
@@ -14,30 +18,31 @@ from typing import Any
 import torch
 
 from harness.check import batches
+from harness.frameworks.registry import Job
 
 #: The label of a padded position: torch's cross-entropy and HF models ignore it.
 IGNORE = -100
 
 
 class Samples:
-    """``collate_fn``: a list of sample indices -> those samples of the global batch."""
+    """``collate_fn``: a list of sample indices of the data set -> those samples of their
+    window, counting what step 0's window trained on."""
 
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
+    def __init__(self, job: Job) -> None:
+        self.job = job
 
     def __call__(self, indices: list[int]) -> Any:
-        chosen = torch.as_tensor(indices, dtype=torch.long)
-        return batches.map_tensors(self.batch, lambda tensor: tensor[chosen])
+        window = self.job.window_of(indices[0])
+        chosen = torch.as_tensor([i % self.job.samples for i in indices], dtype=torch.long)
+        batch = batches.map_tensors(window, lambda tensor: tensor[chosen])
+        if indices[0] < self.job.samples:
+            self.job.capture.tokens += items(batch)
+        return batch
 
 
-def micro_batch_size(batch: Any, world_size: int, accum_steps: int) -> int:
-    """Samples per micro-batch: the global batch cut into N x k pieces (validated before)."""
-    return batches.sample_count(batch, "batch(0)") // (world_size * accum_steps)
-
-
-def used_samples(batch: Any, world_size: int, accum_steps: int) -> int:
-    """Samples one window trains on: N x k micro-batches (a remainder is left out)."""
-    return micro_batch_size(batch, world_size, accum_steps) * world_size * accum_steps
+def data_set(job: Job) -> list[int]:
+    """Every step's window, as sample indices, in order."""
+    return list(range(job.samples * job.setup.steps))
 
 
 def items(micro_batch: Any) -> int:
@@ -48,10 +53,14 @@ def items(micro_batch: Any) -> int:
     return batches.sample_count(micro_batch, "micro-batch")
 
 
-def rank_micro_batches(batch: Any, rank: int, world_size: int, accum_steps: int) -> list:
-    """Rank ``rank``'s k micro-batches as a DistributedSampler deals them (samples r, r+N,
-    ...), for a framework that takes batches from the user's own loop (DeepSpeed)."""
-    size = micro_batch_size(batch, world_size, accum_steps)
-    mine = list(range(rank, used_samples(batch, world_size, accum_steps), world_size))
-    take = Samples(batch)
-    return [take(mine[start:start + size]) for start in range(0, len(mine), size)]
+def rank_micro_batches(job: Job, rank: int) -> list:
+    """Rank ``rank``'s k micro-batches of every window as a DistributedSampler deals them
+    (samples r, r+N, ... of each window), for a framework that takes batches from the
+    user's own loop (DeepSpeed)."""
+    take, size, world = Samples(job), job.micro_batch_size, job.world_size
+    micro_batches = []
+    for step in range(job.setup.steps):
+        first = step * job.samples
+        mine = list(range(first + rank, first + job.samples, world))
+        micro_batches += [take(mine[start:start + size]) for start in range(0, len(mine), size)]
+    return micro_batches

@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.check.reference import make_optimizer
+from harness.check.setup import make_optimizer
 from harness.frameworks.capture import (
     StepCapture,
     parameter_grads,
     parameter_values,
     watch_step,
 )
-from harness.frameworks.data import items, micro_batch_size, rank_micro_batches
+from harness.frameworks.data import rank_micro_batches
 from harness.frameworks.registry import (
     DEFAULT,
     Applied,
@@ -108,23 +108,32 @@ def train(job: Job) -> Applied:
     # star-imports it), where patching the build would change nothing.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-    model, window = job.model(), job.window()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = _config(job, micro_batch_size(window, world, job.accum_steps))
+    model = job.model()
+    config = _config(job, job.micro_batch_size)
     optimizer = make_optimizer(job.setup, model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    scheduler = (job.setup.make_scheduler(optimizer)
+                 if job.setup.make_scheduler is not None else None)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                      lr_scheduler=scheduler)
     _watch(engine, model, job.capture, _stage(config))
-    for index, batch in enumerate(rank_micro_batches(window, rank, world, job.accum_steps)):
-        job.capture.tokens += items(batch)
-        engine.backward(micro_loss(job.setup, engine, batch, index, job.accum_steps, world,
-                                   window))
+    for index, batch in enumerate(rank_micro_batches(job, dist.get_rank())):
+        engine.backward(micro_loss(job, engine, batch, index))
         engine.step()
     clip = engine.gradient_clipping()
     engine.destroy()
-    return Applied(json.dumps(config), clip=clip or None)
+    return Applied(json.dumps(config) + (", the setup's scheduler passed to "
+                                         "deepspeed.initialize" if scheduler else ""),
+                   clip=clip or None)
 
 
-FRAMEWORK = Framework(name="deepspeed", module="deepspeed", distribution="deepspeed",
-                      settings=SETTINGS, train=train, dtype=torch.float32,
-                      clip_setting='"gradient_clipping" (1.0 unless set)',
-                      clip_off='"gradient_clipping": 0.0', unclipped="gradient_clipping=0")
+FRAMEWORK = Framework(
+    name="deepspeed", module="deepspeed", distribution="deepspeed", settings=SETTINGS,
+    train=train, dtype=torch.float32,
+    reduces_in_buckets=False,
+    clip_setting='"gradient_clipping" (1.0 unless set)',
+    clip_off='"gradient_clipping": 0.0', unclipped="gradient_clipping=0",
+    refuses={"before_step": "engine.step() clips and steps in one call, with no hook between "
+                            "the window's last backward and the optimizer's step",
+             "autocast": "DeepSpeed's bf16 and fp16 cast the model's weights (no autocast)"},
+    schedules="DeepSpeed steps the scheduler passed to deepspeed.initialize once per "
+              "optimizer step")

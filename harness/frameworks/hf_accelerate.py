@@ -1,21 +1,24 @@
 """HF Accelerate: ``Accelerator(gradient_accumulation_steps=k)`` and ``accumulate(model)``.
 
-The loop is Accelerate's documented one: the data loader and the model go through
-``prepare`` (the loader is sharded across the ranks, the model wrapped in DDP),
-every micro-step runs inside ``accelerator.accumulate(model)``, calls
-``accelerator.backward(loss)`` (which divides the loss by k) and
-``optimizer.step()``, which steps only at the end of the window. Accelerate does not
-clip unless the loop calls ``clip_grad_norm_``.
+The loop is Accelerate's documented one: the data loader, the model, the optimizer and
+the scheduler go through ``prepare`` (the loader is sharded across the ranks, the model
+wrapped in DDP), every micro-step runs inside ``accelerator.accumulate(model)``, calls
+``accelerator.backward(loss)`` (which divides the loss by k), then, where
+``accelerator.sync_gradients`` says the window ends, the setup's ``before_step`` (where
+a loop clips), and ``optimizer.step()`` and ``scheduler.step()``, which step only at the
+end of the window. Accelerate does not clip unless the loop does. ``Setup.autocast``
+bfloat16 is Accelerate's ``mixed_precision="bf16"``.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.utils.data import DataLoader
 
-from harness.check.reference import make_optimizer
+from harness.check.setup import make_optimizer
 from harness.frameworks import registry
 from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
-from harness.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.frameworks.data import Samples, data_set
 from harness.frameworks.registry import Applied, Code, Job, Setting
 
 SETTINGS = (
@@ -37,6 +40,8 @@ def _arguments(job: Job) -> tuple[dict, dict]:
     """The Accelerator's keyword arguments, and the same as code for the rows."""
     # cpu=True: the harness's ranks reduce over gloo on the CPU.
     arguments = {"gradient_accumulation_steps": job.accum_steps, "cpu": True}
+    if job.setup.autocast == torch.bfloat16:
+        arguments["mixed_precision"] = "bf16"
     shown = dict(arguments)
     if job.option("split_batches"):
         from accelerate import DataLoaderConfiguration
@@ -52,28 +57,38 @@ def train(job: Job) -> Applied:
     arguments, shown = _arguments(job)
     accelerator = Accelerator(**arguments)
     try:
-        model, window = job.model(), job.window()
+        model = job.model()
         optimizer = make_optimizer(job.setup, model.parameters())
         watch_step(optimizer, job.capture, parameter_grads(model), parameter_values(model))
-        size = micro_batch_size(window, accelerator.num_processes, job.accum_steps)
-        per_loader = size * accelerator.num_processes if job.option("split_batches") else size
-        loader = DataLoader(range(used_samples(window, accelerator.num_processes,
-                                               job.accum_steps)),
-                            batch_size=per_loader, collate_fn=Samples(window))
-        wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        scheduler = (job.setup.make_scheduler(optimizer)
+                     if job.setup.make_scheduler is not None else None)
+        per_loader = job.micro_batch_size * (job.world_size if job.option("split_batches")
+                                             else 1)
+        loader = DataLoader(data_set(job), batch_size=per_loader, collate_fn=Samples(job))
+        wrapped, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
+                                                                    scheduler)
         for index, batch in enumerate(loader):
-            job.capture.tokens += items(batch)
             with accelerator.accumulate(wrapped):
-                accelerator.backward(registry.micro_loss(job.setup, wrapped, batch, index,
-                                                job.accum_steps, accelerator.num_processes,
-                                                window))
+                accelerator.backward(registry.micro_loss(job, wrapped, batch, index))
+                if accelerator.sync_gradients:
+                    registry.before_step(job, wrapped, optimizer, index)
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
                 optimizer.zero_grad()
     finally:
         reset_accelerate_state()
-    return Applied(registry.call("Accelerator", shown))
+    return Applied(registry.call("Accelerator", shown)
+                   + (", the setup's scheduler prepared with it" if scheduler else ""))
 
 
-FRAMEWORK = registry.Framework(name="accelerate", module="accelerate",
-                              distribution="accelerate",
-                              settings=SETTINGS, train=train)
+FRAMEWORK = registry.Framework(
+    name="accelerate", module="accelerate", distribution="accelerate", settings=SETTINGS,
+    train=train,
+    find_unused=("pass kwargs_handlers=[DistributedDataParallelKwargs("
+                 "find_unused_parameters=True)] to the Accelerator"),
+    refuses={"autocast=torch.float16": "Accelerate's fp16 mixed precision needs CUDA (on the "
+                                       "CPU it trains in float32 without a word)"},
+    schedules=("Accelerate steps a prepared scheduler once per process, N times per "
+               "optimizer step (AcceleratedScheduler, unless split_batches): count the "
+               "schedule in those steps, or do not prepare the scheduler"))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from harness.check.reference import make_optimizer
+from harness.check.setup import make_optimizer
 from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
-from harness.frameworks.data import Samples, items, micro_batch_size, used_samples
+from harness.frameworks.data import Samples, data_set
 from harness.frameworks.registry import (
     DEFAULT,
     Applied,
@@ -25,6 +26,7 @@ from harness.frameworks.registry import (
     Framework,
     Job,
     Setting,
+    before_step,
     call,
     micro_loss,
 )
@@ -87,24 +89,33 @@ def _existing_ranks():
     return ExistingProcessGroup()
 
 
-def _module(job: Job, window):
+def _module(job: Job):
     import lightning.pytorch as pl
 
     class SetupModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model = job.model()
+            self.micro_steps = 0
 
         def training_step(self, batch, batch_idx):
-            job.capture.tokens += items(batch)
-            return micro_loss(job.setup, self.model, batch, batch_idx % job.accum_steps,
-                              job.accum_steps, dist.get_world_size(), window)
+            self.micro_steps = batch_idx
+            return micro_loss(job, self.model, batch, batch_idx)
+
+        def on_before_optimizer_step(self, optimizer):
+            # After the window's last backward, before Lightning's clip (none by default)
+            # and the step: where the setup's before_step belongs.
+            before_step(job, self.trainer.strategy.model, optimizer, self.micro_steps)
 
         def configure_optimizers(self):
             optimizer = make_optimizer(job.setup, self.model.parameters())
             watch_step(optimizer, job.capture, parameter_grads(self.model),
                        parameter_values(self.model))
-            return optimizer
+            if job.setup.make_scheduler is None:
+                return optimizer
+            return {"optimizer": optimizer,
+                    "lr_scheduler": {"scheduler": job.setup.make_scheduler(optimizer),
+                                     "interval": "step"}}
 
     return SetupModule()
 
@@ -115,26 +126,32 @@ def train(job: Job) -> Applied:
 
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    window = job.window()
     # The harness's ranks exist already: the strategy adopts them (see the module's doc).
     strategy = DDPStrategy(cluster_environment=_existing_ranks(),
                            process_group_backend=dist.get_backend())
-    arguments = {"strategy": strategy, "accelerator": "cpu", "devices": dist.get_world_size(),
-                 "num_nodes": 1, "accumulate_grad_batches": job.accum_steps, "max_steps": 1,
+    arguments = {"strategy": strategy, "accelerator": "cpu", "devices": job.world_size,
+                 "num_nodes": 1, "accumulate_grad_batches": job.accum_steps,
+                 "max_steps": job.setup.steps,
+                 **({"precision": "bf16-mixed"} if job.setup.autocast == torch.bfloat16
+                    else {}),
                  # Quiet, and nothing written: no logger, checkpoint, bar or summary.
                  "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                  "enable_model_summary": False}
     trainer = pl.Trainer(**arguments)
-    size = micro_batch_size(window, dist.get_world_size(), job.accum_steps)
-    # Lightning's own DistributedSampler shards the loader: rank r gets samples r, r+N, ...
-    trainer.fit(_module(job, window), train_dataloaders=DataLoader(
-        range(used_samples(window, dist.get_world_size(), job.accum_steps)),
-        batch_size=size, collate_fn=Samples(window)))
+    # Lightning's own DistributedSampler shards the loader, without shuffling: rank r gets
+    # samples r, r+N, ... of each window.
+    trainer.fit(_module(job), train_dataloaders=DataLoader(
+        data_set(job), batch_size=job.micro_batch_size, collate_fn=Samples(job)))
     shown = {**arguments, "strategy": Code(f'DDPStrategy(cluster_environment=<the launch\'s '
                                            f'ranks>, process_group_backend='
                                            f'"{dist.get_backend()}")')}
     return Applied(call("Trainer", shown))
 
 
-FRAMEWORK = Framework(name="lightning", module="lightning", distribution="lightning",
-                      settings=SETTINGS, train=train)
+FRAMEWORK = Framework(
+    name="lightning", module="lightning", distribution="lightning", settings=SETTINGS,
+    train=train,
+    find_unused="pass DDPStrategy(find_unused_parameters=True) to the Trainer",
+    refuses={"autocast=torch.float16": "Lightning's 16-mixed precision needs CUDA"},
+    schedules="Lightning steps the scheduler of configure_optimizers once per optimizer step "
+              "(interval 'step')")

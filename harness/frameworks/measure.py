@@ -1,47 +1,59 @@
-"""One user setup through one framework setting, compared with the big batch twice.
+"""One user setup through one framework setting, judged by the check's engine.
 
 The one implementation behind the frameworks study and ``grad-check --frameworks``:
 every rank trains (the framework's way, see its adapter), rank 0 gathers what each
-rank's optimizer was handed and did, and fits it against two big-batch steps in
-float64: the plain one (what a user moving from a plain PyTorch loop expects), and
-the same under the framework's recipe (its gradient-norm clip, once per window).
+rank's optimizer was handed and did, and compares it with two big-batch references from
+the check's engine (:func:`harness.check.reference.compute_reference`, float64): the
+plain one (what a user moving from a plain PyTorch loop expects), and the same under the
+framework's recipe (its gradient-norm clip, once per window). The fit, the verdict, the
+precision a row is judged at and the fix are the check's (harness/check/compare.py,
+precision.py, fix.py); what only a framework does (a clip it applies, a count it
+passes, a scheduler it steps its own way) is named by :mod:`harness.frameworks.fixes`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 import logging
 import math
+import os
+import sys
+import tempfile
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from harness.check.compare import worst_tensors
-from harness.check.fix import loss_scale_fix
+from harness.check import batches
+from harness.check.compare import Comparison, Pair, compare, worst_tensors
+from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
+from harness.check.load import prepared_model
+from harness.check.precision import case_precision
+from harness.check.precision import name as dtype_name
+from harness.check.reference import ReferenceStep, compute_reference, state_names
 from harness.check.setup import Setup
+from harness.check.step import run_dtype
 from harness.errors import first_sentence
-from harness.fit import equivalence_verdict, fit_scale, relative_error
-from harness.frameworks.capture import StepCapture
-from harness.frameworks.data import used_samples
+from harness.fit import relative_error
+from harness.frameworks.capture import CapturedStep, StepCapture, watching_losses
+from harness.frameworks.columns import POINTS
+from harness.frameworks.fixes import framework_fix
 from harness.frameworks.registry import Applied, Framework, Job, Setting
 from harness.strategies.common import relative_spread
-from harness.studies.frameworks.setups import Reference, big_batch_steps
-from harness.tolerances import relative_tolerance
+from harness.tolerances import check_tolerance
 
-#: What ``point`` names: the gradient before the step, the update it made.
-POINTS = ("grad", "params")
 #: Loggers that announce devices, plugins and hints on every training run.
-CHATTY_LOGGERS = ("accelerate", "transformers", "DeepSpeed", "deepspeed", "torch.distributed")
+CHATTY_LOGGERS = ("accelerate", "transformers", "DeepSpeed", "deepspeed", "torch.distributed",
+                  "torch.nn.parallel.distributed")
 NUMBERS = ("scale", "residual", "relative_error", "rank_spread", "recipe_scale",
            "recipe_residual")
-#: Two gradients clipped to the same norm have scales within the clip's own epsilon
-#: (1e-6 of the norm) of each other, whatever their scales before: closer than this, a
-#: binding clip explains the scale, far below the 1/k or 1/N a wrong accumulation gives.
-CLIPPED_ALIKE = 1e-4
+#: The references run on the CPU of rank 0, whatever the frameworks trained on.
+CPU = torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -53,12 +65,40 @@ def quietly():
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         # DeepSpeed prints its banners; the run's stdout is the harness's summary.
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with (warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()),
+              without_noise()):
             warnings.simplefilter("ignore")
             yield
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+#: Lines of C++ warnings no Python filter reaches (the reducer warns from its own thread
+#: through c10's log): DDP's hint that find_unused_parameters=True, which the Trainer
+#: passes for any model not a PreTrainedModel, found no unused parameter.
+NOISE = ("find_unused_parameters=True was specified in DDP constructor",)
+
+
+@contextlib.contextmanager
+def without_noise():
+    """The process's stderr (its descriptor: C++ writes there directly) kept aside while
+    a framework trains, then written back without the :data:`NOISE` lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as kept:
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines = kept.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines
+                                     if not any(noise in line for noise in NOISE)))
+            sys.stderr.flush()
 
 
 def freeze_survivors() -> None:
@@ -73,23 +113,23 @@ def freeze_survivors() -> None:
     gc.freeze()
 
 
-def training_dtype(framework: Framework, wanted: torch.dtype) -> torch.dtype:
-    """The framework's dtype, or the one asked for when that is narrower."""
-    return torch.float32 if torch.float32 in (framework.dtype, wanted) else torch.float64
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def training_dtype(framework: Framework, setup: Setup, wanted: torch.dtype) -> torch.dtype:
+    """The framework's dtype, or the one asked for when that is narrower; float32 under
+    autocast (which never casts float64)."""
+    if torch.float32 in (framework.dtype, wanted, run_dtype(setup, wanted)):
+        return torch.float32
+    return torch.float64
 
 
 def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
             dtype: torch.dtype) -> list[dict[str, Any]] | None:
-    """Train on every rank (a collective); rank 0 returns one row per point, the others
-    None. A framework that raises gives one ``failed`` row with its exception."""
-    job = Job(setup, setting, accum_steps, training_dtype(framework, dtype), StepCapture())
+    """Train on every rank (a collective); rank 0 returns one row per step and point, the
+    others None. A framework that raises gives one ``error`` row with its exception."""
+    job = Job(setup, setting, accum_steps, training_dtype(framework, setup, dtype),
+              StepCapture(), world_size=dist.get_world_size())
     applied, error = Applied(""), ""
     try:
-        with quietly():
+        with quietly(), watching_losses(job.capture):
             applied = framework.train(job)
     except Exception as raised:  # a setting the framework refuses, alike on every rank
         error = first_sentence(raised)
@@ -100,108 +140,157 @@ def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: i
         return None
     captures = [capture for capture, _, _ in everyone]
     applied = next((a for _, a, _ in everyone if a.code), applied)
-    identity = {"framework": framework.name, "framework_version": framework.version(),
-                "setting": setting.name, "code": applied.code,
-                "world_size": dist.get_world_size(), "accum_steps": accum_steps,
-                "model_dtype": dtype_name(job.dtype), "recipe": _recipe(applied),
-                "optimizer_steps": job.capture.steps,
-                "tokens_per_rank": ";".join(str(c.tokens) for c in captures)}
-    failure = next((e for _, _, e in everyone if e), "") or _step_count_error(captures,
-                                                                             accum_steps)
+    identity = _identity(framework, setting, job, applied, captures)
+    failure = next((e for _, _, e in everyone if e), "") or _step_count_error(
+        captures, setup.steps, accum_steps)
     if failure:
-        return [{**identity, **dict.fromkeys(NUMBERS, math.nan), "point": "", "verdict": "",
-                 "recipe_verdict": "", "worst_tensors": "", "fix": "", "error": failure,
-                 "status": "failed"}]
-    used = used_samples(setup.batch(0), dist.get_world_size(), accum_steps)
-    plain, recipe = big_batch_steps(setup, used, applied.clip)
-    rtol = relative_tolerance(job.dtype)
-    return [{**identity, **_compare(point, captures, plain, recipe, rtol),
-             "fix": _fix_of(framework, applied, point, captures, plain, recipe, rtol,
-                            accum_steps),
-             "error": "", "status": "ok"}
-            for point in POINTS]
+        return [{**identity, **dict.fromkeys(NUMBERS, math.nan), "step": 0, "point": "",
+                 "precision": "", "verdict": "", "recipe_verdict": "", "worst_tensors": "",
+                 "fix": "", "error": failure, "status": "error"}]
+    return FrameworkJudge(framework, job, applied, captures).rows(identity)
+
+
+def _identity(framework: Framework, setting: Setting, job: Job, applied: Applied,
+              captures: list[StepCapture]) -> dict[str, Any]:
+    return {"framework": framework.name, "framework_version": framework.version(),
+            "setting": setting.name, "code": applied.code, "world_size": job.world_size,
+            "accum_steps": job.accum_steps, "model_dtype": dtype_name(job.dtype),
+            "recipe": _recipe(applied), "optimizer_steps": captures[0].step_count,
+            "tokens_per_rank": ";".join(str(c.tokens) for c in captures)}
 
 
 def _recipe(applied: Applied) -> str:
     return f"clip_grad_norm_({applied.clip:g}) once per window" if applied.clip else "none"
 
 
-def _step_count_error(captures: list[StepCapture], accum_steps: int) -> str:
-    """One window of k micro-steps must end in exactly one optimizer step on every rank."""
-    steps = sorted({capture.steps for capture in captures})
-    if steps == [1]:
+def _step_count_error(captures: list[StepCapture], steps: int, accum_steps: int) -> str:
+    """Each window of k micro-steps must end in exactly one optimizer step on every rank."""
+    taken = sorted({capture.step_count for capture in captures})
+    if taken == [steps]:
         return ""
-    return (f"took {'/'.join(map(str, steps))} optimizer steps for one window of "
-            f"{accum_steps} micro-steps, not 1")
+    return (f"took {'/'.join(map(str, taken))} optimizer steps for {steps} window(s) of "
+            f"{accum_steps} micro-steps, not {steps}")
 
 
-def _measured(point: str, captures: list[StepCapture], reference: Reference
-              ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Every rank's gradient (or update) and the reference's; the update, not the
-    weights: a step of the wrong size is then a wrong scale."""
-    if point == "grad":
-        return [c.grad for c in captures], reference.grad
-    return ([c.params - reference.before for c in captures],
-            reference.after - reference.before)
+def clipping_before(clip: float, before_step):
+    """A before_step that clips the window's gradient to norm ``clip`` first, as a
+    framework's recipe does, then runs the setup's own."""
+    def clipped(model, optimizer, where) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        if before_step is not None:
+            before_step(model, optimizer, where)
+
+    return clipped
 
 
-def _compare(point: str, captures: list[StepCapture], plain: Reference, recipe: Reference,
-             rtol: float) -> dict[str, Any]:
-    """Rank 0's gradient (or update) against the plain big batch and the recipe's."""
-    measured, expected = _measured(point, captures, plain)
-    fit = fit_scale(measured[0], expected)
-    measured_recipe, expected_recipe = _measured(point, captures, recipe)
-    recipe_fit = fit_scale(measured_recipe[0], expected_recipe)
-    return {"point": point, "verdict": equivalence_verdict(fit, rtol), "scale": fit.scale,
-            "residual": fit.residual, "relative_error": relative_error(measured[0], expected),
-            "rank_spread": relative_spread(measured[0], measured),
-            "worst_tensors": worst_tensors(
-                tensor_errors(measured[0], expected, fit.scale, plain.shapes), rtol),
-            "recipe_verdict": equivalence_verdict(recipe_fit, rtol),
-            "recipe_scale": recipe_fit.scale, "recipe_residual": recipe_fit.residual}
+class FrameworkJudge:
+    """Rank 0's comparison of every rank's captured steps with the big batch."""
 
+    def __init__(self, framework: Framework, job: Job, applied: Applied,
+                 captures: list[StepCapture]) -> None:
+        self.framework, self.job, self.applied, self.captures = (framework, job, applied,
+                                                                 captures)
+        setup = job.setup
+        self.dtype = run_dtype(setup, torch.float64)
+        used = (job.samples,) * setup.steps
+        rtol = check_tolerance(self.dtype)
+        self.plain = compute_reference(setup, self.dtype, CPU, used, rtol, setup.name)
+        self.recipe = (compute_reference(
+            replace(setup, before_step=clipping_before(applied.clip, setup.before_step)),
+            self.dtype, CPU, used, rtol, setup.name) if applied.clip else self.plain)
+        window = batches.prepared(batches.take(setup.batch(0), 0, job.samples), self.dtype,
+                                  CPU)
+        pieces = job.world_size * job.accum_steps
+        #: How the loss of the window combines its pieces' losses (for the check's fix),
+        #: measured once, where a row asks.
+        self.loss_combination = functools.cache(lambda: measure_loss_combination(
+            prepared_model(setup, self.dtype, CPU), setup.loss, window, job.micro_batch_size,
+            pieces, rtol))
+        model = job.model()
+        self.names = state_names(model)[0]
+        self.sizes = {name: p.numel() for name, p in model.named_parameters()
+                      if p.requires_grad}
+        self.batchnorm = batchnorm_tensors(model)
 
-def tensor_errors(measured: torch.Tensor, expected: torch.Tensor, scale: float,
-                  shapes: tuple[tuple[str, int], ...]) -> list[tuple[str, float]]:
-    """Each tensor's ``||m - s r|| / ||s r||``, in the model's order."""
-    errors, start = [], 0
-    for name, size in shapes:
-        m, r = measured[start:start + size], expected[start:start + size] * scale
-        start += size
-        norm = float(r.norm())
-        left = float((m - r).norm())
-        errors.append((name, left / norm if norm > 0 else (math.inf if left else 0.0)))
-    return errors
+    def rows(self, identity: dict[str, Any]) -> list[dict[str, Any]]:
+        rows, gradient_scale = [], None
+        for step in range(self.job.setup.steps):
+            precision = case_precision(self.job.dtype, self.job.setup,
+                                       [self.plain[step].loss_dtype,
+                                        *self.captures[0].loss_dtypes])
+            rtol = check_tolerance(precision)
+            for point in POINTS:
+                row, scale = self._row(step, point, rtol, gradient_scale)
+                rows.append({**identity, "step": step, "precision": dtype_name(precision),
+                             **row})
+                if step == 0 and point == "grad" and scale is not None:
+                    gradient_scale = scale
+        return rows
 
+    def _row(self, step: int, point: str, rtol: float,
+             gradient_scale: float | None) -> tuple[dict[str, Any], float | None]:
+        """One row's numbers and fix; and the scale of a scaled step-0 gradient."""
+        plain = self._compare(step, point, self.plain[step], rtol)
+        recipe = self._compare(step, point, self.recipe[step], rtol)
+        measured = [self._flat(c.steps[step], point, self.plain[step]) for c in self.captures]
+        expected = self._flat_reference(point, self.plain[step])
+        spread = relative_spread(measured[0], measured)
+        facts = Facts(world_size=self.job.world_size, accum_steps=self.job.accum_steps,
+                      reduces_in_buckets=self.framework.reduces_in_buckets,
+                      find_unused=self.framework.find_unused,
+                      batchnorm=self.batchnorm, unused=self.plain[0].unused, rtol=rtol,
+                      ranks_agree=spread <= rtol, gradient_scale=gradient_scale,
+                      loss_combination=self.loss_combination)
+        fix = framework_fix(point, plain, recipe, facts, self.framework, self.applied,
+                            self._learning_rates(step), self.job)
+        row = {"point": point, "verdict": str(plain.verdict), "scale": plain.scale,
+               "residual": plain.residual,
+               "relative_error": relative_error(measured[0], expected),
+               "rank_spread": spread,
+               "worst_tensors": worst_tensors(plain.errors.items(), rtol),
+               "recipe_verdict": str(recipe.verdict), "recipe_scale": recipe.scale,
+               "recipe_residual": recipe.residual, "fix": fix, "error": "", "status": "ok"}
+        scaled = str(plain.verdict) == "scaled" and point == "grad"
+        return row, plain.scale if scaled else None
 
-def _fix_of(framework: Framework, applied: Applied, point: str,
-            captures: list[StepCapture], plain: Reference, recipe: Reference, rtol: float,
-            accum_steps: int) -> str:
-    measured, expected = _measured(point, captures, plain)
-    plain_fit = fit_scale(measured[0], expected)
-    measured, expected = _measured(point, captures, recipe)
-    return suggest(framework, applied, plain_fit, fit_scale(measured[0], expected), rtol,
-                   len(captures), accum_steps)
+    def _learning_rates(self, step: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The learning rates the framework's optimizer used and the big batch's."""
+        return self.captures[0].steps[step].lrs, self.plain[step].lrs
 
+    def _pieces(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat vector in the model's trainable-parameter order, cut into its tensors."""
+        pieces, start = {}, 0
+        for name in self.names:
+            pieces[name] = flat[start:start + self.sizes[name]]
+            start += self.sizes[name]
+        return pieces
 
-def suggest(framework: Framework, applied: Applied, plain_fit, recipe_fit, rtol: float,
-            world_size: int, accum_steps: int) -> str:
-    """The fix a row's two comparisons point to; empty where the plain step is matched."""
-    if equivalence_verdict(plain_fit, rtol) == "matches":
-        return ""
-    verdict = equivalence_verdict(recipe_fit, rtol)
-    if verdict == "matches" and applied.clip:
-        return (f"{framework.name}'s clip binds: {framework.clip_setting} clipped the "
-                f"window's gradient to norm {applied.clip:g}, scaling the step by "
-                f"{plain_fit.scale:.4g} (once per window, as a big batch clipped the same "
-                f"way); for the plain loop's step set {framework.clip_off}")
-    if applied.clip and abs(recipe_fit.scale - 1) < CLIPPED_ALIKE:
-        return (f"{framework.name}'s clip binds and hides the accumulation's own scale: "
-                f"{framework.clip_setting} clipped the window's gradient to norm "
-                f"{applied.clip:g}, as it clips the big batch's; set {framework.clip_off} to "
-                f"see the scale, or fix it where the loss is computed")
-    if verdict == "scaled":
-        return loss_scale_fix(recipe_fit.scale, world_size, accum_steps, rtol)
-    return ("no single scale explains it: if the loss is a mean over a count that varies per "
-            "micro-batch (tokens), normalize by the window's count instead (the sum over the "
-            "window's items, divided by their number on all ranks)")
+    def _compare(self, step: int, point: str, reference: ReferenceStep,
+                 rtol: float) -> Comparison:
+        """Rank 0's gradient (or update) against ``reference``'s, by the check's compare."""
+        taken = self.captures[0].steps[step]
+        if point == "grad":
+            measured = self._pieces(taken.grad)
+            pairs = [Pair(name, measured[name], reference.grads[name]) for name in self.names]
+        else:
+            measured = self._pieces(taken.params)
+            pairs = [Pair(name, measured[name], reference.after[name],
+                          origin=reference.before[name]) for name in self.names]
+        return compare(pairs, self.names, None, CPU, rtol)
+
+    def _flat(self, taken: CapturedStep, point: str, reference: ReferenceStep) -> torch.Tensor:
+        """A rank's gradient, or its update from where the big batch started the step."""
+        if point == "grad":
+            return taken.grad
+        return taken.params - self._flat_state(reference.before)
+
+    def _flat_reference(self, point: str, reference: ReferenceStep) -> torch.Tensor:
+        if point == "grad":
+            return self._flat_state(reference.grads)
+        return self._flat_state(reference.after) - self._flat_state(reference.before)
+
+    def _flat_state(self, tensors: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        return torch.cat([(tensors[name] if tensors.get(name) is not None
+                           else torch.zeros(self.sizes[name], dtype=torch.float64))
+                          .detach().reshape(-1).to(torch.float64) for name in self.names])

@@ -147,6 +147,8 @@ class DDPCheckCase(CaseModel):
     """grad-check: the user's step under DDP on ranks 0..N-1, ``no_sync`` for the first
     k-1 micro-steps."""
 
+    reduces_in_buckets = True
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return wrap(model, self.group, self.device, **self.setup.ddp_options)
 

@@ -154,11 +154,11 @@ def step_finding(rows: spec.Rows) -> spec.Finding | None:
 
 
 def failed_findings(rows: spec.Rows) -> list[spec.Finding]:
-    failed = rows.all[rows.all["status"] == "failed"]
+    failed = rows.all[rows.all["status"] == "error"]
     return [spec.Finding(
         f"{framework} refused `{setting}` at k = {integers(group['accum_steps'])} "
         f"({words(group['loss'].unique().tolist())} loss): {group['error'].iloc[0]}.",
-        rows.inputs.source(f"setting = {setting}, status = failed", len(group)))
+        rows.inputs.source(f"setting = {setting}, status = error", len(group)))
         for (framework, setting), group in failed.groupby(["framework", "setting"], sort=False)]
 
 

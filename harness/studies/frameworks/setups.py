@@ -23,7 +23,6 @@ loop), and the same under the framework's recipe (its gradient-norm clip, once).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -31,13 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.check import batches
-from harness.check.load import prepared_model
-from harness.check.reference import make_optimizer
 from harness.check.setup import MicroStep, Setup, default_optimizer
 from harness.frameworks.data import IGNORE
 from harness.seeding import generator_for
-from harness.strategies.common import float64_vector
 
 LOSSES = ("mean", "token")
 VOCAB = 7
@@ -211,54 +206,3 @@ VARIANTS = (
     Variant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
             "model's accepts_loss_kwargs = False", hf_style(OptedOut), ("transformers",)),
 )
-
-
-# ---------------------------------------------------------------- the references
-@dataclass(frozen=True)
-class Reference:
-    """One process, the whole global batch: its gradient (after the recipe's clip), and its
-    trainable weights before and after one optimizer step, flat, in float64."""
-
-    grad: torch.Tensor
-    before: torch.Tensor
-    after: torch.Tensor
-    #: (name, elements) of each trainable parameter, in order: to name the worst tensors.
-    shapes: tuple[tuple[str, int], ...]
-
-
-def big_batch_steps(setup: Setup, used: int, clip: float | None
-                    ) -> tuple[Reference, Reference]:
-    """The plain big-batch step and the same under the recipe's gradient-norm clip
-    ``clip`` (the plain one again where there is none), from one backward of the setup's
-    loss on the first ``used`` samples of batch 0: float64 whatever the framework trains
-    in, so the references add no rounding of their own."""
-    float64, cpu = torch.float64, torch.device("cpu")
-    model = prepared_model(setup, float64, cpu)
-    window = batches.prepared(batches.take(setup.batch(0), 0, used), float64, cpu)
-    setup.loss(model, window).backward()
-    clipped = _copy_with_grads(model) if clip is not None else None
-    plain = _stepped(setup, model, None)
-    return plain, (_stepped(setup, clipped, clip) if clipped is not None else plain)
-
-
-def _copy_with_grads(model: nn.Module) -> nn.Module:
-    """The model as it stands before the step, its gradients included (a deep copy of a
-    module leaves them out): what the recipe's clip and step start from."""
-    copied = copy.deepcopy(model)
-    for original, param in zip(model.parameters(), copied.parameters(), strict=True):
-        param.grad = None if original.grad is None else original.grad.clone()
-    return copied
-
-
-def _stepped(setup: Setup, model: nn.Module, clip: float | None) -> Reference:
-    """One optimizer step of ``model`` from its gradient, clipped to ``clip`` first."""
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    optimizer = make_optimizer(setup, [p for _, p in params])
-    before = float64_vector(p.detach().clone() for _, p in params)
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], clip)
-    grad = float64_vector(p.grad if p.grad is not None else torch.zeros_like(p)
-                          for _, p in params)
-    optimizer.step()
-    after = float64_vector(p.detach() for _, p in params)
-    return Reference(grad, before, after, tuple((name, p.numel()) for name, p in params))

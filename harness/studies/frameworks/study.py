@@ -121,8 +121,8 @@ class FrameworksStudy(Study):
 def _unmeasured_row(framework: Framework, status: str) -> dict[str, Any]:
     return {"framework": framework.name, "framework_version": framework.version(),
             "setting": "", "code": "", "setup": "", "setup_code": "", "loss": "",
-            "world_size": WORLD_SIZE, "accum_steps": math.nan, "model_dtype": "",
-            "recipe": "", "point": "", "verdict": "", "recipe_verdict": "",
-            **dict.fromkeys(NUMBERS, math.nan), "worst_tensors": "", "fix": "",
-            "optimizer_steps": math.nan, "tokens_per_rank": "", "error": "", "status": status}
-
+            "world_size": WORLD_SIZE, "accum_steps": math.nan, "step": math.nan,
+            "model_dtype": "", "precision": "", "recipe": "", "point": "", "verdict": "",
+            "recipe_verdict": "", **dict.fromkeys(NUMBERS, math.nan), "worst_tensors": "",
+            "fix": "", "optimizer_steps": math.nan, "tokens_per_rank": "", "error": "",
+            "status": status}
