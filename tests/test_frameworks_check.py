@@ -24,10 +24,10 @@ import pytest
 import torch
 from torch import nn
 
+from harness.check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
 from harness.check.grad_check import main
 from harness.check.setup import Setup
 from harness.frameworks.registry import INSTALL_HINT
-from harness.check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing
 from tests.scheduling import launching
@@ -212,3 +212,124 @@ def test_a_frameworks_row_fails_by_its_verdict_against_the_frameworks_recipe():
         "lm transformers default N=2 k=4": "the step grad differs"}
     assert failing_cases([_framework_row("", "", status="error")], "error") == {
         "lm transformers default N=2 k=4": "the step: boom"}
+
+
+# ---------------------------------------------------------------- the whole step, judged alike
+SETUPS = ("half_loss_setup", "l2_term_setup", "logits_setup", "raising_before_step_setup",
+          "batchnorm_setup", "scheduled_setup", "bf16_setup")
+WHOLE_STEP_FRAMEWORKS = "accelerate,lightning,transformers:max_grad_norm=0"
+
+
+@pytest.fixture(scope="module")
+@launching(seconds=35)
+def whole_step(tmp_path_factory) -> tuple[pd.DataFrame, str]:
+    """One launch of every setup of tests/frameworks_setups.py through three frameworks
+    at k = 2: the rows and the launch's stderr."""
+    for module in ("accelerate", "lightning", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed; {INSTALL_HINT}")
+    out = tmp_path_factory.mktemp("frameworks-whole-step")
+    console = tmp_path_factory.mktemp("console")
+    codes = run_cli_importing(list(FRAMEWORK_MODULES), WORLD,
+                              ["--frameworks", WHOLE_STEP_FRAMEWORKS,
+                               *(f"tests.frameworks_setups:{name}" for name in SETUPS),
+                               "--accum-steps", "2", "--out", str(out)],
+                              console, FRAMEWORK_ENV, main=main, output=console)
+    stderr = (console / "stderr").read_text()
+    # The failing before_step and BatchNorm fail the run (a framework that raises is an
+    # error row, which fails whatever --fail-on says).
+    assert codes == [1, 0], stderr[-4000:]
+    # Each setup loads with a notice, as under the Setup matrix (a factory may take minutes).
+    stdout = (console / "stdout").read_text()
+    assert "check.py: loading tests.frameworks_setups:bf16_setup" in stdout
+    frame = pd.read_csv(out / "frameworks.csv", keep_default_na=False,
+                        dtype={"fix": str, "error": str})
+    # An error row leaves the numbers empty.
+    for column in ("scale", "residual", "recipe_scale", "step"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    return frame, stderr
+
+
+def rows_of(frame: pd.DataFrame, setup: str, point: str = "grad") -> pd.DataFrame:
+    selected = frame[(frame.setup == setup) & (frame.point == point)]
+    assert set(selected.framework) == {"accelerate", "lightning", "transformers"}, setup
+    return selected
+
+
+def test_a_float32_loss_is_judged_at_float32_and_a_pure_scale_is_scaled(whole_step):
+    frame, _ = whole_step
+    half = rows_of(frame, "half-loss")
+    assert (half.precision == "float32").all()
+    assert (half.verdict == "scaled").all(), half[["framework", "verdict", "residual"]]
+    assert ((half.scale - 0.5).abs() < MISS).all()
+    assert half.fix.str.contains("multiply the loss by 2 = k").all()
+
+
+def test_the_trainer_trains_the_setups_loss_not_the_models_own(whole_step):
+    frame, _ = whole_step
+    for setup in ("l2-term", "logits"):
+        selected = rows_of(frame, setup)
+        assert (selected.status == "ok").all(), selected[["framework", "error"]]
+        assert (selected.verdict == "matches").all(), selected[["framework", "fix"]]
+    trainer = frame[(frame.setup == "l2-term") & (frame.framework == "transformers")]
+    assert trainer.code.str.contains("the model wrapped to return").all()
+
+
+def test_a_before_step_runs_in_every_framework_and_its_failure_is_an_error_row(whole_step):
+    frame, stderr = whole_step
+    raising = frame[frame.setup == "raising-before-step"]
+    assert set(raising.framework) == {"accelerate", "lightning", "transformers"}
+    assert (raising.status == "error").all()
+    assert raising.error.str.contains("before_step failed on purpose").all()
+    assert "raising-before-step accelerate default N=2 k=2: step 0: RuntimeError" in stderr
+
+
+def test_batchnorm_under_a_framework_is_named_as_batchnorm(whole_step):
+    frame, _ = whole_step
+    batchnorm = rows_of(frame, "batchnorm")
+    assert (batchnorm.verdict == "differs").all()
+    assert batchnorm.fix.str.contains("GroupNorm").all()
+    assert not batchnorm.fix.str.contains("token").any()
+
+
+def test_a_scheduler_steps_once_per_step_except_where_accelerate_steps_it_n_times(whole_step):
+    frame, _ = whole_step
+    scheduled = frame[frame.setup == "scheduled"]
+    assert set(scheduled.step) == {0, 1}
+    once = scheduled[scheduled.framework.isin(["lightning", "transformers"])]
+    assert (once.verdict == "matches").all(), once[["framework", "step", "point", "fix"]]
+    accelerate = scheduled[scheduled.framework == "accelerate"].set_index(["step", "point"])
+    # Step 0 trains at the first rate everywhere; Accelerate's prepared scheduler then
+    # stepped twice (N = 2): step 1's update at half the big batch's rate (StepLR, 0.5).
+    assert (accelerate.loc[[(0, "grad"), (0, "params"), (1, "grad")], "verdict"]
+            == "matches").all()
+    after = accelerate.loc[(1, "params")]
+    assert after.verdict == "scaled" and abs(after.scale - 0.5) < MISS
+    assert "Accelerate steps a prepared scheduler" in after.fix
+
+
+def test_bfloat16_autocast_runs_as_the_frameworks_mixed_precision(whole_step):
+    frame, _ = whole_step
+    bf16 = rows_of(frame, "bf16")
+    assert (bf16.precision == "bfloat16").all()
+    assert (bf16.verdict == "matches").all()
+    assert frame[(frame.setup == "bf16") & (frame.framework == "accelerate")].code.str.contains(
+        "mixed_precision='bf16'").all()
+
+
+def test_the_console_says_what_loads_and_not_what_ddp_hints(whole_step):
+    _, stderr = whole_step
+    assert "find_unused_parameters=True was specified" not in stderr
+
+
+def test_a_field_a_framework_cannot_run_is_refused_by_name(capsys, tmp_path):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip(f"deepspeed is not installed; {INSTALL_HINT}")
+    for setup, expected in (("raising_before_step_setup",
+                             "deepspeed cannot run Setup.before_step"),
+                            ("bf16_setup", "deepspeed cannot run Setup.autocast")):
+        assert main(["--nproc", "2", "--frameworks", "deepspeed",
+                     f"tests.frameworks_setups:{setup}", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

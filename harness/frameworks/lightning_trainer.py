@@ -14,7 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from harness.check.setup import make_optimizer
 from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
@@ -131,6 +131,8 @@ def train(job: Job) -> Applied:
                            process_group_backend=dist.get_backend())
     arguments = {"strategy": strategy, "accelerator": "cpu", "devices": job.world_size,
                  "num_nodes": 1, "accumulate_grad_batches": job.accum_steps,
+                 # Lightning's own sampler would shuffle the training data across windows.
+                 "use_distributed_sampler": False,
                  "max_steps": job.setup.steps,
                  **({"precision": "bf16-mixed"} if job.setup.autocast == torch.bfloat16
                     else {}),
@@ -138,14 +140,16 @@ def train(job: Job) -> Applied:
                  "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                  "enable_model_summary": False}
     trainer = pl.Trainer(**arguments)
-    # Lightning's own DistributedSampler shards the loader, without shuffling: rank r gets
-    # samples r, r+N, ... of each window.
+    # A DistributedSampler without shuffling: rank r gets samples r, r+N, ... of each window.
+    data = data_set(job)
     trainer.fit(_module(job), train_dataloaders=DataLoader(
-        data_set(job), batch_size=job.micro_batch_size, collate_fn=Samples(job)))
+        data, batch_size=job.micro_batch_size, collate_fn=Samples(job),
+        sampler=DistributedSampler(data, shuffle=False)))
     shown = {**arguments, "strategy": Code(f'DDPStrategy(cluster_environment=<the launch\'s '
                                            f'ranks>, process_group_backend='
                                            f'"{dist.get_backend()}")')}
-    return Applied(call("Trainer", shown))
+    return Applied(call("Trainer", shown) + ", DataLoader(sampler=DistributedSampler("
+                   "shuffle=False))")
 
 
 FRAMEWORK = Framework(
