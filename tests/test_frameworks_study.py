@@ -160,6 +160,31 @@ def test_transformers_normalizes_by_the_window_only_when_the_model_opts_in(frame
     assert hidden.fix.str.contains("hides").all()
 
 
+def _predicted_over_counted(loss: str, accum_steps: int) -> float:
+    """The tiny GPT-2's window, counted here: the tokens its loss predicts (labels after
+    the shift) over the labels the Trainer counts (before it)."""
+    from harness.studies.frameworks.setups import causal_lm_batch, make_setup
+
+    labels = causal_lm_batch(make_setup(loss, WORLD, accum_steps, seed=0).batch(0))["labels"]
+    return float(labels[:, 1:].ne(-100).sum() / labels.ne(-100).sum())
+
+
+def test_the_trainer_counts_a_gpt2_lm_heads_labels_before_the_shift(frame):
+    """GPT2LMHeadModel's class name has no "ForCausalLM": its loss_type is None, so the
+    Trainer counts num_items_in_batch over the unshifted labels while the model's loss
+    predicts the shifted ones; setting loss_type gives the big batch."""
+    installed("transformers")
+    unclipped = grad(frame, framework="transformers", setting="max_grad_norm=0", setup="gpt2")
+    assert len(unclipped) and set(unclipped.loss) == {"mean", "token"}
+    assert (unclipped.verdict == "scaled").all(), unclipped[["loss", "accum_steps", "scale"]]
+    for row in unclipped.itertuples():
+        assert abs(row.scale - _predicted_over_counted(row.loss, row.accum_steps)) < MISS
+    assert unclipped.fix.str.contains('set model.loss_type = "ForCausalLM"').all()
+    assert (unclipped.precision == "float32").all()  # the causal-LM loss casts to float32
+    assert_matches(grad(frame, framework="transformers", setting="max_grad_norm=0",
+                        setup="gpt2+loss_type"))
+
+
 def test_transformers_counts_tokens_per_rank_without_averaging_across_devices(frame):
     installed("transformers")
     local = grad(frame, framework="transformers", setting="average_tokens_across_devices=False")

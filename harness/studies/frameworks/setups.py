@@ -171,6 +171,42 @@ def hf_style(model_class: type[HFStyle]) -> Callable[[Setup], Setup]:
     return variant
 
 
+def tiny_gpt2(loss_type: str | None = None) -> nn.Module:
+    """A ``GPT2LMHeadModel`` from a config (nothing downloaded), float64, no dropout, its
+    weights seeded. Its class name has no "ForCausalLM", so its ``loss_type`` is None unless
+    given: the Trainer then counts ``num_items_in_batch`` over the labels before the shift,
+    while the model's own loss (the causal-LM loss whatever the type) predicts the labels
+    after it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=MAX_LENGTH, n_embd=WIDTH, n_layer=1,
+                        n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "eager"  # the same arithmetic on every machine
+    model = GPT2LMHeadModel(config).to(torch.float64)
+    if loss_type is not None:
+        model.loss_type = loss_type
+    return model
+
+
+def causal_lm_batch(batch: dict) -> dict:
+    """The batch as a causal LM trains on it: the labels are the tokens, padding -100."""
+    return {"input_ids": batch["input_ids"],
+            "labels": batch["input_ids"].masked_fill(batch["labels"].eq(IGNORE), IGNORE)}
+
+
+def models_own_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def gpt2(loss_type: str | None) -> Callable[[Setup], Setup]:
+    def variant(setup: Setup) -> Setup:
+        return replace(setup, make_model=lambda: tiny_gpt2(loss_type),
+                       batch=lambda i: causal_lm_batch(setup.batch(i)), loss=models_own_loss)
+    return variant
+
+
 @dataclass(frozen=True)
 class Variant:
     """A user setup the study measures, made from the plain one."""
@@ -203,6 +239,10 @@ VARIANTS = (
     Variant("drops-count", "forward(input_ids, labels, **kwargs) returns "
             "the micro-batch's token mean, dropping num_items_in_batch",
             hf_style(KwargsIgnored), ("transformers",)),
+    Variant("gpt2", "a tiny GPT2LMHeadModel from a config (loss_type None), its own loss, "
+            "labels = the tokens", gpt2(None), ("transformers",), core=True),
+    Variant("gpt2+loss_type", "the same GPT-2 with model.loss_type = \"ForCausalLM\"",
+            gpt2("ForCausalLM"), ("transformers",)),
     Variant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
             "model's accepts_loss_kwargs = False", hf_style(OptedOut), ("transformers",)),
 )
