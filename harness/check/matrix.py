@@ -9,6 +9,7 @@ rank and shared by all cases (harness/check/baseline.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -83,6 +84,27 @@ class Measured:
     error: str = ""
     #: The precision the row was judged at (None: unmeasured, the run's dtype).
     precision: torch.dtype | None = None
+    #: Under Setup.autocast: the residual of the step as run under autocast (None without).
+    autocast_residual: float | None = None
+
+
+def at_full_precision(low: list[Measured], full: list[Measured]) -> list[Measured]:
+    """A case run under autocast (``low``) judged with its twin run without autocast at the
+    run's precision (``full``): where the twin shows a difference from the big batch, the
+    split differs whatever the autocast rounding, so the twin's verdict stands (a bfloat16
+    tolerance, ~10x bfloat16's rounding, would hide a token-count weighting off by a few
+    per cent); elsewhere the autocast run's (its rounding within its tolerance, or what
+    only autocast does). Every row keeps the autocast run's residual beside it."""
+    twins = {(m.step, m.point): m for m in full}
+    judged = []
+    for measured in low:
+        twin = twins.get((measured.step, measured.point))
+        residual = measured.comparison.residual if measured.comparison else None
+        if (measured.status == "ok" and twin is not None and twin.comparison is not None
+                and twin.comparison.verdict is not Equivalence.MATCHES):
+            measured = twin
+        judged.append(dataclasses.replace(measured, autocast_residual=residual))
+    return judged
 
 
 def matrix(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[Case]:
@@ -136,6 +158,10 @@ class SetupCheck:
                                                                   setup, groups)
         self.device = self.placement.device
         self.dtype = run_dtype(setup, self.config.torch_dtype)
+        #: Under autocast, the same cases without it, at the run's precision: a split that
+        #: differs there must not be hidden by the autocast precision's tolerance.
+        self.twin = (SetupCheck(run, target, dataclasses.replace(setup, autocast=None), groups)
+                     if setup.autocast is not None else None)
         check_step_device(setup, target, self.device)
         self.rtol = check_tolerance(self.dtype)
         self.baseline = Baseline(setup, self.dtype, self.device, target, self.rtol)
@@ -175,17 +201,26 @@ class SetupCheck:
         """The rows of every case (on rank 0; [] elsewhere)."""
         every_case = matrix(self.config, self.world_sizes)
         cases = [case for case in every_case if self.launch.rank < case.participants]
+        for check in (self, self.twin):
+            if check is not None:
+                check.expect(cases)
+        # The same reference on every rank, whichever cases a rank takes part in.
+        self._same_on_every_rank(self.baseline.reference(self.used_samples(every_case[0])))
+        rows: list[dict[str, Any]] = []
+        for case in cases:
+            measured = self.run_case(case)
+            if self.twin is not None:
+                measured = at_full_precision(measured, self.twin.run_case(case))
+            rows += self.rows(case, measured)
+        return rows
+
+    def expect(self, cases: list[Case]) -> None:
+        """Tell the baseline what this rank's cases compare and which of them train."""
         for case in cases:
             self.baseline.expect_case(
                 case_model(case.strategy).compared_parts(self.baseline.initial,
                                                          case.world_size, self.launch.rank),
                 trains=self._unavailable(case) is None)
-        # The same reference on every rank, whichever cases a rank takes part in.
-        self._same_on_every_rank(self.baseline.reference(self.used_samples(every_case[0])))
-        rows: list[dict[str, Any]] = []
-        for case in cases:
-            rows += self.rows(case, self.run_case(case))
-        return rows
 
     def run_case(self, case: Case) -> list[Measured]:
         """The case's measurements, one per step and point."""
@@ -360,4 +395,6 @@ def row_of(setup: str, case: Case, dtype: torch.dtype, measured: Measured,
         "ranks_agree": "" if measured.ranks_agree is None else measured.ranks_agree,
         "fix": measured.fix, "dtype": dtype_name(dtype), "status": measured.status,
         "error": measured.error, "precision": dtype_name(precision),
+        "autocast_residual": (math.nan if measured.autocast_residual is None
+                              else measured.autocast_residual),
     }

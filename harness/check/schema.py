@@ -40,6 +40,13 @@ COLUMNS: tuple[Column, ...] = (
     FIX,
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
     PRECISION,
+    Column("autocast_residual", "ratio",
+           "setups with `Setup.autocast`: the residual of the step as run under autocast "
+           "(the autocast precision's rounding, plus any difference of the split). Each such "
+           "case also runs without autocast at `--dtype`: where that run differs from the big "
+           "batch, the row's verdict, scale, residual and fix are its own (`precision` then "
+           "says so), since a low precision's tolerance must not hide a split that "
+           "full precision shows; empty without autocast"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),
     ERROR.described("the exception of a case that failed (`Type: first sentence`), "
                    "or where its loss or gradient first held a NaN or an infinity"),
