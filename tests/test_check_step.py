@@ -277,3 +277,33 @@ def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not
                                  "and in the case alike") for status in first["status"])
     # Both skipped, both halved their scale: the next step is the big batch's again.
     assert set(second["status"]) == {"ok"} and set(second["verdict"]) == {"matches"}, second
+
+
+# ------------------------------------------------------------ state a micro-step changes
+_SCHEDULERS: list = []
+
+
+def _rising(optimizer: torch.optim.Optimizer):
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0 + n)
+    _SCHEDULERS.append(scheduler)
+    return scheduler
+
+
+def _stepping_micro_step(model: nn.Module, batch, where) -> torch.Tensor:
+    """The bug: the scheduler stepped once per micro-step instead of per optimizer step."""
+    _SCHEDULERS[-1].step()
+    return mlp.mean_loss(model, batch) / where.accum_steps
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+def test_one_process_playing_n_ranks_steps_a_micro_step_scheduler_as_each_rank_would():
+    """Each rank steps its own scheduler k times per window before the optimizer steps, so
+    the step-0 update is (1 + k) times the big batch's, whatever N; one process playing N
+    ranks must not step it N*k times."""
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  make_scheduler=_rising, micro_step=_stepping_micro_step, name="sched")
+    rows = check(setup, strategies=["local"], world_sizes=(2, 4), accum_steps=(1, 2))
+    params = rows[rows.point == "params"]
+    assert (params.verdict == "scaled").all(), params
+    assert ((params.scale - (1 + params.accum_steps)).abs() < 1e-9).all(), params
+    assert params.fix.str.contains("step the scheduler once per optimizer step").all()

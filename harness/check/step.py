@@ -51,6 +51,8 @@ GRADIENT_EDITS = (
     (torch.nn.utils.clip_grad, "clip_grad_value_", "clip_grad_value_"),
     (torch.amp.GradScaler, "scale", "GradScaler"),
     (torch.amp.GradScaler, "unscale_", "GradScaler"),
+    # Not a gradient edit, but a loop's once-per-step call all the same.
+    (torch.optim.lr_scheduler.LRScheduler, "step", "an LR scheduler's step()"),
 )
 
 
@@ -91,7 +93,12 @@ def watching_gradient_edits(seen: set[str]) -> Iterator[None]:
 
 
 def micro_step_edit_fix(edits: set[str]) -> str:
-    """The fix for a micro-step that edits the gradient it is accumulating."""
+    """The fix for a micro-step that edits the gradient it is accumulating, or steps an LR
+    scheduler (k times per window where the big batch steps it once)."""
+    if "an LR scheduler's step()" in edits:
+        return ("step the scheduler once per optimizer step (Setup.make_scheduler's is "
+                "stepped after each): micro_step calls an LR scheduler's step(), once per "
+                "micro-step, k times per window")
     if "GradScaler" in edits:
         return ("scale and unscale once per window: micro_step uses a GradScaler, so each "
                 "micro-step's gradient is scaled or unscaled on its own; set "

@@ -78,7 +78,12 @@ class LocalTrainer(Trainer):
 class LocalCheckCase(CaseModel):
     """One process playing the N ranks: their pieces in turn, each rank's gradients held
     apart (a custom micro_step that reads ``.grad`` sees its own rank's, as under DDP's
-    no_sync), averaged over the N at the end of the step as DDP and FSDP average them."""
+    no_sync), averaged over the N at the end of the step as DDP and FSDP average them.
+
+    Each rank of a real launch has an optimizer and a scheduler of its own: a micro_step
+    that changes them (a scheduler stepped per micro-step) changes each rank's once per
+    micro-step, not N times. So every played rank starts its piece from the state the
+    micro-step began with (the optimizer's hyperparameters, the scheduler's state)."""
 
     plays_every_rank = True
 
@@ -94,8 +99,28 @@ class LocalCheckCase(CaseModel):
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.inner.parameters() if p.requires_grad]
 
+    #: The optimizer's and the scheduler's state as the micro-step began (see the class).
+    _began: tuple[list[dict], dict | None] | None = None
+
+    def _step_state(self) -> tuple[list[dict], dict | None]:
+        groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+                  for group in self.optimizer.param_groups]
+        scheduler = self.whole.scheduler
+        return groups, copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+
+    def _restore_step_state(self, state: tuple[list[dict], dict | None]) -> None:
+        groups, scheduler = state
+        for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+            group.update(copy.deepcopy(saved))
+        if scheduler is not None:
+            self.whole.scheduler.load_state_dict(copy.deepcopy(scheduler))
+
     @contextlib.contextmanager
     def playing(self, rank: int):
+        if rank == 0:
+            self._began = self._step_state()
+        else:
+            self._restore_step_state(self._began)
         params = self._trainable()
         if self._held is None:
             self._held = {r: [None] * len(params) for r in range(self.world_size)}
