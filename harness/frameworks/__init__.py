@@ -12,6 +12,7 @@ framework only inside ``train``; this package imports none of them (nor torch) u
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -19,12 +20,17 @@ from typing import Any
 ADAPTERS = ("hf_accelerate", "lightning_trainer", "hf_trainer", "deepspeed_engine")
 
 
+@functools.cache
+def _registry() -> dict[str, Any]:
+    frameworks = {}
+    for module in ADAPTERS:
+        framework = importlib.import_module(f"{__name__}.{module}").FRAMEWORK
+        frameworks[framework.name] = framework
+    return frameworks
+
+
 def __getattr__(name: str) -> Any:
+    """``FRAMEWORKS``: every framework by name, in row order, imported when first asked for."""
     if name == "FRAMEWORKS":
-        frameworks = {}
-        for module in ADAPTERS:
-            framework = importlib.import_module(f"{__name__}.{module}").FRAMEWORK
-            frameworks[framework.name] = framework
-        globals()["FRAMEWORKS"] = frameworks
-        return frameworks
+        return _registry()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

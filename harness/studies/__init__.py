@@ -11,6 +11,7 @@ without importing a study's measuring code, and with it torch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
 )
 
 
+@functools.cache
 def _load() -> dict[str, type[Study]]:
     studies = {}
     for package in STUDY_PACKAGES:
@@ -49,8 +51,7 @@ def __getattr__(name: str) -> Any:
     """``STUDIES`` (every study by name, in run order) and the study base classes, loaded
     when first asked for: they import the measuring code."""
     if name == "STUDIES":
-        globals()["STUDIES"] = studies = _load()
-        return studies
+        return _load()
     if name in ("Case", "Study", "StudyOptions"):
         return getattr(importlib.import_module("harness.studies.base"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
