@@ -9,7 +9,9 @@
    initialises gloo and exits -- the harness's cost over the launch it needs anyway;
    and the full default run under ``--nproc N`` (ranks forked from one fork server).
 2. suite: wall time of the test suite, ``python -m pytest -n auto``, and of its quick
-   subset, ``python -m pytest -m quick``.
+   subset, ``python -m pytest -m quick``, against a bare ``torchrun`` of N ranks of a
+   no-op script in the same run: the suite as a multiple of that launch (target <= 10x),
+   the quick subset in seconds (target <= 20 s).
 3. scaling: cases per second of the accumulation study at 1x, 2x and 4x the
    cases, with the same mean work per case: ``--accum-steps`` 4 | 3,5 | 2,3,5,6
    (mean k = 4 in each), so a falling rate would expose per-case overhead that
@@ -131,12 +133,24 @@ def bench_launch(nproc: int, repeat: int, scratch: Path) -> dict[str, float]:
     return timings
 
 
-def bench_suite(repeat: int) -> dict[str, float]:
-    """The README's test command and its edit-loop subset (targets: 90 s and 20 s on 2
-    cores), in the same run."""
+#: What the suite is measured against: a torchrun launch of ranks that do nothing at all.
+NOOP = "# a rank that does nothing: what a launch costs by itself\n"
+#: The README's test command may take this many bare launches; its quick subset, seconds.
+SUITE_LAUNCHES, QUICK_SECONDS = 10, 20
+
+
+def bench_suite(nproc: int, repeat: int, scratch: Path) -> dict[str, float]:
+    """The README's test command and its edit-loop subset, and a bare ``torchrun`` of
+    ``nproc`` ranks of a no-op script, in the same run (targets: the suite within
+    :data:`SUITE_LAUNCHES` bare launches, the quick subset within :data:`QUICK_SECONDS`)."""
+    noop = scratch / "noop.py"
+    noop.write_text(NOOP)
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    return {"suite": median_of(repeat, [*pytest, "-n", "auto"]),
-            "quick": median_of(repeat, [*pytest, "-m", "quick"])}
+    timings = {"bare_launch": median_of(repeat, torchrun(nproc, str(noop))),
+               "suite": median_of(repeat, [*pytest, "-n", "auto"]),
+               "quick": median_of(repeat, [*pytest, "-m", "quick"])}
+    timings["suite_launches"] = timings["suite"] / timings["bare_launch"]
+    return timings
 
 
 def bench_scaling(nproc: int, repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
@@ -301,10 +315,13 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
     lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
     benchmarks = launch_rows(nproc, timings["launch"]) if "launch" in timings else []
     if "suite" in timings:
-        benchmarks.append(["test suite, `python -m pytest -n auto`",
-                           f"{timings['suite']['suite']:.1f} s", ""])
+        suite = timings["suite"]
+        benchmarks.append([f"bare `torchrun` of {nproc} no-op ranks",
+                           f"{suite['bare_launch']:.1f} s", "1.00x"])
+        benchmarks.append(["test suite, `python -m pytest -n auto`", f"{suite['suite']:.1f} s",
+                           f"{suite['suite_launches']:.1f}x (target <= {SUITE_LAUNCHES}x)"])
         benchmarks.append(["its quick subset, `python -m pytest -m quick`",
-                           f"{timings['suite']['quick']:.1f} s", ""])
+                           f"{suite['quick']:.1f} s", f"(target <= {QUICK_SECONDS} s)"])
     if benchmarks:
         lines += table(["benchmark", "wall time", "ratio"], benchmarks)
     if "launch" in timings:
@@ -358,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "frameworks"):
             timings["frameworks"] = bench_frameworks(args.repeat, Path(scratch))
         if args.only in (None, "suite"):
-            timings["suite"] = bench_suite(args.repeat)
+            timings["suite"] = bench_suite(args.nproc, args.repeat, Path(scratch))
     print(markdown(args.nproc, args.repeat, timings))
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "nproc": args.nproc,
