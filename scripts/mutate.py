@@ -64,8 +64,13 @@ MUTATIONS = (
              "start = (micro * accum_steps + rank) * per_piece",
              ("tests/test_mutation_targets.py",)),
     Mutation("capture-after-step", "harness/frameworks/capture.py",
-             "capture.grad = float64_vector(grads())\n        result = original(**kwargs)",
-             "result = original(**kwargs)\n        capture.grad = float64_vector(grads())",
+             "taken = CapturedStep(float64_vector(grads()),\n"
+             "                             tuple(float(group[\"lr\"]) for group in "
+             "optimizer.param_groups))\n        result = original(**kwargs)",
+             "result = original(**kwargs)\n"
+             "        taken = CapturedStep(float64_vector(grads()),\n"
+             "                             tuple(float(group[\"lr\"]) for group in "
+             "optimizer.param_groups))",
              ("tests/test_capture.py",)),
     Mutation("compare-looser-tolerance", "harness/compare.py",
              "return max(tolerances)", "return min(tolerances)",
@@ -77,6 +82,19 @@ MUTATIONS = (
     Mutation("lr-factor-inverse-scale", "harness/studies/update/lr_factor.py",
              "return 1.0 / scale", "return scale",
              ("tests/test_mutation_targets.py",)),
+    Mutation("autocast-hides-the-split", "harness/check/matrix.py",
+             "and twin.comparison.verdict is not Equivalence.MATCHES):",
+             "and twin.comparison.verdict is Equivalence.MATCHES):",
+             ("tests/test_check_precision.py::test_bfloat16_rounding_never_hides_a_split_that_"
+              "full_precision_shows",)),
+    Mutation("local-replays-step-state", "harness/strategies/local.py",
+             "        if rank == 0:\n            self._began = self._step_state()",
+             "        if True:\n            self._began = self._step_state()",
+             ("tests/test_check_step.py::test_one_process_playing_n_ranks_steps_a_micro_step_"
+              "scheduler_as_each_rank_would",)),
+    Mutation("trainer-counts-unshifted", "harness/frameworks/fixes.py",
+             "int(labels[..., 1:].ne(IGNORE).sum())", "int(labels.ne(IGNORE).sum())",
+             ("tests/test_frameworks_fixes.py",)),
 )
 
 
