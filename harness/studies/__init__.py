@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from harness.studies.schema import Column
@@ -74,16 +75,27 @@ def study_columns(name: str) -> tuple[Column, ...]:
         return __getattr__("STUDIES")[name].columns
 
 
-def report_section(name: str) -> Section | None:
-    """The report section of study ``name`` (its package's ``report.SECTION``), or None."""
+def _report_module(name: str) -> ModuleType | None:
+    """Study ``name``'s ``report`` module, or None where it has none."""
     if name not in STUDY_PACKAGES:
         return None
     try:
-        module = importlib.import_module(f"harness.studies.{name}.report")
+        return importlib.import_module(f"harness.studies.{name}.report")
     except ModuleNotFoundError:
         return None
-    return getattr(module, "SECTION", None)
+
+
+def report_section(name: str) -> Section | None:
+    """The report section of study ``name`` (its package's ``report.SECTION``), or None."""
+    return getattr(_report_module(name), "SECTION", None)
+
+
+def doc_parts(name: str) -> dict[str, Callable[[Any], str]]:
+    """The generated parts of README.md and docs/ that study ``name`` states (its package's
+    ``report.DOC_PARTS``: a part's name and a function of the quoted results giving its
+    text), or none."""
+    return dict(getattr(_report_module(name), "DOC_PARTS", {}))
 
 
 __all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",  # noqa: F822
-           "report_section", "study_columns"]
+           "doc_parts", "report_section", "study_columns"]

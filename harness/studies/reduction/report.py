@@ -9,8 +9,9 @@ devices' own-shard gradients (``verdict``) and of the big batch's
 from __future__ import annotations
 
 from harness.report import spec
-from harness.report.text import small, strategy_name, words, worst
-from harness.strategies import names
+from harness.report.quoted import DocPart, Results, require
+from harness.report.text import integers, small, strategy_name, words, worst
+from harness.strategies import emulated_names, names
 from harness.verdicts import Equivalence, Reduction
 
 MULTI = "devices_used >= 2"
@@ -149,3 +150,52 @@ SECTION = spec.Section(
                              "differs)."),
     ),
 )
+
+
+# ------------------------------------------------------------ README's answers
+#: The README's rows: measured, with two or more devices (with one, sum and mean coincide).
+MEASURED_MULTI = f"status == 'ok' and {MULTI}"
+
+
+def reduction_answer(results: Results) -> str:
+    """DDP and FSDP average, DataParallel sums."""
+    every = results.csv("reduction")
+    rows = every.query(MEASURED_MULTI)
+    ddp_fsdp = rows[rows["strategy"].isin(COLLECTIVE)]
+    dp = rows[rows["strategy"].isin(names(emulated=True))]
+    real = every[every["strategy"].isin(emulated_names())]
+    require((ddp_fsdp["reduce_op"] == "mean").all() and len(ddp_fsdp) > 0,
+            "DDP and FSDP average", "reduction.csv: strategy in ddp, fsdp, devices_used >= 2")
+    require((dp["reduce_op"] == "sum").all() and len(dp) > 0, "DataParallel sums",
+            "reduction.csv: strategy = dp-emulated, devices_used >= 2")
+    emulated = ("measured on its CPU emulation: the real one needs CUDA devices, and its "
+                f"{len(real)} cases were skipped" if not (real["status"] == "ok").any()
+                else f"{int((real['status'] == 'ok').sum())} real DataParallel cases too")
+    return (f"**DDP and FSDP average** the devices' gradients (÷ k; {len(ddp_fsdp)} cases at "
+            f"k = {integers(ddp_fsdp['devices_used'])}); **DataParallel sums** them "
+            f"({len(dp)} cases, {emulated}).")
+
+
+def mean_loss_answer(results: Results) -> str:
+    """With a mean loss all three give the big batch's gradient; a sum loss and BatchNorm."""
+    rows = results.csv("reduction").query(MEASURED_MULTI)
+    mean, plain = rows[rows["loss_reduction"] == "mean"], ~rows["model"].str.contains("batchnorm")
+    exact = mean[plain[mean.index]]
+    require((exact["full_batch_verdict"] == "matches").all(), "a mean loss gives the big batch",
+            "reduction.csv: loss_reduction = mean, model without BatchNorm")
+    summed = rows[(rows["loss_reduction"] == "sum") & plain & rows["strategy"].isin(COLLECTIVE)]
+    require((summed["full_batch_multiple"] == "1/k").all(), "a sum loss gives 1/k under DDP",
+            "reduction.csv: loss_reduction = sum, strategy in ddp, fsdp")
+    norm = rows[~plain]
+    require((norm["full_batch_verdict"] == "differs").all(), "BatchNorm gives no multiple",
+            "reduction.csv: model = mlp-batchnorm")
+    return (f"So with a **mean loss**, `param.grad` on k devices **is the big batch's gradient** "
+            f"under all three ({len(exact)} cases, worst residual "
+            f"{small(exact['full_batch_residual'].max())}); with a sum loss DDP and FSDP give "
+            f"1/k of it, and with BatchNorm no strategy gives any multiple of it (residual ≥ "
+            f"{small(norm['full_batch_residual'].min())}).")
+
+
+#: The README's sentences this study states (harness/report/docs.py collects them).
+DOC_PARTS: dict[str, DocPart] = {"answer:reduction": reduction_answer,
+                                 "answer:mean-loss": mean_loss_answer}
