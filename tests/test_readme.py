@@ -22,7 +22,7 @@ import pytest
 
 from harness.report import docs
 from harness.report.document import anchor
-from harness.studies import STUDY_PACKAGES, doc_parts, study_columns
+from harness.studies import STUDY_PACKAGES, doc_parts, study_tables
 from harness.studies.frameworks.report import frameworks_answer, frameworks_summary
 from harness.studies.reduction.report import MEASURED_MULTI
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS
@@ -81,9 +81,16 @@ def test_readme_and_docs_are_what_the_schemas_and_results_give():
 @pytest.mark.parametrize("name", STUDY_PACKAGES)
 def test_every_column_of_a_study_is_in_its_table_with_its_unit(name):
     assert f"## `{name}`" in RESULTS_DOC
-    table = {m["name"]: m["unit"].replace("\\|", "|") for m in
-             ROW.finditer(part(RESULTS_DOC, f"columns:{name}"))}
-    assert table == {c.name: c.unit for c in study_columns(name)}
+    generated = part(RESULTS_DOC, f"columns:{name}")
+    tables = study_tables(name)
+    # A study with several CSVs: a table per CSV, each under the CSV's name.
+    texts = re.split(r"^`[\w.-]+\.csv`: .*$", generated, flags=re.MULTILINE)[1:] \
+        if len(tables) > 1 else [generated]
+    assert len(texts) == len(tables)
+    for text, table in zip(texts, tables, strict=True):
+        assert len(tables) == 1 or f"`{table.csv}`: " in generated
+        documented = {m["name"]: m["unit"].replace("\\|", "|") for m in ROW.finditer(text)}
+        assert documented == {c.name: c.unit for c in table.columns}
 
 
 def test_the_common_and_check_columns_are_documented():

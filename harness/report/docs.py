@@ -20,8 +20,8 @@ from pathlib import Path
 
 from harness.report.quoted import DocPart, Results, Unsupported, require
 from harness.report.text import code, table
-from harness.studies import STUDY_PACKAGES, doc_parts, study_columns
-from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
+from harness.studies import STUDY_PACKAGES, doc_parts, study_tables
+from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column, Table
 
 __all__ = ["DOCUMENTS", "Results", "Unsupported", "main", "parts", "refresh", "require",
            "stale"]
@@ -38,12 +38,20 @@ def column_table(columns: Sequence[Column]) -> str:
                  [[code(c.name), c.unit, c.doc] for c in columns], [False] * 3)
 
 
+def tables_text(tables: Sequence[Table]) -> str:
+    """One study's column tables: its one CSV's, or each CSV's under its name and rows."""
+    if len(tables) == 1:
+        return column_table(tables[0].columns)
+    return "\n\n".join(f"`{table.csv}`: {table.doc}\n\n{column_table(table.columns)}"
+                       for table in tables)
+
+
 def schema_parts() -> dict[str, DocPart]:
     """``columns:common``, ``columns:<study>`` for every study, ``columns:check``."""
     parts: dict[str, DocPart] = {
         "columns:common": lambda _: column_table((*LEADING_COLUMNS, *TRAILING_COLUMNS))}
     for study in STUDY_PACKAGES:
-        parts[f"columns:{study}"] = lambda _, study=study: column_table(study_columns(study))
+        parts[f"columns:{study}"] = lambda _, study=study: tables_text(study_tables(study))
     parts["columns:check"] = lambda _: column_table(_check_columns())
     return parts
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from harness.studies.schema import Column
+from harness.studies.schema import Column, Table
 
 if TYPE_CHECKING:
     from harness.report.section import Section
@@ -68,11 +68,23 @@ def lazy_study(package: str, class_name: str) -> Callable[[str], Any]:
 
 
 def study_columns(name: str) -> tuple[Column, ...]:
-    """The own columns of study ``name``: its ``schema.COLUMNS``, else its study class's."""
+    """The own columns of study ``name``, which writes one CSV: its ``schema.COLUMNS``, else
+    its study class's."""
     try:
         return importlib.import_module(f"harness.studies.{name}.schema").COLUMNS
     except ModuleNotFoundError:
         return __getattr__("STUDIES")[name].columns
+
+
+def study_tables(name: str) -> tuple[Table, ...]:
+    """The CSVs study ``name`` writes: its ``schema.TABLES`` where it writes several, else
+    one, ``<name>.csv`` with its columns."""
+    try:
+        schema = importlib.import_module(f"harness.studies.{name}.schema")
+    except ModuleNotFoundError:
+        return __getattr__("STUDIES")[name].tables()
+    tables = getattr(schema, "TABLES", None)
+    return tuple(tables) if tables is not None else (Table(name, schema.COLUMNS),)
 
 
 def _report_module(name: str) -> ModuleType | None:
@@ -98,4 +110,4 @@ def doc_parts(name: str) -> dict[str, Callable[[Any], str]]:
 
 
 __all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",  # noqa: F822
-           "doc_parts", "report_section", "study_columns"]
+           "Table", "doc_parts", "report_section", "study_columns", "study_tables"]

@@ -5,9 +5,10 @@ declared once, next to its measuring code, in its own package under
 ``harness/studies/<name>/``:
 
 - ``columns``: the CSV's own columns, each a :class:`Column` with its unit and
-  meaning (docs/results.md's tables and ``study.py --schema`` are printed from these),
-  declared in the package's torch-free ``schema.py`` so that the registry and the
-  report read them without the measuring code;
+  meaning (docs/results.md's tables are printed from these), declared in the
+  package's torch-free ``schema.py`` so that the registry and the report read them
+  without the measuring code; a study that writes several CSVs declares them as
+  ``tables()`` (its ``schema.TABLES``) and says which one a case's rows go to;
 - ``Options``: a frozen dataclass of the study's own settings, each field an
   :func:`option` (flag, help, parser); it validates itself in ``__post_init__``
   and the command line registers its fields as flags;
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness.context import CONTEXT_COLUMNS
 from harness.options import NoOptions, StudyOptions
-from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
+from harness.studies.schema import TRAILING_COLUMNS, Column, Table
 from harness.tolerances import close
 
 if TYPE_CHECKING:
@@ -105,21 +106,30 @@ class Study(ABC):
         self.options = options if options is not None else self.Options()
 
     @classmethod
+    def tables(cls) -> tuple[Table, ...]:
+        """The CSVs the study writes: one, ``<name>.csv`` with its ``columns``, unless it
+        declares several (each case's rows go to the table :meth:`table_of` names)."""
+        return (Table(cls.name, cls.columns),)
+
+    def table_of(self, case: Case) -> Table:
+        """The CSV ``case``'s rows go to: the study's one."""
+        (table,) = self.tables()
+        return table
+
+    @classmethod
     def own_columns(cls) -> tuple[str, ...]:
         return tuple(c.name for c in cls.columns)
 
     @classmethod
     def column_names(cls) -> tuple[str, ...]:
-        """Every column of the CSV, in order."""
-        return tuple(c.name for c in (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS))
+        """Every column of the study's one CSV, in order."""
+        (table,) = cls.tables()
+        return table.column_names()
 
     @classmethod
     def schema(cls) -> tuple[Column, ...]:
-        return (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS)
-
-    @property
-    def csv_name(self) -> str:
-        return f"{self.name}.csv"
+        (table,) = cls.tables()
+        return table.schema()
 
     def unavailable(self) -> str | None:
         """Why this study cannot run on this installation (e.g. an optional extra is
@@ -141,6 +151,27 @@ class Study(ABC):
     def summary_table(self, frame: pd.DataFrame) -> str:
         """A few lines for the console at the end of the run."""
         return frame.drop(columns=["study", "case_id", *CONTEXT_COLUMNS]).head(20).to_string()
+
+    def table_summary(self, table: Table, frame: pd.DataFrame) -> str:
+        """The console's lines for one of the study's CSVs: :meth:`summary_table`'s, unless
+        a study that writes several says something of its own per CSV."""
+        return self.summary_table(frame)
+
+
+def tables_written(study: Study, cases: list[Case]) -> list[Table]:
+    """The study's tables that some of ``cases`` write to, in the study's order."""
+    used = {study.table_of(case) for case in cases}
+    return [table for table in study.tables() if table in used]
+
+
+def rows_by_table(study: Study, cases: list[Case], rows: list[dict[str, Any]]
+                  ) -> dict[Table, list[dict[str, Any]]]:
+    """``rows`` of ``cases``, in their order, by the table each case writes to."""
+    table_of = {case.id: study.table_of(case) for case in cases}
+    split: dict[Table, list[dict[str, Any]]] = {t: [] for t in tables_written(study, cases)}
+    for row in rows:
+        split[table_of[row["case_id"]]].append(row)
+    return split
 
 
 def named_multiple(scale: float, k: int, rtol: float) -> str:
