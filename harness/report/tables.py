@@ -52,9 +52,13 @@ class Pivot:
 
 @dataclass(frozen=True, kw_only=True)
 class Records:
-    """One line per selected row; each column a header and a cell made from the row."""
+    """One line per selected row; each column a header and a cell made from the row.
 
-    caption: str
+    ``caption``: a template (``{csv}``, ``{rows}``, ``{rtol}``), or a function of the
+    selected rows giving one, for a caption that quotes them.
+    """
+
+    caption: str | Callable[[pd.DataFrame], str]
     columns: Sequence[tuple[str, Callable[[dict], str]]]
     where: str = ""
     numeric: Sequence[bool] = ()
@@ -66,7 +70,8 @@ class Records:
         body = [[cell(row) for _, cell in self.columns] for row in chosen.to_dict("records")]
         headers = [header for header, _ in self.columns]
         numeric = [*self.numeric, *[False] * (len(headers) - len(self.numeric))]
-        return rows.table(self.caption, len(chosen), headers, body, numeric)
+        caption = self.caption(chosen) if callable(self.caption) else self.caption
+        return rows.table(caption, len(chosen), headers, body, numeric)
 
 
 def numbers(name: str, flag: Callable[[pd.DataFrame], pd.Series] | None = None,
@@ -78,7 +83,11 @@ def numbers(name: str, flag: Callable[[pd.DataFrame], pd.Series] | None = None,
     return cell
 
 
+def cell(name: str, format: Callable[[object], str] = str) -> Callable[[dict], str]:
+    """A Records cell that shows one CSV column through ``format`` (empty where missing)."""
+    return lambda row: "" if row[name] != row[name] or row[name] is None else format(row[name])
+
+
 def column(name: str, format: Callable[[object], str] = str) -> tuple[str, Callable]:
-    """A Records column that shows one CSV column through ``format`` (empty where missing)."""
-    return name, lambda row: "" if row[name] != row[name] or row[name] is None else format(
-        row[name])
+    """A Records column that shows one CSV column through ``format``, headed by its name."""
+    return name, cell(name, format)
