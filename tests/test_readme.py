@@ -131,7 +131,7 @@ def test_every_local_link_of_the_readme_and_docs_exists():
 def test_the_answer_sentences_quote_the_rows():
     reduction = RESULTS.csv("reduction").query(MEASURED_MULTI)
     averaged = reduction[reduction["strategy"].isin(["ddp", "fsdp"])]
-    assert f"**DDP and FSDP average** the devices' gradients (÷ k; {len(averaged)} cases" \
+    assert f"**DDP and FSDP average** the devices' gradients (÷ N; {len(averaged)} cases" \
         in README
     summed = reduction[reduction["strategy"] == "dp-emulated"]
     assert f"**DataParallel sums** them ({len(summed)} cases" in README

@@ -62,7 +62,7 @@ class Case:
     def of(cls, study: str, participants: int = 1, collective: bool | None = None,
            cost: float = 1.0, **spec: Any) -> Case:
         """``collective`` defaults to ``participants > 1``; pass True for a
-        one-rank case that still uses its (one-rank) process group, e.g. DDP at k = 1."""
+        one-rank case that still uses its (one-rank) process group, e.g. DDP at N = 1."""
         if collective is None:
             collective = participants > 1
         return cls(study, tuple(spec.items()), participants, collective, cost)
@@ -70,7 +70,7 @@ class Case:
     @property
     def id(self) -> str:
         """Stable and readable: the key a resumed run and the report refer to."""
-        return "/".join([self.study, *(f"{k}={v}" for k, v in self.spec)])
+        return "/".join([self.study, *(f"{axis}={value}" for axis, value in self.spec)])
 
     @property
     def params(self) -> Mapping[str, Any]:
@@ -95,10 +95,10 @@ class Study(ABC):
     Options: ClassVar[type[StudyOptions]] = NoOptions
     #: Part of a run that names no ``--studies``.
     in_default_run: ClassVar[bool] = True
-    #: Its collective cases may run on any slot of k ranks (harness/schedule.py), side by
+    #: Its collective cases may run on any slot of N ranks (harness/schedule.py), side by
     #: side: true for a study that addresses ranks only relative to the group the run gives
-    #: it (``run.group(k)``, ``run.reports(case)``). False, the safe default, keeps ranks
-    #: 0..k-1 (e.g. ``comm``, which times collectives; ``training``, which gathers rows to
+    #: it (``run.group(N)``, ``run.reports(case)``). False, the safe default, keeps ranks
+    #: 0..N-1 (e.g. ``comm``, which times collectives; ``training``, which gathers rows to
     #: global rank 0).
     any_slot: ClassVar[bool] = False
 
@@ -174,13 +174,14 @@ def rows_by_table(study: Study, cases: list[Case], rows: list[dict[str, Any]]
     return split
 
 
-def named_multiple(scale: float, k: int, rtol: float) -> str:
-    """Which of 1, 1/k and k ``scale`` equals within ``rtol``, or "" when none does.
+def named_multiple(scale: float, count: int, rtol: float, name: str) -> str:
+    """Which of 1, 1/``name`` and ``name`` ``scale`` equals within ``rtol``, or "" when none
+    does; ``count`` is what the letter ``name`` stands for (N devices, k micro-steps).
 
-    A ratio column the report can name in words instead of listing numbers; at k = 1
-    the three coincide and "1", checked first, is the plain word for it.
+    A ratio column the report can name in words instead of listing numbers; where the count
+    is 1 the three coincide and "1", checked first, is the plain word for it.
     """
-    for name, multiple in (("1", 1.0), ("1/k", 1.0 / k), ("k", float(k))):
+    for word, multiple in (("1", 1.0), (f"1/{name}", 1.0 / count), (name, float(count))):
         if not math.isnan(scale) and close(scale, multiple, rtol):
-            return name
+            return word
     return ""

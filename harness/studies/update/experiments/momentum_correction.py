@@ -61,7 +61,8 @@ def momentum_answers(rows: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
     return [Answer(
         "Momentum after an lr change (Goyal's momentum correction): needed with torch.optim.SGD?",
         "no: torch's form equals the corrected one" if needed else
-        "see the rows: " + ", ".join(f"{k} {v}" for k, v in verdicts.items()),
+        "see the rows: " + ", ".join(f"{setting} {verdict}"
+                                     for setting, verdict in verdicts.items()),
         "; ".join(f"{setting}: update_error {small(error)}"
                   for setting, error in zip(rows["setting"], rows["update_error"], strict=True)),
         "only a hand-written lr-inside momentum needs v × lr_new / lr_old" if needed else "")]
