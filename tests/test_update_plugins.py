@@ -6,6 +6,7 @@ other change."""
 from __future__ import annotations
 
 import csv
+import re
 
 import pandas as pd
 import pytest
@@ -152,3 +153,16 @@ def test_a_run_writes_the_added_experiments_csv_and_its_subsection(registered, t
     assert f"The gradient of w² at w = N was 4 at N = 2. <sub>[`update-{NAME}.csv`" in text
     # The study's own experiments ran beside it, each into its CSV.
     assert (out / f"update-{experiments.EXPERIMENTS[0].name}.csv").is_file()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"name": "Lr_Factor"}, "lower-case words joined by '-'"),
+    ({"columns": (schema.WORLD_SIZE, schema.strategy("local"))}, "start with strategy, world_size"),
+    ({"columns": (*THROWAWAY.columns, schema.VERDICT)}, "columns declared twice: verdict"),
+    ({"cost_ms": 0.0}, "cost_ms 0.0 is not > 0"),
+])
+def test_a_declaration_the_study_could_not_use_is_refused_when_made(change, message):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replace(THROWAWAY, **change)

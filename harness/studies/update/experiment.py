@@ -14,6 +14,7 @@ code, which :func:`measured_in` imports when a case first runs.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 
 #: The study the experiments belong to: its CSVs are ``update-<experiment>.csv``.
 STUDY = "update"
+#: An experiment's name: it names a CSV file and appears in case ids.
+NAME = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+#: The columns every experiment's CSV starts with: where its case ran.
+COORDINATES = ("strategy", "world_size")
 
 #: Rows measured by a case (its experiment's columns but the case's coordinates), or None
 #: on the ranks of a collective case that do not report.
@@ -134,6 +139,22 @@ class Experiment:
     figures: Sequence[Part] = ()
     #: A few lines for the console at the end of the run, from its rows; None: the first rows.
     summary: Callable[[pd.DataFrame], str] | None = None
+
+    def __post_init__(self) -> None:
+        if not NAME.fullmatch(self.name):
+            raise ValueError(f"experiment name {self.name!r}: lower-case words joined by '-' "
+                             "(it names a CSV and a case id's experiment)")
+        names = [column.name for column in self.columns]
+        if names[:len(COORDINATES)] != list(COORDINATES):
+            raise ValueError(f"experiment {self.name}: its columns start with "
+                             f"{', '.join(COORDINATES)} (the case's coordinates), not "
+                             f"{', '.join(names[:len(COORDINATES)])}")
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(f"experiment {self.name}: columns declared twice: "
+                             f"{', '.join(twice)}")
+        if not self.cost_ms > 0:
+            raise ValueError(f"experiment {self.name}: cost_ms {self.cost_ms} is not > 0")
 
     @property
     def table(self) -> Table:
