@@ -51,7 +51,8 @@ def rules() -> str:
     paragraphs = [
         "For every study both folders ran, rows are matched by case_id and by their position "
         "among the rows of that case (several studies write several rows per case: one per "
-        "iteration, epoch, variant, parameter, event, ...). Each cell present on both sides "
+        "iteration, epoch, variant, parameter, event, ...), over every CSV of the study (a "
+        "study may write several, e.g. one per experiment). Each cell present on both sides "
         "is judged by its column:",
         f"- timing columns (names ending in {', '.join(TIMING_SUFFIXES)}, or with the word "
         f"{', '.join(sorted(TIMING_WORDS))} between underscores, e.g. wall_time, time_s, "
@@ -150,19 +151,29 @@ class ResultsFolder:
         return {key: self.manifest.value(key, "") for key in (*CONTEXT_COLUMNS, *RUN_FACTS)}
 
     def rows(self, study: str) -> tuple[list[str], list[dict[str, str]]]:
-        """Columns and rows (text cells, as written) of ``study``'s CSV."""
-        path = self.path / self.manifest.csv_name(study)
-        try:
-            with open(path, newline="") as handle:
-                reader = csv.DictReader(handle)
-                rows = list(reader)
-                columns = list(reader.fieldnames or [])
-        except FileNotFoundError:
-            raise UsageError(f"{path}: missing, although run.json lists {study}") from None
-        except (OSError, UnicodeDecodeError, csv.Error) as error:
-            raise UsageError(f"{path}: not a readable CSV ({error})") from None
-        _check_table(path, columns, rows)
-        return columns, rows
+        """Columns and rows (text cells, as written) of ``study``'s CSVs: every column some
+        CSV has, and the rows of each CSV in turn, each with its own CSV's columns."""
+        columns: dict[str, None] = {}
+        rows: list[dict[str, str]] = []
+        for name in self.manifest.csv_names(study):
+            table_columns, table_rows = _read_table(self.path / name, study)
+            columns.update(dict.fromkeys(table_columns))
+            rows += table_rows
+        return list(columns), rows
+
+
+def _read_table(path: Path, study: str) -> tuple[list[str], list[dict[str, str]]]:
+    try:
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
+    except FileNotFoundError:
+        raise UsageError(f"{path}: missing, although run.json lists {study}") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise UsageError(f"{path}: not a readable CSV ({error})") from None
+    _check_table(path, columns, rows)
+    return columns, rows
 
 
 def _check_table(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> None:
@@ -258,11 +269,13 @@ def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparis
                 "present" if key in right else "absent"))
             continue
         into.rows_matched += 1
-        for column in context:
+        # A study that writes several CSVs: a row has its own CSV's columns only.
+        both = [c for c in shared if c in left[key] and c in right[key]]
+        for column in (c for c in both if c in context):
             cells = (column, left[key][column], right[key][column])
             if cells[1] != cells[2]:
                 into.context[cells] = into.context.get(cells, 0) + 1
-        for column in judged:
+        for column in (c for c in both if c in absolute):
             into.cells_judged += 1
             x, y = left[key][column], right[key][column]
             if not cells_agree(x, y, into.rtol, absolute[column]):

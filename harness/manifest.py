@@ -56,9 +56,10 @@ def fingerprint(settings: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class StudyEntry:
-    """One study of the run: its CSV, how many cases, how long it took."""
+    """One study of the run: its CSVs (most studies write one), how many cases, how long it
+    took."""
 
-    csv: str
+    csvs: tuple[str, ...]
     cases: int
     wall_time_s: float
 
@@ -96,16 +97,16 @@ class RunManifest:
     def dtype(self) -> str:
         return str(self.context.get("dtype", "float64"))
 
-    def csv_name(self, study: str) -> str:
-        """The CSV the manifest names for ``study`` (``<study>.csv`` when it names none)."""
+    def csv_names(self, study: str) -> tuple[str, ...]:
+        """The CSVs the manifest names for ``study`` (``<study>.csv`` when it names none)."""
         entry = self.studies.get(study)
-        return entry.csv if entry is not None and entry.csv else f"{study}.csv"
+        return entry.csvs if entry is not None and entry.csvs else (f"{study}.csv",)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunManifest:
         """The manifest of a parsed ``run.json``; keys it does not know are context columns.
         Fields missing from an older run's file are empty."""
-        studies = {name: StudyEntry(csv=_text(entry, "csv"), cases=int(_number(entry, "cases")),
+        studies = {name: StudyEntry(csvs=_csvs(entry), cases=int(_number(entry, "cases")),
                                     wall_time_s=_number(entry, "wall_time_s"))
                    for name, entry in data.get("studies", {}).items()}
         known = {name: data[name] for name in _FIELDS if name in data and name != "studies"}
@@ -118,9 +119,14 @@ class RunManifest:
 _FIELDS = {f.name for f in fields(RunManifest)} - {"context"}
 
 
-def _text(entry: Any, key: str) -> str:
-    value = entry.get(key) if isinstance(entry, dict) else None
-    return value if isinstance(value, str) else ""
+def _csvs(entry: Any) -> tuple[str, ...]:
+    """A study's CSVs: its list ``csvs``, or the one ``csv`` an older run's file names."""
+    if not isinstance(entry, dict):
+        return ()
+    listed = entry.get("csvs")
+    if isinstance(listed, list):
+        return tuple(name for name in listed if isinstance(name, str))
+    return (entry["csv"],) if isinstance(entry.get("csv"), str) else ()
 
 
 def _number(entry: Any, key: str) -> float:

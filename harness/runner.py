@@ -37,7 +37,7 @@ from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, r
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
 from harness.schedule import make_schedule, slot_groups
-from harness.studies.base import Case, Study
+from harness.studies.base import Case, Study, rows_by_table, tables_written
 
 #: How long idle ranks wait for rank 0 between studies (a week: "no limit").
 IDLE_WAIT = timedelta(days=7)
@@ -173,7 +173,9 @@ class Runner:
                 begun = time.perf_counter()
                 rows = self._run_study(study, cases, ctx, done, journal, progress)
                 if self.leader:
-                    write_csv_atomic(self.config.out / study.csv_name, rows, study.column_names())
+                    for table, table_rows in rows_by_table(study, cases, rows).items():
+                        write_csv_atomic(self.config.out / table.csv, table_rows,
+                                         table.column_names())
                 study_times[study.name] = time.perf_counter() - begun
         return study_times
 
@@ -264,8 +266,8 @@ class Runner:
             context=ctx.context_columns(),
             started=datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
             wall_time_s=round(time.time() - started, 3),
-            studies={study.name: StudyEntry(study.csv_name, len(cases),
-                                            round(study_times[study.name], 3))
+            studies={study.name: StudyEntry(tuple(t.csv for t in tables_written(study, cases)),
+                                            len(cases), round(study_times[study.name], 3))
                      for study, cases in plan},
         )
         write_text_atomic(self.config.out / MANIFEST, manifest.to_json())
@@ -288,7 +290,8 @@ class Runner:
     def _print_summaries(self, plan: list) -> None:
         import pandas as pd
 
-        for study, _ in plan:
-            frame = pd.read_csv(self.config.out / study.csv_name)
-            print(f"\n== {study.name} ({len(frame)} cases) -> "
-                  f"{self.config.out / study.csv_name}\n{study.summary_table(frame)}")
+        for study, cases in plan:
+            for table in tables_written(study, cases):
+                frame = pd.read_csv(self.config.out / table.csv)
+                print(f"\n== {table.name} ({len(frame)} rows) -> "
+                      f"{self.config.out / table.csv}\n{study.table_summary(table, frame)}")

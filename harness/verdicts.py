@@ -12,13 +12,13 @@ from enum import StrEnum
 
 
 class Reduction(StrEnum):
-    """How a measured gradient relates to the sum of what k devices contributed."""
+    """How a measured gradient relates to the sum of what N devices contributed."""
 
     MEAN = "mean"
     SUM = "sum"
-    #: k = 1: summing and averaging are the same operation.
+    #: N = 1: summing and averaging are the same operation.
     SUM_EQUALS_MEAN = "sum=mean"
-    #: No weight 1 or 1/k (or no weight at all) explains the gradient.
+    #: No weight 1 or 1/N (or no weight at all) explains the gradient.
     OTHER = "other"
 
 
@@ -49,9 +49,9 @@ class HookVerdict(StrEnum):
     EXACT = "exact"
     #: Off, but by no more than rounding in its (narrower) wire format allows.
     COMPRESSED = "compressed"
-    #: A pure multiple k of ḡ: the sum of the ranks' gradients, never divided.
+    #: A pure multiple N of ḡ: the sum of the ranks' gradients, never divided.
     SUMMED = "summed"
-    #: A pure multiple 1/k of ḡ: divided by the world size twice.
+    #: A pure multiple 1/N of ḡ: divided by the world size twice.
     OVER_AVERAGED = "over-averaged"
     #: A pure multiple of ḡ that is none of the above.
     SCALED = "scaled"

@@ -5,7 +5,8 @@
     python scripts/study.py --list                                       # what each study does
     python scripts/study.py --help                                       # every flag
 
-Results: one CSV per study, run.json and REPORT.md in --out (default: results/).
+Results: one CSV per study (the update study: one per experiment), run.json and REPORT.md in
+--out (default: results/).
 """
 
 import sys

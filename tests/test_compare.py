@@ -125,6 +125,34 @@ def test_a_row_only_one_side_has_disagrees(tmp_path, capsys):
     assert "0 cell(s) and 1 unmatched row(s)" in out
 
 
+def write_split(path: Path, tables: dict[str, list[dict]]) -> Path:
+    """A folder whose study ``toy`` wrote several CSVs, each with its own columns."""
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({**CONTEXT, "studies": {"toy": {
+        "csvs": [f"{name}.csv" for name in tables], "cases": 2}}}))
+    for name, rows in tables.items():
+        with open(path / f"{name}.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+def test_a_study_split_into_several_csvs_is_matched_by_case_across_them(tmp_path, capsys):
+    """One CSV with every column against a CSV per kind of case, each with its own columns:
+    rows meet by case_id wherever they are, and only the cells both rows have are judged."""
+    together = [row("1", clip=""), row("2", verdict="sum", weight=1.0, clip="0.5")]
+    one = write_folder(tmp_path / "one", {"toy": together})
+    split = {"toy-a": [{k: v for k, v in together[0].items() if k != "clip"}],
+             "toy-b": [{k: v for k, v in together[1].items() if k != "weight"}]}
+    assert main([str(one), str(write_split(tmp_path / "split", split))]) == 0
+    assert "agree" in capsys.readouterr().out
+    split["toy-b"][0]["clip"] = "0.25"
+    assert main([str(one), str(write_split(tmp_path / "changed", split))]) == 1
+    line = next(line for line in capsys.readouterr().out.splitlines() if "toy/case=2" in line)
+    assert line.split() == ["toy", "toy/case=2", "clip", "0.5", "0.25"]
+
+
 def test_run_settings_are_shown_side_by_side_not_judged(tmp_path, capsys):
     a = write_folder(tmp_path / "a", {"toy": BASE}, settings={"seed": 0, "matrix": "default"})
     b = write_folder(tmp_path / "b", {"toy": BASE}, settings={"seed": 0, "matrix": "full"})

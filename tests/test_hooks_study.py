@@ -315,7 +315,7 @@ def test_the_report_section_names_what_the_rows_say(frame, tmp_path):
                                                         FigureWriter(tmp_path)))
     text = "\n".join(f.text for f in output.findings)
     summed = next(f for f in output.findings if "summed the ranks' gradients" in f.text)
-    assert "sum-hook" in summed.text and "full_batch_scale = k" in summed.text
+    assert "sum-hook" in summed.text and "full_batch_scale = N" in summed.text
     assert "double-divide-hook divided the average by the world size once more" in text
     assert "bf16_compress_hook was not measured" in text or torch.cuda.is_available()
     assert (tmp_path / "figures" / "hooks_errors.png").is_file()

@@ -14,7 +14,9 @@ MANIFEST = RunManifest(
     command="python scripts/study.py --nproc 2", settings={"seed": 0}, config={"quiet": True},
     world_sizes=[1, 2], context={"backend": "gloo", "dtype": "float32", "torch_version": "x"},
     started="2026-01-01T00:00:00+00:00", wall_time_s=1.5,
-    studies={"reduction": StudyEntry(csv="reduction.csv", cases=3, wall_time_s=0.5)})
+    studies={"reduction": StudyEntry(csvs=("reduction.csv",), cases=3, wall_time_s=0.5),
+             "update": StudyEntry(csvs=("update-a.csv", "update-b.csv"), cases=4,
+                                  wall_time_s=0.25)})
 
 
 def test_what_the_runner_writes_reads_back_field_by_field(tmp_path):
@@ -23,14 +25,22 @@ def test_what_the_runner_writes_reads_back_field_by_field(tmp_path):
     assert read == MANIFEST
     assert read.dtype == "float32" and read.value("backend") == "gloo"
     assert read.value("command") == MANIFEST.command and read.value("absent", "-") == "-"
-    assert read.csv_name("reduction") == "reduction.csv" and read.csv_name("comm") == "comm.csv"
+    assert read.csv_names("reduction") == ("reduction.csv",)
+    assert read.csv_names("update") == ("update-a.csv", "update-b.csv")
+    assert read.csv_names("comm") == ("comm.csv",)
 
 
 def test_an_older_run_json_without_timings_reads_with_empty_fields(tmp_path):
     (tmp_path / "run.json").write_text('{"studies": {"reduction": {}}, "dtype": "float64"}')
     read = read_manifest(tmp_path)
-    assert read.studies["reduction"] == StudyEntry(csv="", cases=0, wall_time_s=0.0)
-    assert read.csv_name("reduction") == "reduction.csv" and math.isnan(read.wall_time_s)
+    assert read.studies["reduction"] == StudyEntry(csvs=(), cases=0, wall_time_s=0.0)
+    assert read.csv_names("reduction") == ("reduction.csv",) and math.isnan(read.wall_time_s)
+
+
+def test_an_older_run_json_naming_one_csv_per_study_reads_as_a_list_of_one(tmp_path):
+    (tmp_path / "run.json").write_text(
+        '{"studies": {"comm": {"csv": "comm-old.csv", "cases": 2}}, "dtype": "float64"}')
+    assert read_manifest(tmp_path).csv_names("comm") == ("comm-old.csv",)
 
 
 @pytest.mark.parametrize("content, message", [

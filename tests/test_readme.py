@@ -22,7 +22,9 @@ import pytest
 
 from harness.report import docs
 from harness.report.document import anchor
-from harness.studies import STUDY_PACKAGES, study_columns
+from harness.studies import STUDY_PACKAGES, doc_parts, study_tables
+from harness.studies.frameworks.report import frameworks_answer, frameworks_summary
+from harness.studies.reduction.report import MEASURED_MULTI
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS
 from tests.launch import run_python
 
@@ -79,9 +81,16 @@ def test_readme_and_docs_are_what_the_schemas_and_results_give():
 @pytest.mark.parametrize("name", STUDY_PACKAGES)
 def test_every_column_of_a_study_is_in_its_table_with_its_unit(name):
     assert f"## `{name}`" in RESULTS_DOC
-    table = {m["name"]: m["unit"].replace("\\|", "|") for m in
-             ROW.finditer(part(RESULTS_DOC, f"columns:{name}"))}
-    assert table == {c.name: c.unit for c in study_columns(name)}
+    generated = part(RESULTS_DOC, f"columns:{name}")
+    tables = study_tables(name)
+    # A study with several CSVs: a table per CSV, each under the CSV's name.
+    texts = re.split(r"^`[\w.-]+\.csv`: .*$", generated, flags=re.MULTILINE)[1:] \
+        if len(tables) > 1 else [generated]
+    assert len(texts) == len(tables)
+    for text, table in zip(texts, tables, strict=True):
+        assert len(tables) == 1 or f"`{table.csv}`: " in generated
+        documented = {m["name"]: m["unit"].replace("\\|", "|") for m in ROW.finditer(text)}
+        assert documented == {c.name: c.unit for c in table.columns}
 
 
 def test_the_common_and_check_columns_are_documented():
@@ -120,9 +129,9 @@ def test_every_local_link_of_the_readme_and_docs_exists():
 
 # ------------------------------------------------------------- the sentences
 def test_the_answer_sentences_quote_the_rows():
-    reduction = RESULTS.csv("reduction").query(docs.MULTI)
+    reduction = RESULTS.csv("reduction").query(MEASURED_MULTI)
     averaged = reduction[reduction["strategy"].isin(["ddp", "fsdp"])]
-    assert f"**DDP and FSDP average** the devices' gradients (÷ k; {len(averaged)} cases" \
+    assert f"**DDP and FSDP average** the devices' gradients (÷ N; {len(averaged)} cases" \
         in README
     summed = reduction[reduction["strategy"] == "dp-emulated"]
     assert f"**DataParallel sums** them ({len(summed)} cases" in README
@@ -191,6 +200,19 @@ def test_a_folder_that_is_not_a_run_is_one_line_exit_2(tmp_path):
     assert done.stderr.count("\n") == 1 and "docs.py: error: missing" in done.stderr
 
 
+def test_the_studies_state_their_own_parts_and_docs_py_only_collects_them():
+    """Each generated part a study states is named by one study only, and the README's
+    answers are every study's ``answer:`` parts, in study order."""
+    declared = [(study, name) for study in STUDY_PACKAGES for name in doc_parts(study)]
+    names = [name for _, name in declared]
+    assert len(names) == len(set(names)), declared
+    sentences = [name for name in names if name.startswith("answer:")]
+    assert len(sentences) >= 5
+    assert len(docs.answers(RESULTS).splitlines()) == len(sentences)
+    assert {name for name in docs.parts(ROOT) if ":" in name and not name.startswith(
+        ("columns:", "example:"))} == set(sentences)
+
+
 def test_an_unknown_generated_part_is_refused():
     with pytest.raises(docs.Unsupported, match="no generated part is called 'answer'"):
         docs.refresh("<!-- generated: answer -->\n<!-- end: answer -->\n", RESULTS,
@@ -227,9 +249,9 @@ def test_the_frameworks_sentences_follow_the_rows_of_each_baseline(tmp_path):
     frame.loc[halved, ["verdict", "scale", "recipe_verdict", "recipe_scale"]] = [
         "scaled", 0.5, "scaled", 0.5]
     frame.to_csv(csv, index=False)
-    summary = docs.frameworks_summary(docs.Results(folder))
+    summary = frameworks_summary(docs.Results(folder))
     assert ("accelerate handed the optimizer 0.5 × the big batch's gradient at k = 1 and the "
             "big batch's gradient at k = 4; lightning handed the optimizer the big batch's "
             "gradient at k = 1, 4") in summary
     assert "accelerate `tiny-lm` with `default` (0.5 × the big batch's at k = 1)" in (
-        docs.frameworks_answer(docs.Results(folder)))
+        frameworks_answer(docs.Results(folder)))

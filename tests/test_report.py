@@ -98,9 +98,9 @@ def test_findings_quote_the_numbers_in_the_csv(reported_run):
     ddp = ddp_multi_device(frame)
     sentence = the_finding(report, "With two or more devices, DDP's collective averaged")
     assert f"in all {len(ddp)} cases" in sentence
-    # 1/k is the multiple the study's verdict names (every row says mean), not a re-judgment.
+    # 1/N is the multiple the study's verdict names (every row says mean), not a re-judgment.
     assert (ddp.reduce_op == "mean").all()
-    assert "reduce_weight = 1/k at k = 2" in sentence
+    assert "reduce_weight = 1/N at N = 2" in sentence
     assert f"`reduction.csv`: strategy = ddp, status = ok, devices_used >= 2 ({len(ddp)} rows)" \
         in sentence, "the finding names its rows"
     batchnorm = ddp[(ddp.model == "mlp-batchnorm") & (ddp.loss_reduction == "mean")]
@@ -139,7 +139,7 @@ def test_a_regenerated_report_follows_the_folder_and_nothing_else(run_copy, repo
     assert f"averaged what its devices fed it in {len(ddp_multi_device(frame)) - 1} cases" \
         in sentence
     assert ("neither summed nor averaged what its devices fed it in 1 case (reduce_weight = 0.7 "
-            "at k = 2") in sentence
+            "at N = 2") in sentence
     assert frame.loc[row, "case_id"] in sentence, "an odd case is cited by its case_id"
     assert ("## future\n\nThe report has no section for this study yet: see `future.csv` "
             "(1 row).") in report
@@ -244,7 +244,7 @@ def accumulation_row(recipe, setting, k, verdict, scale, error):
             "full_batch_scale": scale, "fit_residual": residual, "relative_error": error,
             "cumulative_scale": 1.0, "cumulative_residual": 0.0, "verdict": verdict,
             "full_batch_multiple": "" if verdict == "differs" else "k" if scale == "k"
-            else named_multiple(scale, k, 1e-9),
+            else named_multiple(scale, k, 1e-9, "k"),
             "cumulative_verdict": "matches", "cumulative_multiple": "1"}
 
 

@@ -105,7 +105,7 @@ def test_the_scale_answers_give_the_worst_residual_of_the_fitting_cases():
     fits = rows[rows["full_batch_verdict"] != "differs"]
     misfits = rows[rows["full_batch_verdict"] == "differs"]
     _, answer, evidence, _ = row_of((ROOT / "results" / REPORT_NAME).read_text(),
-                                    "Training on k devices with a mean loss")
+                                    "Training on N devices with a mean loss")
     assert evidence == (f"{len(rows)} cases, worst residual "
                         f"{small(fits['full_batch_residual'].max())} (BatchNorm: ≥ "
                         f"{small(misfits['full_batch_residual'].min())})")

@@ -43,10 +43,10 @@ def between(values: pd.Series) -> str:
 
 
 def weight_numbers(column: str) -> Callable[[str, pd.DataFrame], list[str]]:
-    """What a mean / sum verdict says of its weight: the multiple of k the verdict names."""
+    """What a mean / sum verdict says of its weight: the multiple of N the verdict names."""
     def numbers(verdict: str, rows: pd.DataFrame) -> list[str]:
         if verdict == "mean":
-            return [f"{column} = 1/k at"]
+            return [f"{column} = 1/N at"]
         if verdict == "sum":
             return [f"{column} = 1 at"]
         return [f"{column} = {number(v)}" for v in rows[column].unique()]
@@ -274,7 +274,7 @@ def test_swapping_two_verdict_words_in_the_csv_swaps_them_in_the_sentence(run_co
     assert "| [DDP: summed or averaged?](#reduction-summed-or-averaged) | summed |" in report
     emulated = next(line for line in report.splitlines()
                     if line.startswith("- With two or more devices, DataParallel"))
-    assert "averaged what its devices fed it" in emulated and "reduce_weight = 1/k at" in emulated
+    assert "averaged what its devices fed it" in emulated and "reduce_weight = 1/N at" in emulated
     assert (run_copy / REPORT_NAME).is_file()
 
 

@@ -124,26 +124,26 @@ def test_training_findings_quote_the_rows_and_follow_them(tmp_path):
     assert "lowest" not in sentence
     # Under DDP the rule to compare with is the one on the reference trajectory, not
     # autograd.grad (its param_distance is not 0 there).
-    ddp = the_finding(changed, "Training with DDP at k = 2, backward-no-zero")
+    ddp = the_finding(changed, "Training with DDP at N = 2, backward-no-zero")
     assert "for backward-zero-grad, the rule on the reference trajectory" in ddp
 
 
 def test_training_twins_ranks_and_applied_gradients_follow_the_rows(tmp_path):
     output = render(training.SECTION, training_rows(
         **{"local/optim.SGD/2": {"identical_to_twin": False, "twin_distance": 0.003}}), tmp_path)
-    twins = the_finding(output, "With one process (local) at k = 1, a rule")
+    twins = the_finding(output, "With one process (local) at N = 1, a rule")
     # optim.SGD stayed in epoch 1: the epochs on the trajectory span every rule with a twin.
     assert ("stayed on the trajectory of its twin in 5 rule × epoch rows (largest "
             "twin_distance 0)") in twins
     assert ("left the trajectory of its twin in 1 rule × epoch row for variant = optim.SGD "
             "(twin_distance "
             f"{small(0.003)})") in twins
-    ranks = the_finding(output, "With DDP at k = 2, the ranks")
+    ranks = the_finding(output, "With DDP at N = 2, the ranks")
     assert (f"drifted apart in 2 rule × epoch rows for variant = autograd.grad (rank_spread "
             f"{small(0.15)} to "
             f"{small(0.3)}, largest at epoch 2)") in ranks
     assert "its gradients were never all-reduced" in the_finding(output, "With DDP, rank 0")
-    applied = the_finding(output, "With DDP at k = 2, the last step of an epoch")
+    applied = the_finding(output, "With DDP at N = 2, the last step of an epoch")
     assert ("applied a gradient other than its own loss's in 2 rule × epoch rows for variant = "
             f"backward-no-zero (applied_grad_norm / fresh_grad_norm {number(8.0)} to "
             f"{number(16.0)})") in applied
@@ -156,7 +156,7 @@ def test_training_twins_ranks_and_applied_gradients_follow_the_rows(tmp_path):
         **{"ddp/autograd.grad/2": {"identical_to_twin": False, "twin_distance": 0.01}}), tmp_path)
     alone = the_finding(output, "With DDP, rank 0")
     assert "left that trajectory in 1 epoch" in alone and "never all-reduced" not in alone
-    assert "drifted apart" in the_finding(output, "With DDP at k = 2, the ranks")
+    assert "drifted apart" in the_finding(output, "With DDP at N = 2, the ranks")
 
 
 def test_training_table_and_figure_show_the_last_epoch_and_every_row(tmp_path):
@@ -175,7 +175,7 @@ def test_training_table_and_figure_show_the_last_epoch_and_every_row(tmp_path):
                             "optim.SGD (6 rule × epoch rows); drift apart for variant = "
                             "autograd.grad (2 rule × epoch rows)")
     table = next(b for b in output.blocks if b.startswith("**After the last epoch**"))
-    assert "| ddp (k = 2) | autograd.grad | 0.3333 | 0.7 | 0.25 | 0 |" in table
+    assert "| ddp (N = 2) | autograd.grad | 0.3333 | 0.7 | 0.25 | 0 |" in table
     assert figure_links(output.blocks) == ["figures/training_curves.png"]
 
 
@@ -319,7 +319,7 @@ def test_diagnostics_findings_say_when_gradients_die_and_what_each_experiment_di
     assert (f"a parameter trained in 6 rows for parameter = input.weight, output.bias "
             f"(update_ratio {small(0.02)} to {small(0.06)}, largest at step 3) and kept .grad None "
             f"and did not move (update_ratio 0) in 3 rows for parameter = middle.weight") in frozen
-    ddp = the_finding(output, "With DDP at k = 2")
+    ddp = the_finding(output, "With DDP at N = 2")
     assert ("completed 3 steps, every gradient averaged over the ranks in 2 rows for setting = "
             "middle frozen, find_unused_parameters=False") in ddp
     assert ("stopped after 1 step with RuntimeError: Expected to have finished reduction, the "

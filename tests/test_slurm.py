@@ -119,7 +119,7 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
     # Not the verdicts alone: every measured number is the same, bit for bit.
     pd.testing.assert_frame_equal(frame.drop(columns="slurm_job_id"),
                                   reference.drop(columns="slurm_job_id"), check_exact=True)
-    # And from first principles: DDP averages (rank_weight 1/k), smooth models only.
+    # And from first principles: DDP averages (rank_weight 1/N), smooth models only.
     ddp = frame[(frame.strategy == "ddp") & (frame.model != "mlp-batchnorm")]
     assert ddp.rank_weight.to_numpy() == pytest.approx(1 / ddp.world_size.to_numpy(), rel=1e-9)
 

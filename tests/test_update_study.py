@@ -14,19 +14,21 @@ study's code:
   ``m/(sqrt(v)+eps)`` is invariant to s up to eps; weight decay is not scaled by s.
 """
 
+import json
+import re
+
 import pandas as pd
 import pytest
 import torch
 
 from harness.grad_study import main
 from harness.report.figures import FigureWriter, style
-from harness.report.section import SectionInputs
 from harness.strategies.local import LocalTrainer
+from harness.studies.update import experiments, report
 from harness.studies.update.fleet import Fleet
 from harness.studies.update.linear_scaling import WARMUP_WINDOWS, early_windows
 from harness.studies.update.optimizers import OPTIMIZERS
 from harness.studies.update.recipes import TASK, Shape, initial_model
-from harness.studies.update.report import SECTION
 from harness.studies.update.training import FleetOptimizers, Member, fleet_loss
 from harness.tasks import Batch
 from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE, update_tolerance
@@ -47,14 +49,20 @@ CLIP_EPS = 1e-6
 
 @pytest.fixture(scope="module")
 @launching(seconds=5)
-def frame(tmp_path_factory):
+def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("update")
     codes = run_cli(WORLD, ["--studies", "update", "--world-sizes", "1,3",
                             "--update-accum-steps", str(K), "--update-steps", str(STEPS),
                             "--update-lrs", "0.0001,0.001,0.003,0.01",
                             "--out", str(out), "--quiet", "--no-report"], store_dir=out.parent)
     assert codes == [0] * WORLD
-    return pd.read_csv(out / "update.csv")
+    return out
+
+
+@pytest.fixture(scope="module")
+def frame(run):
+    """Each experiment's rows, by its name."""
+    return {e.name: pd.read_csv(run / e.table.csv) for e in experiments.EXPERIMENTS}
 
 
 def divisor(loss, strategy, n, k, b):
@@ -71,7 +79,7 @@ def expected_scale(row):
 
 
 def lr_rows(frame, **where):
-    return select(frame, experiment="lr-factor", status="ok", **where)
+    return select(frame["lr-factor"], status="ok", **where)
 
 
 # ------------------------------------------------------------------ lr-factor
@@ -158,7 +166,7 @@ def test_textbook_accumulation_and_goyals_window_normalization_are_exact(frame):
 
 # ------------------------------------------------------------------- clipping
 def clip_rows(frame, **where):
-    return select(frame, experiment="clipping", status="ok", **where)
+    return select(frame["clipping"], status="ok", **where)
 
 
 def coefficients(row):
@@ -209,7 +217,7 @@ def test_fsdp_clips_by_the_norm_over_every_shard(frame):
 
 # ---------------------------------------------------------------- GradScaler
 def test_grad_scaler_with_accumulation_equals_the_big_batch_when_unscaled_first(frame):
-    rows = select(frame, experiment="grad-scaler", status="ok")
+    rows = select(frame["grad-scaler"], status="ok")
     assert (select(rows, setting="no-clip").verdict == "matches").all()
     assert (select(rows, setting="unscale-then-clip").verdict == "matches").all()
     assert (rows.scale_before == INITIAL_SCALE).all()
@@ -223,7 +231,7 @@ def test_grad_scaler_with_accumulation_equals_the_big_batch_when_unscaled_first(
 @pytest.mark.parametrize("strategy, ranks", [("local", 1), ("ddp", WORLD)])
 def test_a_non_finite_input_on_one_rank_skips_exactly_that_step_everywhere(frame, strategy,
                                                                            ranks):
-    rows = select(frame, experiment="non-finite", strategy=strategy, status="ok")
+    rows = select(frame["non-finite"], strategy=strategy, status="ok")
     injected = rows[rows.injected.astype(str) == "True"]
     others = rows[rows.injected.astype(str) == "False"]
     assert len(injected) == 1 and len(others) == len(rows) - 1
@@ -237,7 +245,7 @@ def test_a_non_finite_input_on_one_rank_skips_exactly_that_step_everywhere(frame
 
 # ----------------------------------------------------------- bf16 and scaling
 def test_bf16_gradients_lose_accuracy_as_k_grows_and_float32_ones_do_not(frame):
-    rows = select(frame, experiment="bf16-accumulation", status="ok")
+    rows = select(frame["bf16-accumulation"], status="ok")
     bf16 = select(rows, setting="bfloat16").set_index("accum_steps").grad_error
     assert bf16[bf16.index.max()] > bf16[1]
     assert (select(rows, setting="float32").grad_error < 1e-6).all()
@@ -248,7 +256,7 @@ def test_bf16_gradients_lose_accuracy_as_k_grows_and_float32_ones_do_not(frame):
 
 def test_linear_scaling_error_grows_in_proportion_to_the_learning_rate(frame):
     """To first order, N steps at lr differ from one at N*lr by (lr^2 terms) / (lr terms)."""
-    rows = select(frame, experiment="linear-scaling", status="ok")
+    rows = select(frame["linear-scaling"], status="ok")
     assert (rows.lr_multiplier == rows.world_size).all()
     for _, group in rows[rows.setting.isin(["initial", "trained"])].groupby("setting"):
         errors = group.set_index("learning_rate").update_error
@@ -263,7 +271,7 @@ def test_warm_up_lags_the_small_batch_run_by_what_its_ramp_leaves_out(frame):
     f_t = 1 + (N - 1) t / W for t < W, N after. Over 2W windows it lags by
     ||sum_t (N - f_t) G_t|| / ||N sum_t G_t|| of the small run's way: about
     (N - 1)(W + 1) / (4 W N) when every G_t is alike."""
-    rows = select(frame, experiment="linear-scaling", status="ok")
+    rows = select(frame["linear-scaling"], status="ok")
     smallest = rows[rows.learning_rate == rows.learning_rate.min()].set_index("setting")
     n, w = WORLD, WARMUP_WINDOWS
     assert smallest.loc["warm-up", "steps"] == smallest.loc["no-warm-up", "steps"] == 2 * w
@@ -285,7 +293,7 @@ def test_warm_up_lags_the_small_batch_run_by_what_its_ramp_leaves_out(frame):
 
 
 def test_momentum_with_lr_inside_needs_goyals_correction_and_torchs_form_does_not(frame):
-    rows = select(frame, experiment="momentum-correction", status="ok").set_index("setting")
+    rows = select(frame["momentum-correction"], status="ok").set_index("setting")
     assert set(rows.world_size) == {WORLD} and set(rows.lr_multiplier) == {WORLD}
     assert rows.loc["lr-inside-corrected", "update_error"] < TOL
     assert rows.loc["lr-inside-corrected", "verdict"] == "matches"
@@ -320,33 +328,76 @@ def test_momentum_forms_agree_step_by_step_by_hand():
         assert (w == pytest.approx(theta, rel=1e-14)) is expect_equal
 
 
-def test_the_report_knows_the_warm_up_schedules_the_study_writes():
-    from harness.studies.update import linear_scaling, report
-
-    assert report.WARM_UP_SCHEDULES == linear_scaling.SCHEDULES
-
-
 def test_real_dataparallel_rows_say_why_they_are_skipped(frame):
     if torch.cuda.device_count() >= WORLD:
         pytest.skip("CUDA devices present: DataParallel is measured")
-    dp = select(frame, strategy="dp")
-    assert dp.status.str.startswith("skipped: needs").all()
-    assert dp.lr_factor.isna().all()
+    dp = select(frame["lr-factor"], strategy="dp")
+    assert len(dp) > 0 and dp.status.str.startswith("skipped: needs").all()
+    assert dp.lr_factor.isna().all() and dp.verdict.isna().all()
 
 
 # -------------------------------------------------------------------- report
-def test_report_opens_with_what_to_change_and_a_figure(frame, tmp_path):
+def summarized(frame, tmp_path):
+    """The update section of ``frame``'s rows: an output per experiment's CSV."""
+    frames = {e.table.csv: frame[e.name] for e in experiments.EXPERIMENTS}
     with style():
-        output = SECTION.summarize(frame, SectionInputs("update.csv", TOL, FigureWriter(tmp_path)))
-    table, figure = output.blocks[:2]
+        return report.SECTION.summarize_run(frames, TOL, FigureWriter(tmp_path)).subsections
+
+
+def test_report_opens_each_experiment_with_its_rows_and_draws_its_table_or_figure(
+        frame, tmp_path):
+    outputs = summarized(frame, tmp_path)
+    assert list(outputs) == [e.table.csv for e in experiments.EXPERIMENTS]
+    table = outputs["update-lr-factor.csv"].blocks[0]
     assert table.startswith(f"**What to change** at N = {WORLD}")
     # DDP averages: a per-rank sum over b = 4 samples is 4 times the big batch's mean.
     assert "| 1 | sum | DDP | 4 | lr × 1/4 | lr × 1/4 | lr × 1/4 | ✗ (" in table
     assert "| 1 | mean | DDP, DataParallel (CPU emulation) | 1 | ✓ |" in table
-    assert figure.startswith("![") and (tmp_path / "figures" / "update_scaling_and_bf16.png"
+    figure = outputs["update-linear-scaling.csv"].blocks[0]
+    assert figure.startswith("![") and (tmp_path / "figures" / "update_linear_scaling.png"
                                         ).is_file()
-    assert output.findings and all("`update.csv`: " in f.source for f in output.findings)
-    assert len(output.answers) >= 4
+    for csv, output in outputs.items():
+        assert output.findings and all(f"`{csv}`: " in f.source for f in output.findings), csv
+    answers = [a for output in outputs.values() for a in output.answers]
+    assert len(answers) >= 6
+
+
+# ------------------------------------------------------------- the plug-ins
+def test_the_run_writes_a_csv_per_experiment_with_the_columns_it_declares(run, frame):
+    listed = json.loads((run / "run.json").read_text())["studies"]["update"]["csvs"]
+    assert listed == [e.table.csv for e in experiments.EXPERIMENTS]
+    assert sorted(p.name for p in run.glob("update*.csv")) == sorted(listed)
+    for experiment in experiments.EXPERIMENTS:
+        written = frame[experiment.name]
+        assert list(written.columns) == list(experiment.table.column_names()), experiment.name
+        assert len(written) > 0 and set(written["study"]) == {"update"}
+        # A column whose unit lists its values holds no other.
+        for column in experiment.columns:
+            if column.unit.startswith("`"):
+                allowed = set(re.findall(r"`([^`]+)`", column.unit))
+                held = set(written[column.name].dropna().astype(str))
+                assert held <= allowed, (experiment.name, column.name, held - allowed)
+        # Counts are whole numbers in every measured row: no column mixes numbers and text.
+        measured = written[written["status"] == "ok"]
+        for column in {"world_size", "accum_steps", "steps"} & set(written):
+            values = measured[column]
+            assert pd.api.types.is_numeric_dtype(values), (experiment.name, column)
+            assert (values == values.round()).all(), (experiment.name, column)
+
+
+def test_each_experiment_name_is_spelled_once_in_the_harness():
+    """The plug-in declares its name; the study, its CSV names, the report and the citations
+    read it from there."""
+    from pathlib import Path
+
+    import harness
+
+    sources = [p.read_text() for p in Path(harness.__file__).parent.rglob("*.py")]
+    names = [e.name for e in experiments.EXPERIMENTS]
+    assert len(set(names)) == len(names)
+    for name in names:
+        spelled = sum(text.count(f'"{name}"') + text.count(f"'{name}'") for text in sources)
+        assert spelled == 1, f"{name!r} is spelled {spelled} times"
 
 
 # --------------------------------------------------------------------- flags

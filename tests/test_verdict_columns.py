@@ -1,7 +1,7 @@
 """The verdict columns the studies write for the report to read, on both sides of each tolerance.
 
 Each judgment the report used to make from raw numbers (a spread within the tolerance, a
-ratio named 1, 1/k or k, two methods compared, a DDP setting's outcome) is now a column
+ratio named 1, 1/N or N (1/k or k), two methods compared, a DDP setting's outcome) is now a column
 the measuring code writes. Here each is fed a value just inside its tolerance, just
 outside, and far outside, and must say so; the last test keeps the report's copy of the
 tolerances equal to the studies'.
@@ -42,15 +42,18 @@ def rtol(request) -> float:
 
 
 @pytest.mark.parametrize("factor, holds", SIDES)
-@pytest.mark.parametrize("k, name, multiple", [(3, "1", 1.0), (3, "1/k", 1 / 3), (4, "k", 4.0)])
-def test_a_scale_is_named_a_multiple_of_k_only_within_the_tolerance(rtol, factor, holds, k,
-                                                                    name, multiple):
-    assert named_multiple(nudged(multiple, factor, rtol), k, rtol) == (name if holds else "")
+@pytest.mark.parametrize("count, letter, name, multiple", [
+    (3, "N", "1", 1.0), (3, "N", "1/N", 1 / 3), (4, "N", "N", 4.0), (4, "k", "k", 4.0),
+    (2, "k", "1/k", 0.5)])
+def test_a_scale_is_named_a_multiple_of_its_count_only_within_the_tolerance(
+        rtol, factor, holds, count, letter, name, multiple):
+    assert named_multiple(nudged(multiple, factor, rtol), count, rtol, letter) == (
+        name if holds else "")
 
 
 def test_at_one_device_every_multiple_is_named_1(rtol):
-    assert named_multiple(1.0, 1, rtol) == "1"
-    assert named_multiple(math.nan, 2, rtol) == ""
+    assert named_multiple(1.0, 1, rtol, "N") == "1"
+    assert named_multiple(math.nan, 2, rtol, "N") == ""
 
 
 @pytest.mark.parametrize("factor, holds", SIDES)

@@ -43,12 +43,11 @@ def write_report(out: Path) -> Path:
     figures = FigureWriter(out)
 
     def render(studies: list[str]) -> dict:
-        return {study: _render_section(sections[study], results.frames[study],
-                                       results.csv_name(study), rtol, figures)
+        return {study: _render_section(sections[study], results.frames, rtol, figures)
                 for study in studies}
 
     with style():
-        outputs = _on_two_processes(render, list(results.frames), figures)
+        outputs = _on_two_processes(render, results.summarized, figures)
     figures.remove_stale()
     target = out / REPORT_NAME
     write_text_atomic(target, render_document(results, sections, outputs))
@@ -90,16 +89,14 @@ def _on_two_processes(render, studies: list[str], figures) -> dict:
     return {study: {**outputs, **theirs}[study] for study in studies}
 
 
-def _render_section(section, frame, csv_name, rtol, figures):
+def _render_section(section, frames, rtol, figures):
     """A study's section; if it fails, the reason, so that the other studies still get theirs.
 
     A report is written at the end of a run whose CSVs are already safe on disk:
     one section's failure (a bug, or rows it did not expect) must not cost the others.
     """
-    from harness.report.section import SectionInputs
-
     try:
-        return section.summarize(frame, SectionInputs(csv_name, rtol, figures))
+        return section.summarize_run(frames, rtol, figures)
     except Exception as error:  # noqa: BLE001 -- reported in REPORT.md and on stderr
         reason = f"{type(error).__name__}: {error}"
         print(f"report: section {section.study} failed: {reason}", file=sys.stderr)

@@ -36,7 +36,7 @@ class RunResults:
 
     out: Path
     manifest: RunManifest
-    #: Study -> its rows, for every study of the run that has a report section.
+    #: CSV name -> its rows, for every CSV of the studies of the run that have a report section.
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     #: Study -> number of rows, for studies of the run without a report section (yet).
     unsummarized: dict[str, int] = field(default_factory=dict)
@@ -47,35 +47,43 @@ class RunResults:
     def dtype(self) -> str:
         return self.manifest.dtype
 
-    def csv_name(self, study: str) -> str:
-        return self.manifest.csv_name(study)
+    @property
+    def summarized(self) -> list[str]:
+        """The studies of the run that have a report section, in run order."""
+        return [s for s in self.manifest.studies if s not in self.unsummarized]
+
+    def csv_names(self, study: str) -> tuple[str, ...]:
+        return self.manifest.csv_names(study)
 
 
 def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Section]
                  ) -> RunResults:
     """The run in ``out`` (``manifest`` from :func:`read_manifest`); ReportError if malformed."""
     results = RunResults(out=out, manifest=manifest)
-    studies = manifest.studies
-    for study in studies:
+    for study in manifest.studies:
         section = sections.get(study)
-        required = COMMON_COLUMNS + (_read_by(section) if section else ())
-        frame = _read_csv(out / manifest.csv_name(study), required)
-        if section:
-            results.frames[study] = frame
-        else:
-            results.unsummarized[study] = len(frame)
-    listed = {manifest.csv_name(study) for study in studies}
+        read_by = _read_by(study) if section else {}
+        for name in manifest.csv_names(study):
+            if section and name not in read_by:
+                raise ReportError(f"{out / name}: the {study} study writes "
+                                  f"{', '.join(read_by)}, not this CSV; rerun the study")
+            frame = _read_csv(out / name, COMMON_COLUMNS + read_by.get(name, ()))
+            if section:
+                results.frames[name] = frame
+            else:
+                results.unsummarized[study] = results.unsummarized.get(study, 0) + len(frame)
+    listed = {name for study in manifest.studies for name in manifest.csv_names(study)}
     results.foreign_csvs = sorted(p.name for p in out.glob("*.csv") if p.name not in listed)
     _check_dtype(results.dtype)
     return results
 
 
-def _read_by(section: Section) -> tuple[str, ...]:
-    """The columns ``section`` reads: its study's schema."""
-    from harness.studies import study_columns
+def _read_by(study: str) -> dict[str, tuple[str, ...]]:
+    """The columns the report reads of each CSV of ``study``: its schema's."""
+    from harness.studies import study_tables
     from harness.studies.schema import names
 
-    return names(study_columns(section.study))
+    return {table.csv: names(table.columns) for table in study_tables(study)}
 
 
 def _context_columns() -> tuple[str, ...]:

@@ -24,10 +24,10 @@ def render_document(results: RunResults, sections: dict[str, Section],
     parts = [f"# {TITLE}", _context_table(results.manifest)]
     parts += [_answers(results, sections, outputs), _preamble(), _contents(results, sections)]
     for study in results.manifest.studies:
-        if study in results.frames:
-            parts.append(_section(sections[study], results, outputs[study]))
-        elif study in results.unsummarized:
+        if study in results.unsummarized:
             parts.append(_unsummarized(study, results))
+        else:
+            parts.append(_section(sections[study], results, outputs[study]))
     if results.foreign_csvs:
         names = words([code(n) for n in results.foreign_csvs])
         parts.append("---\n\nIn this folder but not written by this run (not listed in "
@@ -97,21 +97,32 @@ def anchor(title: str) -> str:
 def _contents(results: RunResults, sections: dict[str, Section]) -> str:
     lines = ["**Studies in this run**"]
     for study in results.manifest.studies:
-        title = sections[study].title if study in results.frames else study
+        title = study if study in results.unsummarized else sections[study].title
         lines.append(f"- [{title}](#{anchor(title)})")
+        if study not in results.unsummarized:
+            lines += [f"  - [{sub.title}](#{anchor(sub.title)})"
+                      for sub in _drawn(sections[study], results)]
     return "\n".join(lines)
+
+
+def _drawn(section: Section, results: RunResults) -> list[Section]:
+    """A section's subsections whose CSV the run wrote."""
+    return [sub for sub in section.subsections if sub.csv in results.frames]
 
 
 def _answers(results: RunResults, sections: dict[str, Section],
              outputs: dict[str, SectionOutput | str]) -> str:
-    """The questions every study answers, in study order, each linked to its section."""
+    """The questions every study answers, in study order, each linked to its (sub)section."""
     rows = []
-    for study in results.frames:
+    for study in results.summarized:
         output = outputs[study]
-        link = f"(#{anchor(sections[study].title)})"
-        if isinstance(output, SectionOutput):
-            rows += [[f"[{a.question}]{link}", a.answer, a.evidence, a.fix or "—"]
-                     for a in output.answers]
+        if not isinstance(output, SectionOutput):
+            continue
+        section = sections[study]
+        answered = [(section, output), *((sub, output.subsections[sub.csv])
+                                         for sub in _drawn(section, results))]
+        rows += [[f"[{a.question}](#{anchor(where.title)})", a.answer, a.evidence, a.fix or "—"]
+                 for where, said in answered for a in said.answers]
     if not rows:
         return ""
     return ("## Answers\n\nEach answer is computed from the rows of the linked section; the "
@@ -122,24 +133,34 @@ def _answers(results: RunResults, sections: dict[str, Section],
 
 
 def _section(section: Section, results: RunResults, output: SectionOutput | str) -> str:
-    frame = results.frames[section.study]
-    csv_name = results.csv_name(section.study)
-    measured = int((frame["status"] == "ok").sum())
-    parts = [f"## {section.title}", section.intro,
-             f"Source: {code(csv_name)}, {count(len(frame), 'row')}, {measured} measured "
-             f"(status ok)."]
+    parts = [f"## {section.title}", section.intro]
+    if not section.subsections:
+        parts.append(_source(section, results))
     if isinstance(output, str):
         parts.append(f"> **The report could not summarize this study:** {output}")
         return "\n\n".join(parts)
-    parts.append("### Findings")
-    parts.append("\n".join(f.markdown() for f in output.findings)
-                 or "No finding: the CSV has no rows.")
-    parts += output.blocks
+    if not section.subsections:
+        parts += ["### Findings", *_findings_and_blocks(output)]
+    for sub in _drawn(section, results):
+        parts += [f"### {sub.title}", sub.intro, _source(sub, results),
+                  *_findings_and_blocks(output.subsections[sub.csv])]
     return "\n\n".join(parts)
 
 
+def _source(section: Section, results: RunResults) -> str:
+    frame = results.frames[section.csv]
+    measured = int((frame["status"] == "ok").sum())
+    return (f"Source: {code(section.csv)}, {count(len(frame), 'row')}, {measured} measured "
+            f"(status ok).")
+
+
+def _findings_and_blocks(output: SectionOutput) -> list[str]:
+    findings = "\n".join(f.markdown() for f in output.findings)
+    return [findings or "No finding: the CSV has no rows.", *output.blocks]
+
+
 def _unsummarized(study: str, results: RunResults) -> str:
-    csv_name = results.csv_name(study)
+    csvs = words([code(name) for name in results.csv_names(study)])
     rows = count(results.unsummarized[study], "row")
-    return (f"## {study}\n\nThe report has no section for this study yet: see {code(csv_name)} "
+    return (f"## {study}\n\nThe report has no section for this study yet: see {csvs} "
             f"({rows}).")

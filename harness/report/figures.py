@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from harness.report.rows import ordered
 from harness.report.section import Rows
-from harness.report.text import small
+from harness.report.text import letter, small
 from harness.results import atomic_path
 
 if TYPE_CHECKING:
@@ -113,24 +113,26 @@ def label_floor_as_zero(axis, floor: float, largest: float) -> None:
     axis.set_ylim(floor / 3, 10.0 ** exponents[-1] * 3 if exponents else largest * 3)
 
 
-def ratio_axis(axis, ks: list[int]) -> list:
-    """A log2 axis with ticks at 1/k, 1 and k, and the 1/k and 1 curves; their legend handles."""
+def ratio_axis(axis, counts: list[int], name: str = "N") -> list:
+    """A log2 axis with ticks at 1/N, 1 and N (``name``: the count's letter), and the 1/N and
+    1 curves; their legend handles."""
     import numpy as np
     from matplotlib.lines import Line2D
 
-    grid = np.linspace(min(ks), max(ks), 100)
+    grid = np.linspace(min(counts), max(counts), 100)
     axis.plot(grid, 1 / grid, color="0.55", linestyle="--", linewidth=1, zorder=1)
     axis.plot(grid, np.ones_like(grid), color="0.55", linestyle=":", linewidth=1.2, zorder=1)
     axis.set_yscale("log", base=2)
     low, high = axis.get_ylim()
-    ticks = {1.0: "1", **{1 / k: f"1/{k}" for k in ks if k > 1}, **{float(k): str(k) for k in ks}}
+    ticks = {1.0: "1", **{1 / n: f"1/{n}" for n in counts if n > 1},
+             **{float(n): str(n) for n in counts}}
     shown = sorted(t for t in ticks if low <= t <= high)
     axis.set_yticks(shown, [ticks[t] for t in shown])
     axis.minorticks_off()
     axis.set_ylim(low, high)
-    # The lines name what y is of the k gradients, not what a reduction did: a mean loss
-    # puts 1/k into a sum too.
-    return [Line2D([], [], color="0.55", linestyle="--", label="1/k (their mean)"),
+    # The lines name what y is of the N gradients, not what a reduction did: a mean loss
+    # puts 1/N into a sum too.
+    return [Line2D([], [], color="0.55", linestyle="--", label=f"1/{name} (their mean)"),
             Line2D([], [], color="0.55", linestyle=":", label="1 (their sum)")]
 
 
@@ -147,7 +149,7 @@ class Lines:
     column per ``y``); with one, the panels stand side by side. Where a series has
     several rows at one x, every value is a marker and the line goes through
     their mean. ``log_y`` columns draw zeros on a floor labelled 0; ``ratio_y``
-    puts y on a log2 axis with 1/k and 1 reference curves; ``decorate(axis,
+    puts y on a log2 axis with 1/N and 1 reference curves (N: the count ``x``); ``decorate(axis,
     rows of the panel)`` adds what only this figure has (and returns its legend handles).
     """
 
@@ -186,7 +188,8 @@ class Lines:
             if y in floors:
                 label_floor_as_zero(axis, floors[y], float(data[y].max()))
             if self.ratio_y:
-                references = ratio_axis(axis, sorted(int(k) for k in data[self.x].unique()))
+                references = ratio_axis(axis, sorted(int(n) for n in data[self.x].unique()),
+                                        letter(self.x))
             if self.decorate:
                 extra = self.decorate(axis, panels[panel]) or []
             # One y: panels are titled by their value, the y named once on the left.
@@ -231,7 +234,8 @@ def _handles(series: list) -> list:
 
 @dataclass(frozen=True, kw_only=True)
 class Heatmap:
-    """A grid of cells: a line per value of the ``rows`` columns, a column per ``column`` (k).
+    """A grid of cells: a line per value of the ``rows`` columns, a column per ``column`` (a
+    count: N, k).
 
     A cell's colour is log10 of the largest ``value`` of its rows (0 drawn on
     the floor below the tolerance); its text says ✓ where ``within(rows of the
@@ -288,10 +292,11 @@ class Heatmap:
     def _draw(self, axis, panel: pd.DataFrame, floor: float, scale: tuple[float, float]):
         import numpy as np
 
-        lines, ks = list(panel["_line"].cat.categories), sorted(panel[self.column].unique())
-        grid = np.full((len(lines), len(ks)), np.nan)
-        for (line, k), cell in panel.groupby(["_line", self.column], sort=False, observed=True):
-            i, j = lines.index(line), ks.index(k)
+        lines = list(panel["_line"].cat.categories)
+        counts = sorted(panel[self.column].unique())
+        grid = np.full((len(lines), len(counts)), np.nan)
+        for (line, n), cell in panel.groupby(["_line", self.column], sort=False, observed=True):
+            i, j = lines.index(line), counts.index(n)
             largest = float(cell[self.value].max())
             grid[i, j] = math.log10(max(largest, floor))
             inside = bool(self.within(cell))
@@ -300,7 +305,7 @@ class Heatmap:
             axis.text(j, i, text, ha="center", va="center", fontsize=8,
                       color="white" if dark else "black")
         image = axis.imshow(grid, cmap="viridis", vmin=scale[0], vmax=scale[1], aspect="auto")
-        axis.set_xticks(range(len(ks)), [f"k = {k:g}" for k in ks])
+        axis.set_xticks(range(len(counts)), [f"{letter(self.column)} = {n:g}" for n in counts])
         # Line names as plain text: a tick per line would cost five artists each.
         axis.set_yticks([])
         for i, line in enumerate(lines):

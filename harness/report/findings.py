@@ -21,6 +21,7 @@ from harness.report.text import (
     cite_cases,
     count,
     integers,
+    letter,
     number,
     small,
     span,
@@ -40,37 +41,40 @@ Classify = Callable[["pd.DataFrame", float], "pd.Series"]
 
 
 # -------------------------------------------------------------------- details
-def one_multiple(rows: pd.DataFrame, multiple: str, k: str) -> str | None:
-    """The multiple of k the study named for every row (``multiple`` column), or None.
+def one_multiple(rows: pd.DataFrame, multiple: str, of: str) -> str | None:
+    """The multiple of the count column ``of`` (N or k) the study named for every row (its
+    ``multiple`` column), or None.
 
-    At k = 1, 1/k, 1 and k coincide and the study names it "1": such a row agrees with
-    any name the rows at k > 1 share.
+    Where the count is 1, 1/N, 1 and N coincide and the study names it "1": such a row
+    agrees with any name the rows of larger counts share.
     """
-    above = rows[rows[k] != 1]
+    above = rows[rows[of] != 1]
     named = set(labels(above if len(above) else rows, multiple))
     return named.pop() or None if len(named) == 1 else None
 
 
-def ratio(column: str, multiple: str, k: str = "world_size") -> Detail:
-    """``reduce_weight = 1/k at k = 2, 3, 4`` where the study named one multiple of k for every
-    row (its ``multiple`` column), else the values and the cases."""
+def ratio(column: str, multiple: str, of: str = "world_size") -> Detail:
+    """``reduce_weight = 1/N at N = 2, 3, 4`` where the study named one multiple of the count
+    for every row (its ``multiple`` column), else the values and the cases."""
     def detail(rows: pd.DataFrame, rtol: float) -> str:
-        at = f"at k = {integers(rows[k])}"
-        if named := one_multiple(rows, multiple, k):
+        at = f"at {letter(of)} = {integers(rows[of])}"
+        if named := one_multiple(rows, multiple, of):
             return f"{column} = {named} {at}"
         values = ", ".join(dict.fromkeys(number(v) for v in rows[column]))
         return f"{column} = {values} {at}: {cite_cases(rows['case_id'].tolist())}"
     return detail
 
 
-def spread(column: str, at: str = "world_size", label: str = "k =") -> Detail:
-    """``full_batch_residual 0.43 to 0.91, largest at k = 3`` (or ``at epoch 5``)."""
+def spread(column: str, at: str = "world_size", label: str = "") -> Detail:
+    """``full_batch_residual 0.43 to 0.91, largest at N = 3`` (or ``at epoch 5``); ``label``
+    names ``at`` (its letter by default)."""
     def detail(rows: pd.DataFrame, rtol: float) -> str:
         values = rows[column].dropna()
         if rows.loc[values.index, at].nunique() < 2:
             return f"{column} {span(values)}"
         worst = rows.loc[values.idxmax(), at]
-        return f"{column} {span(values)}, largest at {label} {value_name(at, worst)}"
+        return (f"{column} {span(values)}, largest at {label or letter(at) + ' ='} "
+                f"{value_name(at, worst)}")
     return detail
 
 
@@ -216,20 +220,27 @@ def emulation_only(every: pd.DataFrame, values: dict | None = None) -> str:
 
 
 # ---------------------------------------------------------------- named ratios
-#: What a gradient that is a named multiple of the big batch's asks the loss to become.
-CORRECTIONS = {"1/k": "multiply the loss by k", "k": "divide the loss by k"}
+def correction(multiple: str) -> str | None:
+    """What a gradient that is a named multiple of the big batch's asks the loss to become:
+    ``1/N``: multiply the loss by N; ``k``: divide it by k; none for 1 or no name."""
+    if multiple.startswith("1/"):
+        return f"multiply the loss by {multiple[2:]}"
+    if multiple.isalpha():
+        return f"divide the loss by {multiple}"
+    return None
 
 
-def multiples(rows: pd.DataFrame, multiple: str, k: str, by: str, split: str = ""
+def multiples(rows: pd.DataFrame, multiple: str, of: str, by: str, split: str = ""
               ) -> list[tuple[str, list[tuple[str | None, list[str]]]]]:
-    """Per ``by`` value, the multiple of k its rows' ``multiple`` column names: [(name, [])];
-    where they name more than one, per ``split`` value, the most common name first."""
+    """Per ``by`` value, the multiple of the count column ``of`` its rows' ``multiple`` column
+    names: [(name, [])]; where they name more than one, per ``split`` value, the most common
+    name first."""
     found = []
     for name, group in rows.groupby(by, sort=False):
         parts: dict[str | None, list[str]] = {}
-        whole = one_multiple(group, multiple, k) or not split
+        whole = one_multiple(group, multiple, of) or not split
         for part, subset in [(None, group)] if whole else group.groupby(split, sort=False):
-            parts.setdefault(one_multiple(subset, multiple, k), []).extend(
+            parts.setdefault(one_multiple(subset, multiple, of), []).extend(
                 [] if part is None else [part])
         ordered_parts = sorted(parts.items(), key=lambda item: -len(item[1]))
         found.append((value_name(by, name), [(ordered_parts[0][0], []), *ordered_parts[1:]]))
@@ -237,7 +248,7 @@ def multiples(rows: pd.DataFrame, multiple: str, k: str, by: str, split: str = "
 
 
 def ratio_words(found: list[tuple[str, list]]) -> str:
-    """``DDP, FSDP: 1/k; DataParallel (CPU emulation): 1 (loss-in-forward: k)``."""
+    """``DDP, FSDP: 1/N; DataParallel (CPU emulation): 1 (loss-in-forward: N)``."""
     texts: dict[str, list[str]] = {}
     for name, parts in found:
         (main, _), rest = parts[0], parts[1:]
@@ -248,13 +259,13 @@ def ratio_words(found: list[tuple[str, list]]) -> str:
 
 
 def corrections(found: list[tuple[str, list]]) -> str:
-    """What each named ratio asks of the loss: ``DDP, FSDP: multiply the loss by k``."""
+    """What each named ratio asks of the loss: ``DDP, FSDP: multiply the loss by N``."""
     fixes: dict[str, list[str]] = {}
     for name, parts in found:
         for r, values in parts:
-            if r in CORRECTIONS:
+            if r and (fix := correction(r)):
                 label = ", ".join([name, *values])
-                fixes.setdefault(CORRECTIONS[r], []).append(label)
+                fixes.setdefault(fix, []).append(label)
     return "; ".join(f"{', '.join(labels_)}: {fix}" for fix, labels_ in fixes.items())
 
 

@@ -62,11 +62,13 @@ class SectionInputs:
 
 @dataclass
 class SectionOutput:
-    """A rendered section: answers for the top table, findings, then tables and figures."""
+    """A rendered section: answers for the top table, findings, then tables and figures; for
+    a study that writes several CSVs, a rendered subsection per CSV, by CSV name."""
 
     findings: list[Finding] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
     answers: list[Answer] = field(default_factory=list)
+    subsections: dict[str, SectionOutput] = field(default_factory=dict)
 
     def add(self, item: Answer | Finding | str) -> None:
         if isinstance(item, Answer):
@@ -125,7 +127,7 @@ Part = Callable[[Rows], Any]
 
 @dataclass(frozen=True)
 class Section:
-    """How the report summarizes one study."""
+    """How the report summarizes one study, or one CSV of a study that writes several."""
 
     #: The study's name; its CSV is ``<study>.csv``.
     study: str
@@ -141,6 +143,25 @@ class Section:
     findings: Sequence[Part] = ()
     tables: Sequence[Part] = ()
     figures: Sequence[Part] = ()
+    #: The CSV a subsection reads, ``<table>.csv``; empty: the study's one, ``<study>.csv``.
+    table: str = ""
+    #: A study that writes several CSVs: a section per CSV, drawn under this one's title and
+    #: intro (this one's own parts, if any, read no CSV).
+    subsections: Sequence[Section] = ()
+
+    @property
+    def csv(self) -> str:
+        return f"{self.table or self.study}.csv"
+
+    def summarize_run(self, frames: Mapping[str, pd.DataFrame], rtol: float,
+                      figures: FigureWriter) -> SectionOutput:
+        """The section from the run's CSVs (``frames``, by CSV name); a subsection whose CSV
+        the run did not write is left out."""
+        if not self.subsections:
+            return self.summarize(frames[self.csv], SectionInputs(self.csv, rtol, figures))
+        return SectionOutput(subsections={
+            sub.csv: sub.summarize(frames[sub.csv], SectionInputs(sub.csv, rtol, figures))
+            for sub in self.subsections if sub.csv in frames})
 
     def summarize(self, frame: pd.DataFrame, inputs: SectionInputs) -> SectionOutput:
         """The section's answers, findings and blocks, from the study's rows."""

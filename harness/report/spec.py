@@ -31,9 +31,9 @@ from harness.report.findings import (
     yes_no,
 )
 from harness.report.section import Answer, Finding, Rows, Section
-from harness.report.tables import Pivot, Records, column, numbers
+from harness.report.tables import Pivot, Records, cell, column, numbers
 
 __all__ = ["BIG_BATCH", "Answer", "Finding", "Heatmap", "Lines", "PerRow", "Pivot", "Records",
-           "Rows", "Section", "VerdictAnswer", "Verdicts", "column", "corrections",
+           "Rows", "Section", "VerdictAnswer", "Verdicts", "cell", "column", "corrections",
            "emulation_only", "joined", "largest", "multiples", "numbers", "ratio", "ratio_words",
            "skipped", "spread", "yes_no"]

@@ -1,4 +1,5 @@
-"""Generic table parts: a pivot by k whose identical lines collapse, and one line per row."""
+"""Generic table parts: a pivot by a count (N or k) whose identical lines collapse, and one line
+per row."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.report.section import Rows
-from harness.report.text import number
+from harness.report.text import letter, number
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True)
 class Pivot:
-    """Lines by ``index``, one cell per value of ``column`` (k) from the rows of that cell.
+    """Lines by ``index``, one cell per value of ``column`` (a count: N, k) from the rows of
+    that cell.
 
     Values of ``collapse`` whose cells all read the same share a line, listed in
     the last column: the table stays short where they agree and grows exactly
@@ -33,28 +35,32 @@ class Pivot:
         chosen = rows.select(self.where)
         if chosen.empty:
             return None
-        ks = sorted(chosen[self.column].unique())
+        counts = sorted(chosen[self.column].unique())
         keys = [*self.index, *([self.collapse] if self.collapse else [])]
         by_line: dict[tuple, dict[tuple, list]] = {}
         for key, part in chosen.groupby(keys, sort=False):
             key = key if isinstance(key, tuple) else (key,)
-            at_k = dict(iter(part.groupby(self.column)))
-            cells = tuple(self.cell(at_k[k], rows.rtol) if k in at_k else "" for k in ks)
+            at = dict(iter(part.groupby(self.column)))
+            cells = tuple(self.cell(at[n], rows.rtol) if n in at else "" for n in counts)
             line = by_line.setdefault(key[:len(self.index)], {})
             line.setdefault(cells, []).extend(key[len(self.index):])
         body = [[*index, *cells, *([", ".join(map(str, shared))] if self.collapse else [])]
                 for index, lines in by_line.items() for cells, shared in lines.items()]
-        headers = [*self.index, *(f"k = {k}" for k in ks)]
+        headers = [*self.index, *(f"{letter(self.column)} = {n}" for n in counts)]
         headers += [self.collapse] if self.collapse else []
-        numeric = [False] * len(self.index) + [True] * len(ks) + [False] * bool(self.collapse)
+        numeric = [False] * len(self.index) + [True] * len(counts) + [False] * bool(self.collapse)
         return rows.table(self.caption, len(chosen), headers, body, numeric)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Records:
-    """One line per selected row; each column a header and a cell made from the row."""
+    """One line per selected row; each column a header and a cell made from the row.
 
-    caption: str
+    ``caption``: a template (``{csv}``, ``{rows}``, ``{rtol}``), or a function of the
+    selected rows giving one, for a caption that quotes them.
+    """
+
+    caption: str | Callable[[pd.DataFrame], str]
     columns: Sequence[tuple[str, Callable[[dict], str]]]
     where: str = ""
     numeric: Sequence[bool] = ()
@@ -66,7 +72,8 @@ class Records:
         body = [[cell(row) for _, cell in self.columns] for row in chosen.to_dict("records")]
         headers = [header for header, _ in self.columns]
         numeric = [*self.numeric, *[False] * (len(headers) - len(self.numeric))]
-        return rows.table(self.caption, len(chosen), headers, body, numeric)
+        caption = self.caption(chosen) if callable(self.caption) else self.caption
+        return rows.table(caption, len(chosen), headers, body, numeric)
 
 
 def numbers(name: str, flag: Callable[[pd.DataFrame], pd.Series] | None = None,
@@ -78,7 +85,11 @@ def numbers(name: str, flag: Callable[[pd.DataFrame], pd.Series] | None = None,
     return cell
 
 
+def cell(name: str, format: Callable[[object], str] = str) -> Callable[[dict], str]:
+    """A Records cell that shows one CSV column through ``format`` (empty where missing)."""
+    return lambda row: "" if row[name] != row[name] or row[name] is None else format(row[name])
+
+
 def column(name: str, format: Callable[[object], str] = str) -> tuple[str, Callable]:
-    """A Records column that shows one CSV column through ``format`` (empty where missing)."""
-    return name, lambda row: "" if row[name] != row[name] or row[name] is None else format(
-        row[name])
+    """A Records column that shows one CSV column through ``format``, headed by its name."""
+    return name, cell(name, format)

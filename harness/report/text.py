@@ -112,5 +112,16 @@ def value_name(column: str, value: object) -> str:
     return str(value)
 
 
+#: The letter a sentence, a table or an axis names a count column by: N for the world size
+#: (ranks or devices), k for micro-steps per optimizer step.
+LETTERS = {"world_size": "N", "devices_used": "N", "accum_steps": "k"}
+
+
+def letter(column: str) -> str:
+    """How a count column is named where its value is quoted (``N = 4``, ``k = 2``): its
+    letter, or the column's name."""
+    return LETTERS.get(column, column)
+
+
 def capitalized(text: str) -> str:
     return text[:1].upper() + text[1:]

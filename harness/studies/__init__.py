@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from harness.studies.schema import Column
+from harness.studies.schema import Column, Table
 
 if TYPE_CHECKING:
     from harness.report.section import Section
@@ -68,23 +69,46 @@ def lazy_study(package: str, class_name: str) -> Callable[[str], Any]:
 
 
 def study_columns(name: str) -> tuple[Column, ...]:
-    """The own columns of study ``name``: its ``schema.COLUMNS``, else its study class's."""
+    """The own columns of study ``name``, which writes one CSV: its ``schema.COLUMNS``, else
+    its study class's."""
     try:
         return importlib.import_module(f"harness.studies.{name}.schema").COLUMNS
     except ModuleNotFoundError:
         return __getattr__("STUDIES")[name].columns
 
 
-def report_section(name: str) -> Section | None:
-    """The report section of study ``name`` (its package's ``report.SECTION``), or None."""
+def study_tables(name: str) -> tuple[Table, ...]:
+    """The CSVs study ``name`` writes: its ``schema.TABLES`` where it writes several, else
+    one, ``<name>.csv`` with its columns."""
+    try:
+        schema = importlib.import_module(f"harness.studies.{name}.schema")
+    except ModuleNotFoundError:
+        return __getattr__("STUDIES")[name].tables()
+    tables = getattr(schema, "TABLES", None)
+    return tuple(tables) if tables is not None else (Table(name, schema.COLUMNS),)
+
+
+def _report_module(name: str) -> ModuleType | None:
+    """Study ``name``'s ``report`` module, or None where it has none."""
     if name not in STUDY_PACKAGES:
         return None
     try:
-        module = importlib.import_module(f"harness.studies.{name}.report")
+        return importlib.import_module(f"harness.studies.{name}.report")
     except ModuleNotFoundError:
         return None
-    return getattr(module, "SECTION", None)
+
+
+def report_section(name: str) -> Section | None:
+    """The report section of study ``name`` (its package's ``report.SECTION``), or None."""
+    return getattr(_report_module(name), "SECTION", None)
+
+
+def doc_parts(name: str) -> dict[str, Callable[[Any], str]]:
+    """The generated parts of README.md and docs/ that study ``name`` states (its package's
+    ``report.DOC_PARTS``: a part's name and a function of the quoted results giving its
+    text), or none."""
+    return dict(getattr(_report_module(name), "DOC_PARTS", {}))
 
 
 __all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",  # noqa: F822
-           "report_section", "study_columns"]
+           "Table", "doc_parts", "report_section", "study_columns", "study_tables"]

@@ -5,9 +5,10 @@ declared once, next to its measuring code, in its own package under
 ``harness/studies/<name>/``:
 
 - ``columns``: the CSV's own columns, each a :class:`Column` with its unit and
-  meaning (docs/results.md's tables and ``study.py --schema`` are printed from these),
-  declared in the package's torch-free ``schema.py`` so that the registry and the
-  report read them without the measuring code;
+  meaning (docs/results.md's tables are printed from these), declared in the
+  package's torch-free ``schema.py`` so that the registry and the report read them
+  without the measuring code; a study that writes several CSVs declares them as
+  ``tables()`` (its ``schema.TABLES``) and says which one a case's rows go to;
 - ``Options``: a frozen dataclass of the study's own settings, each field an
   :func:`option` (flag, help, parser); it validates itself in ``__post_init__``
   and the command line registers its fields as flags;
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harness.context import CONTEXT_COLUMNS
 from harness.options import NoOptions, StudyOptions
-from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column
+from harness.studies.schema import TRAILING_COLUMNS, Column, Table
 from harness.tolerances import close
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class Case:
     def of(cls, study: str, participants: int = 1, collective: bool | None = None,
            cost: float = 1.0, **spec: Any) -> Case:
         """``collective`` defaults to ``participants > 1``; pass True for a
-        one-rank case that still uses its (one-rank) process group, e.g. DDP at k = 1."""
+        one-rank case that still uses its (one-rank) process group, e.g. DDP at N = 1."""
         if collective is None:
             collective = participants > 1
         return cls(study, tuple(spec.items()), participants, collective, cost)
@@ -69,7 +70,7 @@ class Case:
     @property
     def id(self) -> str:
         """Stable and readable: the key a resumed run and the report refer to."""
-        return "/".join([self.study, *(f"{k}={v}" for k, v in self.spec)])
+        return "/".join([self.study, *(f"{axis}={value}" for axis, value in self.spec)])
 
     @property
     def params(self) -> Mapping[str, Any]:
@@ -94,10 +95,10 @@ class Study(ABC):
     Options: ClassVar[type[StudyOptions]] = NoOptions
     #: Part of a run that names no ``--studies``.
     in_default_run: ClassVar[bool] = True
-    #: Its collective cases may run on any slot of k ranks (harness/schedule.py), side by
+    #: Its collective cases may run on any slot of N ranks (harness/schedule.py), side by
     #: side: true for a study that addresses ranks only relative to the group the run gives
-    #: it (``run.group(k)``, ``run.reports(case)``). False, the safe default, keeps ranks
-    #: 0..k-1 (e.g. ``comm``, which times collectives; ``training``, which gathers rows to
+    #: it (``run.group(N)``, ``run.reports(case)``). False, the safe default, keeps ranks
+    #: 0..N-1 (e.g. ``comm``, which times collectives; ``training``, which gathers rows to
     #: global rank 0).
     any_slot: ClassVar[bool] = False
 
@@ -105,21 +106,30 @@ class Study(ABC):
         self.options = options if options is not None else self.Options()
 
     @classmethod
+    def tables(cls) -> tuple[Table, ...]:
+        """The CSVs the study writes: one, ``<name>.csv`` with its ``columns``, unless it
+        declares several (each case's rows go to the table :meth:`table_of` names)."""
+        return (Table(cls.name, cls.columns),)
+
+    def table_of(self, case: Case) -> Table:
+        """The CSV ``case``'s rows go to: the study's one."""
+        (table,) = self.tables()
+        return table
+
+    @classmethod
     def own_columns(cls) -> tuple[str, ...]:
         return tuple(c.name for c in cls.columns)
 
     @classmethod
     def column_names(cls) -> tuple[str, ...]:
-        """Every column of the CSV, in order."""
-        return tuple(c.name for c in (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS))
+        """Every column of the study's one CSV, in order."""
+        (table,) = cls.tables()
+        return table.column_names()
 
     @classmethod
     def schema(cls) -> tuple[Column, ...]:
-        return (*LEADING_COLUMNS, *cls.columns, *TRAILING_COLUMNS)
-
-    @property
-    def csv_name(self) -> str:
-        return f"{self.name}.csv"
+        (table,) = cls.tables()
+        return table.schema()
 
     def unavailable(self) -> str | None:
         """Why this study cannot run on this installation (e.g. an optional extra is
@@ -142,14 +152,36 @@ class Study(ABC):
         """A few lines for the console at the end of the run."""
         return frame.drop(columns=["study", "case_id", *CONTEXT_COLUMNS]).head(20).to_string()
 
+    def table_summary(self, table: Table, frame: pd.DataFrame) -> str:
+        """The console's lines for one of the study's CSVs: :meth:`summary_table`'s, unless
+        a study that writes several says something of its own per CSV."""
+        return self.summary_table(frame)
 
-def named_multiple(scale: float, k: int, rtol: float) -> str:
-    """Which of 1, 1/k and k ``scale`` equals within ``rtol``, or "" when none does.
 
-    A ratio column the report can name in words instead of listing numbers; at k = 1
-    the three coincide and "1", checked first, is the plain word for it.
+def tables_written(study: Study, cases: list[Case]) -> list[Table]:
+    """The study's tables that some of ``cases`` write to, in the study's order."""
+    used = {study.table_of(case) for case in cases}
+    return [table for table in study.tables() if table in used]
+
+
+def rows_by_table(study: Study, cases: list[Case], rows: list[dict[str, Any]]
+                  ) -> dict[Table, list[dict[str, Any]]]:
+    """``rows`` of ``cases``, in their order, by the table each case writes to."""
+    table_of = {case.id: study.table_of(case) for case in cases}
+    split: dict[Table, list[dict[str, Any]]] = {t: [] for t in tables_written(study, cases)}
+    for row in rows:
+        split[table_of[row["case_id"]]].append(row)
+    return split
+
+
+def named_multiple(scale: float, count: int, rtol: float, name: str) -> str:
+    """Which of 1, 1/``name`` and ``name`` ``scale`` equals within ``rtol``, or "" when none
+    does; ``count`` is what the letter ``name`` stands for (N devices, k micro-steps).
+
+    A ratio column the report can name in words instead of listing numbers; where the count
+    is 1 the three coincide and "1", checked first, is the plain word for it.
     """
-    for name, multiple in (("1", 1.0), ("1/k", 1.0 / k), ("k", float(k))):
+    for word, multiple in (("1", 1.0), (f"1/{name}", 1.0 / count), (name, float(count))):
         if not math.isnan(scale) and close(scale, multiple, rtol):
-            return name
+            return word
     return ""

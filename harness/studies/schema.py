@@ -7,11 +7,13 @@ study's measuring code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from harness.columns import ACCUM_STEPS, EQUIVALENCES, Column, names
 from harness.columns import WORLD_SIZE as _ANY_WORLD_SIZE
 
 __all__ = ["ACCUM_STEPS", "EMULATED", "EQUIVALENCES", "LEADING_COLUMNS", "STRATEGY",
-           "STRATEGY_OR_LOCAL", "TRAILING_COLUMNS", "WORLD_SIZE", "Column", "names"]
+           "STRATEGY_OR_LOCAL", "TRAILING_COLUMNS", "WORLD_SIZE", "Column", "Table", "names"]
 
 #: Columns every CSV starts with and ends with, around the study's own.
 LEADING_COLUMNS = (
@@ -44,3 +46,24 @@ EMULATED = Column("emulated", "bool", "true for the emulation")
 #: N of a study whose strategies include DataParallel, which counts devices, not ranks.
 WORLD_SIZE = _ANY_WORLD_SIZE.described(
     "N: ranks (DDP, FSDP) or devices asked for (DataParallel)", unit="devices")
+
+
+@dataclass(frozen=True)
+class Table:
+    """One CSV a study writes: ``<name>.csv``, its own columns between the leading and the
+    trailing ones every CSV has, and what its rows are (for a study that writes several)."""
+
+    name: str
+    columns: tuple[Column, ...]
+    doc: str = ""
+
+    @property
+    def csv(self) -> str:
+        return f"{self.name}.csv"
+
+    def schema(self) -> tuple[Column, ...]:
+        return (*LEADING_COLUMNS, *self.columns, *TRAILING_COLUMNS)
+
+    def column_names(self) -> tuple[str, ...]:
+        """Every column of the CSV, in order."""
+        return names(self.schema())

@@ -11,6 +11,7 @@ the textbook recipe (its ``matrix``); the section reads the verdicts of each.
 from __future__ import annotations
 
 from harness.report import spec
+from harness.report.quoted import DocPart, Results, require, share
 from harness.report.rows import ordered
 from harness.report.text import cite_cases, count, integers, number, small, words, worst
 from harness.strategies import STRATEGIES
@@ -232,3 +233,62 @@ SECTION = spec.Section(
                              "or ✗ and the largest relative_error."),
     ),
 )
+
+
+# ------------------------------------------------------------ README's answers
+#: The README's rows of the plain setting: measured.
+MEASURED_PLAIN = f"status == 'ok' and {PLAIN}"
+
+
+def accumulation_answer(results: Results) -> str:
+    """loss / k with one zero_grad per window equals the big batch."""
+    plain = results.csv("accumulation").query(MEASURED_PLAIN)
+    recipe = plain[(plain["zero_grad"] == "every-step") & (plain["loss_scaling"] == "1/k")]
+    require(len(recipe) > 0 and (recipe["verdict"] == "matches").all(),
+            "loss / k with one zero_grad per window equals the big batch",
+            "accumulation.csv: plain setting, zero_grad = every-step, loss_scaling = 1/k")
+    names = {"local": "one process", "ddp": "DDP", "dp-emulated": "DataParallel (emulated)",
+             "fsdp": "FSDP", "dp": "DataParallel"}
+    strategies = [names.get(s, s) for s in dict.fromkeys(recipe["strategy"])]
+    return (f"**Accumulating k micro-batches with `loss / k` and one `zero_grad` per optimizer "
+            f"step equals one big batch**: {len(recipe)} cases at k = "
+            f"{integers(recipe['accum_steps'])} under {', '.join(strategies)}, worst residual "
+            f"{small(recipe['fit_residual'].max())}.")
+
+
+def breaks_answer(results: Results) -> str:
+    """What breaks accumulation: no / k, a misplaced zero_grad, BatchNorm, uneven counts."""
+    every = results.csv("accumulation")
+    plain = every.query(MEASURED_PLAIN + " and accum_steps >= 2")
+    unscaled = plain[(plain["zero_grad"] == "every-step") & (plain["loss_scaling"] == "none")]
+    require((unscaled["full_batch_multiple"] == "k").all(), "without / k the gradient is k ×",
+            "accumulation.csv: plain setting, k >= 2, loss_scaling = none")
+    misplaced = plain[plain["zero_grad"] != "every-step"]
+    require((misplaced["verdict"] == "differs").all(), "a misplaced zero_grad gives neither",
+            "accumulation.csv: plain setting, k >= 2, zero_grad = never or every-micro-step")
+    textbook = every.query("status == 'ok' and zero_grad == 'every-step' and accum_steps >= 2 "
+                           "and ((loss_normalization == 'micro-batch-mean' and loss_scaling == "
+                           "'1/k') or (loss_normalization == 'window-total' and loss_scaling == "
+                           "'none'))")
+    uneven = textbook[(textbook["norm"] != "batchnorm") & (textbook["shards"] != "even")]
+    per_micro = uneven[uneven["loss_normalization"] == "micro-batch-mean"]
+    window = uneven[uneven["loss_normalization"] == "window-total"]
+    norm = textbook[textbook["norm"] == "batchnorm"]
+    require((per_micro["verdict"] == "differs").any() and (window["verdict"] == "matches").all(),
+            "normalizing by the window's total fixes uneven micro-batches",
+            "accumulation.csv: textbook recipe, shards uneven or tokens, norm not batchnorm")
+    require((norm["verdict"] == "differs").mean() > 0.5, "BatchNorm breaks accumulation",
+            "accumulation.csv: textbook recipe, norm = batchnorm")
+    worst_error = textbook.loc[textbook["verdict"] == "differs", "relative_error"].max()
+    return (f"**What breaks it:** without `/ k` the gradient is k times too large; a `zero_grad` "
+            f"never or every micro-step gives no multiple of it; so do BatchNorm ("
+            f"{share(norm, norm['verdict'] == 'differs')} cases) and, with micro-batches of "
+            f"unequal sample or token counts, a per-micro-batch mean "
+            f"({share(per_micro, per_micro['verdict'] == 'differs')} cases; relative error up to "
+            f"{small(worst_error)} overall). Dividing by the whole window's count fixes the "
+            f"latter ({share(window, window['verdict'] == 'matches')} cases).")
+
+
+#: The README's sentences this study states (harness/report/docs.py collects them).
+DOC_PARTS: dict[str, DocPart] = {"answer:accumulation": accumulation_answer,
+                                 "answer:breaks": breaks_answer}

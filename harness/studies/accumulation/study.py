@@ -229,13 +229,13 @@ class AccumulationStudy(Study):
 
     def cases(self, run: RunContext) -> list[Case]:
         full = run.config.matrix == "full"
-        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(k),
+        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(n),
                         collective=STRATEGIES[strategy].collective,
-                        cost=WINDOWS * steps * step_cost(strategy, k), **asdict(recipe))
+                        cost=WINDOWS * k * step_cost(strategy, n), **asdict(recipe))
                 for strategy in run.strategies(SUPPORTED)
-                for k in _world_sizes(strategy, run)
-                for steps in self.options.accum_steps
-                for recipe in matrix(strategy, k, steps, full)]
+                for n in _world_sizes(strategy, run)
+                for k in self.options.accum_steps
+                for recipe in matrix(strategy, n, k, full)]
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         recipe = Recipe(**case.params)
@@ -398,4 +398,4 @@ def multiples(measured: dict[str, Any], k: int, rtol: float) -> dict[str, Any]:
 
 
 def _multiple(scale: float, verdict: Equivalence, k: int, rtol: float) -> str:
-    return "" if verdict == Equivalence.DIFFERS else named_multiple(scale, k, rtol)
+    return "" if verdict == Equivalence.DIFFERS else named_multiple(scale, k, rtol, "k")

@@ -152,7 +152,7 @@ def call(collective: str, buffers: Buffers, group: dist.ProcessGroup) -> None:
     elif collective == "all_gather":
         _ALL_GATHER(buffers.receive, buffers.send, group=group)
     elif collective == "broadcast":
-        # The study's groups are ranks 0..k-1: global rank 0 is the group's first rank.
+        # The study's groups are ranks 0..N-1: global rank 0 is the group's first rank.
         dist.broadcast(buffers.send, src=0, group=group)
     else:
         raise ValueError(f"unknown collective {collective!r}; allowed: {', '.join(COLLECTIVES)}")

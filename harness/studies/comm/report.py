@@ -7,7 +7,7 @@ Parts, each computed from the rows:
 - findings: correctness, each collective's highest bus bandwidth, the latency of
   the smallest message, DDP's all-reduce share and what ``no_sync`` saves,
   DataParallel against DDP, and the rows that were skipped;
-- a table of time and busbw per collective, size and k; a table of the step
+- a table of time and busbw per collective, size and N; a table of the step
   breakdowns; the bandwidth figure (busbw against S, log-log).
 
 Times vary from run to run: the sentences quote them as measured, and only
@@ -64,7 +64,7 @@ def bandwidth(gbps: float) -> str:
 
 
 def _ranks(rows: pd.DataFrame) -> str:
-    return f"k = {integers(rows['world_size'])}"
+    return f"N = {integers(rows['world_size'])}"
 
 
 # ------------------------------------------------------------------ answers
@@ -122,7 +122,7 @@ def _peaks(checked: pd.DataFrame) -> str:
         own = checked[checked["operation"] == operation]
         best = own.loc[own["busbw_GBps"].idxmax()]
         parts.append(f"{operation} {bandwidth(best['busbw_GBps'])} "
-                     f"({size(best['message_bytes'])} at k = {int(best['world_size'])}, "
+                     f"({size(best['message_bytes'])} at N = {int(best['world_size'])}, "
                      f"{duration(best['time_s'])} per call)")
     context = words([f"{b} on {d}" for b, d in
                      dict.fromkeys(zip(checked["backend"], checked["device"], strict=True))])
@@ -139,9 +139,9 @@ def _latency(rows: Rows) -> Finding | None:
     fastest = smallest.loc[smallest["time_s"].idxmin()]
     slowest = smallest.loc[smallest["time_s"].idxmax()]
     text = (f"The smallest message ({size(asked)} asked for) took "
-            f"{duration(fastest['time_s'])} ({fastest['operation']}, k = "
+            f"{duration(fastest['time_s'])} ({fastest['operation']}, N = "
             f"{int(fastest['world_size'])}) to {duration(slowest['time_s'])} "
-            f"({slowest['operation']}, k = {int(slowest['world_size'])}) per call: the latency "
+            f"({slowest['operation']}, N = {int(slowest['world_size'])}) per call: the latency "
             f"floor, where busbw says nothing about the links.")
     where = f"{COLLECTIVE_ROWS} and size_bytes == {asked}"
     return Finding(text, rows.cite({}, where, len(smallest)))
@@ -186,11 +186,11 @@ def _dataparallel(rows: Rows) -> Finding | None:
         ddp_time = ddp_times.get((row["model"], row["world_size"]))
         matched += ddp_time is not None
         versus = "" if ddp_time is None else f" vs DDP's {duration(ddp_time)}"
-        parts.append(f"{row['model']} at k = {int(row['world_size'])}: "
+        parts.append(f"{row['model']} at N = {int(row['world_size'])}: "
                      f"{duration(row['time_s'])}{versus}")
     text = (f"DataParallel's step (forward + backward) on the same global batch as DDP's took "
             f"{words(parts)}.")
-    where = f"{DP_ROWS}, and {DDP_ROWS} and sync == 'every-step' at the same model and k"
+    where = f"{DP_ROWS}, and {DDP_ROWS} and sync == 'every-step' at the same model and N"
     return Finding(text, rows.cite({}, where, len(dp) + matched))
 
 
@@ -199,21 +199,21 @@ def _collective_table(rows: Rows) -> str | None:
     checked = rows.select(COLLECTIVE_ROWS)
     if checked.empty:
         return None
-    ks = sorted(int(k) for k in checked["world_size"].unique())
-    headers = ["operation", "size", *(f"k = {k}: time · busbw" for k in ks), "wrong"]
+    world_sizes = sorted(int(n) for n in checked["world_size"].unique())
+    headers = ["operation", "size", *(f"N = {n}: time · busbw" for n in world_sizes), "wrong"]
     body = []
     for operation in ordered(checked, "operation"):
         own = checked[checked["operation"] == operation]
         for asked in sorted(own["size_bytes"].unique()):
             at = own[own["size_bytes"] == asked].set_index("world_size")
-            cells = [f"{duration(at.loc[k, 'time_s'])} · {bandwidth(at.loc[k, 'busbw_GBps'])}"
-                     if k in at.index else "" for k in ks]
+            cells = [f"{duration(at.loc[n, 'time_s'])} · {bandwidth(at.loc[n, 'busbw_GBps'])}"
+                     if n in at.index else "" for n in world_sizes]
             body.append([operation, size(asked), *cells, str(int(at["wrong"].sum()))])
     caption = ("Median time per call and bus bandwidth of every collective row of {csv} with "
                "status ok ({rows} rows); wrong: elements of the checked call that differ from "
                "the exact result, all ranks.")
     return rows.table(caption, len(checked), headers, body,
-                      [False, True, *([True] * len(ks)), True])
+                      [False, True, *([True] * len(world_sizes)), True])
 
 
 def _seconds(column: str) -> Callable[[dict], str]:
@@ -226,7 +226,7 @@ _STEP_TABLE = Records(
             "rows); reduction: DDP's bucket all-reduces, which overlap the backward.",
     where=f"{DDP_ROWS} or {DP_ROWS}", numeric=(False, False, True, False, *[True] * 5),
     columns=(("step", lambda row: row["operation"]), column("model"),
-             ("k", lambda row: str(int(row["world_size"]))), column("sync"),
+             ("N", lambda row: str(int(row["world_size"]))), column("sync"),
              ("forward", _seconds("forward_s")), ("backward", _seconds("backward_s")),
              ("reduction", _seconds("reduction_s")), ("step time", _seconds("time_s")),
              ("buckets · bytes", lambda row: "" if math.isnan(row["buckets"])
@@ -239,9 +239,9 @@ def _figure_title(data: pd.DataFrame) -> str:
     best = data.loc[data["busbw_GBps"].idxmax()]
     worst = data.loc[data["busbw_GBps"].idxmin()]
     return (f"busbw from {bandwidth(worst['busbw_GBps'])} ({worst['operation']}, "
-            f"{size(worst['message_bytes'])}, k = {int(worst['world_size'])}) to "
+            f"{size(worst['message_bytes'])}, N = {int(worst['world_size'])}) to "
             f"{bandwidth(best['busbw_GBps'])} ({best['operation']}, "
-            f"{size(best['message_bytes'])}, k = {int(best['world_size'])})")
+            f"{size(best['message_bytes'])}, N = {int(best['world_size'])})")
 
 
 def _bandwidth_panel(axis, panel: pd.DataFrame, operations: list[str]) -> None:
@@ -259,23 +259,23 @@ def _bandwidth_panel(axis, panel: pd.DataFrame, operations: list[str]) -> None:
 
 def _bandwidth_figure(rows: Rows) -> str | None:
     """busbw against S, log-log, one series per collective (four), a panel each at the
-    smallest and the largest k (a panel per k would crowd a full sweep on many ranks)."""
+    smallest and the largest N (a panel per N would crowd a full sweep on many ranks)."""
     checked = rows.select(COLLECTIVE_ROWS)
     if checked.empty:
         return None
-    ks = sorted({int(checked["world_size"].min()), int(checked["world_size"].max())})
-    shown = checked[checked["world_size"].isin(ks)]
+    world_sizes = sorted({int(checked["world_size"].min()), int(checked["world_size"].max())})
+    shown = checked[checked["world_size"].isin(world_sizes)]
     operations = ordered(shown, "operation")
     title = _figure_title(shown)
-    figure, axes = new_figure(3.8, title, cols=len(ks))
-    for axis, k in zip(axes[0], ks, strict=True):
-        _bandwidth_panel(axis, shown[shown["world_size"] == k], operations)
-        axis.set_title(f"k = {k} ranks")
+    figure, axes = new_figure(3.8, title, cols=len(world_sizes))
+    for axis, n in zip(axes[0], world_sizes, strict=True):
+        _bandwidth_panel(axis, shown[shown["world_size"] == n], operations)
+        axis.set_title(f"N = {n} ranks")
     axes[0][0].set_ylabel("busbw (GB/s)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncols=len(labels), frameon=False)
     caption = rows.fill("busbw = message_bytes / time_s x bus_factor of the collective rows of "
-                        "{csv} at the smallest and largest k ({rows} rows); log-log. Measured "
+                        "{csv} at the smallest and largest N ({rows} rows); log-log. Measured "
                         "times: they vary from run to run.", len(shown))
     return rows.inputs.figures.save(figure, "comm_bandwidth", title, caption)
 

@@ -28,10 +28,10 @@ COLUMNS = (
            f"global batch of a step: {SHARD_SIZE} samples per device"),
     Column("elements", "elements",
            "elements of S's buffer: size_bytes / element size, at least 1, for "
-           "reduce_scatter and all_gather rounded down to a multiple of k (at least k)"),
+           "reduce_scatter and all_gather rounded down to a multiple of N (at least N)"),
     Column("message_bytes", "bytes",
            "S, the bytes nccl-tests counts: all_reduce's and broadcast's buffer, "
-           "reduce_scatter's input, all_gather's output (k chunks, one per rank); for "
+           "reduce_scatter's input, all_gather's output (N chunks, one per rank); for "
            "`ddp-step`, the gradient bytes DDP all-reduced in one step (0 under `no_sync`)"),
     Column("buckets", "all-reduces per step",
            "gradient buckets DDP all-reduced in one step (0 under `no_sync`)"),
@@ -41,7 +41,7 @@ COLUMNS = (
            "timed iterations: 10 by default, 20 with `--matrix full`"),
     Column("time_s", "seconds",
            "median over the timed iterations of one call (collectives) or one whole step "
-           "(forward + backward); each iteration's time is the mean over the k ranks of "
+           "(forward + backward); each iteration's time is the mean over the N ranks of "
            "what each rank measured (CPU: perf_counter; CUDA: events on the current stream)"
            "; a measurement that varies from run to run"),
     Column("forward_s", "seconds",
@@ -57,8 +57,8 @@ COLUMNS = (
     Column("algbw_GBps", "GB/s (1e9 B/s)",
            "algorithm bandwidth: message_bytes / time_s"),
     Column("bus_factor", "ratio",
-           "nccl-tests' busbw / algbw for k ranks: all_reduce 2(k-1)/k, reduce_scatter and "
-           "all_gather (k-1)/k, broadcast 1"),
+           "nccl-tests' busbw / algbw for N ranks: all_reduce 2(N-1)/N, reduce_scatter and "
+           "all_gather (N-1)/N, broadcast 1"),
     Column("busbw_GBps", "GB/s (1e9 B/s)",
            "bus bandwidth: algbw_GBps x bus_factor, what each link carried in an optimal "
            "ring; comparable across collectives and with the hardware's peak"),

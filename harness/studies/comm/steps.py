@@ -120,8 +120,8 @@ def measure_ddp_steps(model_name: str, group: dist.ProcessGroup, device: torch.d
                       dtype: torch.dtype, seed: int, timing: Timing) -> dict[str, StepResult]:
     """DDP steps of ``model_name`` on ``group``, with and without ``no_sync``, every rank on
     its own shard; the same result on every rank (each iteration: the mean over ranks)."""
-    k, rank = dist.get_world_size(group), dist.get_rank(group)
-    task, model, shards = _model_and_shards(model_name, k, dtype, seed)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    task, model, shards = _model_and_shards(model_name, world_size, dtype, seed)
     ddp = wrap(model.to(device), group, device)
     timer = ReductionTimer(group, Clock(device))
     ddp.register_comm_hook(timer, timed_allreduce)
@@ -136,14 +136,14 @@ def measure_ddp_steps(model_name: str, group: dist.ProcessGroup, device: torch.d
                 times[mode].append(phases)
     mean = summed_over_ranks(torch.tensor([times[mode] for mode in SYNC_MODES],
                                           dtype=torch.float64),
-                             group, device) / k
+                             group, device) / world_size
     return {mode: StepResult(*_medians(mean[i]), *sent[mode])
             for i, mode in enumerate(SYNC_MODES)}
 
 
 def measure_dp_step(model_name: str, world_size: int, dtype: torch.dtype, seed: int,
                     timing: Timing) -> StepResult:
-    """DataParallel steps over CUDA devices 0..world_size-1 on the global batch (the k
+    """DataParallel steps over CUDA devices 0..world_size-1 on the global batch (the N
     shards a DDP step of the same world size spreads over its ranks)."""
     task, model, shards = _model_and_shards(model_name, world_size, dtype, seed)
     device = torch.device("cuda", 0)

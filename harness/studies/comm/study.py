@@ -62,7 +62,7 @@ MEASURED = ("elements", "message_bytes", "buckets", "warmup", "iterations", "tim
 def comm_world_sizes(run: RunContext) -> tuple[int, ...]:
     """World sizes >= 2 of the run: all of them (``--matrix full``) or the smallest and the
     largest (default), which is where the bus factors differ most."""
-    sizes = [k for k in run.world_sizes if k >= 2]
+    sizes = [n for n in run.world_sizes if n >= 2]
     if run.config.matrix == "full" or len(sizes) <= 2:
         return tuple(sizes)
     return (sizes[0], sizes[-1])
@@ -95,26 +95,26 @@ class CommStudy(Study):
     columns = COLUMNS
 
     def cases(self, run: RunContext) -> list[Case]:
-        sizes = comm_world_sizes(run) or (2,)  # without k >= 2, rows that say why
-        cases = [self._case(run, operation, k, size_bytes=size)
-                 for operation in COLLECTIVES for k in sizes for size in message_sizes(run)]
-        cases += [self._case(run, operation, k, model=model)
-                  for operation in STEP_OPERATIONS for k in sizes for model in STEP_MODELS]
+        sizes = comm_world_sizes(run) or (2,)  # without N >= 2, rows that say why
+        cases = [self._case(run, operation, n, size_bytes=size)
+                 for operation in COLLECTIVES for n in sizes for size in message_sizes(run)]
+        cases += [self._case(run, operation, n, model=model)
+                  for operation in STEP_OPERATIONS for n in sizes for model in STEP_MODELS]
         return cases
 
-    def _case(self, run: RunContext, operation: str, k: int, **axis: Any) -> Case:
-        if unavailable(operation, k, run):
-            return Case.of(self.name, operation=operation, world_size=k, **axis)
+    def _case(self, run: RunContext, operation: str, n: int, **axis: Any) -> Case:
+        if unavailable(operation, n, run):
+            return Case.of(self.name, operation=operation, world_size=n, **axis)
         # DataParallel runs in one process, but on every GPU: the other ranks wait in the
         # case (a collective over all of them) instead of timing something else meanwhile.
-        participants = max(run.world_sizes) if operation == "dp-step" else k
+        participants = max(run.world_sizes) if operation == "dp-step" else n
         cost = axis.get("size_bytes", MiB) / MiB + 1.0  # ~ms: a step costs about a MiB call
         return Case.of(self.name, participants=participants, collective=True, cost=cost,
-                       operation=operation, world_size=k, **axis)
+                       operation=operation, world_size=n, **axis)
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        operation, k = case["operation"], case["world_size"]
-        if reason := unavailable(operation, k, run):
+        operation, n = case["operation"], case["world_size"]
+        if reason := unavailable(operation, n, run):
             return [{**self._identity(case, mode), "status": reason}
                     for mode in self._sync_modes(operation)]
         if operation in COLLECTIVES:
@@ -139,22 +139,22 @@ class CommStudy(Study):
                 **dict.fromkeys(MEASURED, math.nan), "status": "ok"}
 
     def _collective(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        operation, k = case["operation"], case["world_size"]
+        operation, n = case["operation"], case["world_size"]
         timing = timing_of(run)
-        result = measure_collective(operation, case["size_bytes"], run.group(k), run.device,
+        result = measure_collective(operation, case["size_bytes"], run.group(n), run.device,
                                     run.dtype, timing)
         if not run.reports(case):
             return None
-        algbw, busbw = bandwidths(operation, result.message_bytes, result.seconds, k)
+        algbw, busbw = bandwidths(operation, result.message_bytes, result.seconds, n)
         return [{**self._identity(case), "elements": result.elements,
                  "message_bytes": result.message_bytes, "warmup": timing.warmup,
                  "iterations": timing.iterations, "time_s": result.seconds,
-                 "algbw_GBps": algbw, "bus_factor": bus_factor(operation, k),
+                 "algbw_GBps": algbw, "bus_factor": bus_factor(operation, n),
                  "busbw_GBps": busbw, "wrong": result.wrong}]
 
     def _ddp_steps(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        k, timing = case["world_size"], timing_of(run)
-        results = measure_ddp_steps(case["model"], run.group(k), run.device, run.dtype,
+        n, timing = case["world_size"], timing_of(run)
+        results = measure_ddp_steps(case["model"], run.group(n), run.device, run.dtype,
                                     run.seed, timing)
         if not run.reports(case):
             return None

@@ -175,7 +175,7 @@ SECTION = spec.Section(
                       detail={"False": spec.spread("update_ratio", "step", "step")}),
         spec.Verdicts(column="outcome", per=("strategy", "world_size"), where=DDP_FROZEN,
                       unit="row", qualify=("setting",), detail=spec.largest("grad_rank_spread"),
-                      subject="With {strategy} at k = {world_size}, a setting"),
+                      subject="With {strategy} at N = {world_size}, a setting"),
         spec.PerRow(lead="One batch through the first BatchNorm of the training study's CNN:",
                     clause=_modes, where="experiment == 'train-vs-eval'"),
         spec.PerRow(lead="One forward of the MLP:", clause=_graph,

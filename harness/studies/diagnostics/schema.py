@@ -8,7 +8,7 @@ COLUMNS = (
     Column("experiment", "`lr-sweep`, `frozen-layer`, `train-vs-eval`, `no-grad`",
            "which question (above)"),
     Column("strategy", "",
-           "`local` at 1, or `ddp` at k"),
+           "`local` at 1, or `ddp` at N"),
     WORLD_SIZE.described("`local` at 1, or `ddp` at N"),
     Column("setting", "text",
            "the variant: `lr=10`, `middle frozen (requires_grad=False)`, `middle unused, "

@@ -214,10 +214,10 @@ class DiagnosticsStudy(Study):
                 cases += [Case.of(self.name, experiment=experiment, **local)
                           for experiment in EXPERIMENTS[1:]]
                 continue
-            cases += [Case.of(self.name, participants=k, collective=True,
-                              experiment="frozen-layer", strategy=strategy, world_size=k,
+            cases += [Case.of(self.name, participants=n, collective=True,
+                              experiment="frozen-layer", strategy=strategy, world_size=n,
                               middle=state, find_unused_parameters=find_unused)
-                      for k in ddp_world_sizes(run) for state in MIDDLE_STATES
+                      for n in ddp_world_sizes(run) for state in MIDDLE_STATES
                       for find_unused in (False, True)]
         return cases
 
@@ -289,7 +289,7 @@ class DiagnosticsStudy(Study):
             with recorder.step(step, loss=float(loss.detach())):
                 optimizer.step()
         return [{**_blank_row(case, "middle frozen (requires_grad=False)"),
-                 **{k: r[k] for k in ("step", "parameter", "requires_grad", "grad_is_none",
+                 **{key: r[key] for key in ("step", "parameter", "requires_grad", "grad_is_none",
                                       "grad_norm", "zero_grad_fraction", "update_ratio",
                                       "loss")},
                  "steps_completed": setup.frozen_steps}
@@ -298,8 +298,8 @@ class DiagnosticsStudy(Study):
     def _ddp_frozen_layer(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         """Each rank trains on its own shard of every batch, so an average is visible:
         after an all-reduce every rank holds the same ``.grad`` (``grad_rank_spread`` 0)."""
-        setup, k = self.setup, case["world_size"]
-        group = run.group(k)
+        setup, n = self.setup, case["world_size"]
+        group = run.group(n)
         rank = dist.get_rank(group)
         model = _frozen_layer_mlp(case, run, setup)
         wrapped = ddp.wrap(model, group, run.device,
@@ -311,8 +311,8 @@ class DiagnosticsStudy(Study):
         for x, y in batches[:setup.frozen_steps]:
             try:
                 optimizer.zero_grad()
-                output = wrapped(x.tensor_split(k)[rank])
-                step_loss = F.cross_entropy(output, y.tensor_split(k)[rank])
+                output = wrapped(x.tensor_split(n)[rank])
+                step_loss = F.cross_entropy(output, y.tensor_split(n)[rank])
                 step_loss.backward()
             except RuntimeError as failure:  # raised alike on every rank: no collective hangs
                 error = first_sentence(failure)

@@ -9,9 +9,16 @@ frameworks that were not installed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from harness.report import spec
+from harness.report.quoted import DocPart, Results
 from harness.report.text import count, few, integers, number, small, words, worst
 from harness.verdicts import Equivalence
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 GRAD = "point == 'grad'"
 PLAIN = "tiny-lm"
@@ -206,3 +213,113 @@ SECTION = spec.Section(
                    where=GRAD, cell=_cell),
     ),
 )
+
+
+# ------------------------------------------------------ README's and docs' answers
+@dataclass(frozen=True)
+class FrameworkRows:
+    """The frameworks run's measured gradient rows, the rows of each framework's first
+    setting (its baseline, as labelled), and the settings that matched with padding."""
+
+    every: pd.DataFrame
+    base: pd.DataFrame
+    fixed: pd.DataFrame
+
+    @classmethod
+    def read(cls, results: Results) -> FrameworkRows | None:
+        rows = results.csv("frameworks", "frameworks").query(
+            "status == 'ok' and point == 'grad'")
+        if rows.empty:
+            return None
+        plain = rows[rows["setup"] == rows["setup"].iloc[0]]
+        return cls(rows, plain[plain["setting"] == "default"],
+                   rows[(rows["loss"] == "token") & (rows["verdict"] == "matches")])
+
+    def baseline(self, loss: str, settings: bool = True) -> str:
+        return _alike(self.base[self.base["loss"] == loss], settings)
+
+
+def frameworks_answer(results: Results) -> str:
+    """What the frameworks run measured: each framework as shipped against the plain big
+    batch and against its own recipe, what gave the big batch with padded sequences, and
+    what missed it with equal ones even under the recipe; every clause read from the
+    rows, none assumed."""
+    import pandas as pd
+
+    rows = FrameworkRows.read(results)
+    if rows is None:
+        return "The frameworks run holds no measured rows."
+    every, base = rows.every, rows.base
+    missed = every[(every["loss"] == "mean") & (every["recipe_verdict"] != "matches")]
+    text = (f"In `results/frameworks/`, each framework as shipped (`default`) handed the "
+            f"optimizer, with equal-length sequences, {rows.baseline('mean', False)}; with "
+            f"padded sequences of random length, {rows.baseline('token', False)}.")
+    clipped = base[base["recipe"] != "none"]
+    if not clipped.empty:
+        same = clipped[clipped["loss"] == "mean"]
+        text += (f" {words(clipped['framework'].unique().tolist()).capitalize()} clip by "
+                 f"default ({clipped['recipe'].iloc[0]}); with equal lengths that step was "
+                 f"the big batch's clipped the same way in "
+                 f"{(same['recipe_verdict'] == 'matches').sum()} of {len(same)} cases.")
+    if not rows.fixed.empty:
+        text += (" The plain big batch's with padded sequences came from " + ", ".join(
+            f"{f} `{u}` with `{s}`" for f, u, s in rows.fixed[["framework", "setup", "setting"]]
+            .drop_duplicates().itertuples(index=False)) + ".")
+    if not missed.empty:
+        text += " Missing it with equal lengths even under the framework's recipe: " + "; ".join(
+            f"{r['framework']} `{r['setup']}` with `{r['setting']}` "
+            f"({at_k(pd.DataFrame([r]), 'recipe_verdict', 'recipe_scale')})"
+            for r in missed.to_dict("records")) + "."
+    return text
+
+
+def _alike_groups(rows: pd.DataFrame, settings: bool = True) -> dict[str, list[str]]:
+    """Frameworks whose rows read alike, by the phrase they share (named with their
+    setting, or alone)."""
+    alike: dict[str, list[str]] = {}
+    for framework, group in rows.groupby("framework", sort=False):
+        name = f"{framework} `{group['setting'].iloc[0]}`" if settings else framework
+        alike.setdefault(at_k(group), []).append(name)
+    return alike
+
+
+def _alike(rows: pd.DataFrame, settings: bool = True) -> str:
+    """``accelerate `default`, lightning `default`: the big batch's at k = 1, 4``."""
+    return "; ".join(f"{', '.join(names)}: {phrase}"
+                     for phrase, names in _alike_groups(rows, settings).items())
+
+
+def _gradient_phrase(phrase: str) -> str:
+    """``at_k``'s phrase as the object of a sentence: what the optimizer got, k by k."""
+    return (phrase.replace("; ", " and ").replace("the big batch's", "the big batch's gradient")
+            .replace("no multiple of it", "no multiple of the big batch's gradient"))
+
+
+def frameworks_summary(results: Results) -> str:
+    """The README's short form of :func:`frameworks_answer`: per kind of sequence, which
+    frameworks as shipped handed the optimizer what, and what their default clip does."""
+    rows = FrameworkRows.read(results)
+    if rows is None:
+        return "The frameworks run holds no measured rows."
+    clauses = []
+    for loss, sequences in (("mean", "equal-length sequences"),
+                            ("token", "padded sequences of random length")):
+        groups = _alike_groups(rows.base[rows.base["loss"] == loss], settings=False)
+        clauses.append(f"with {sequences}, " + "; ".join(
+            f"{words(names)} handed the optimizer {_gradient_phrase(phrase)}"
+            for phrase, names in groups.items()))
+    text = ("**Frameworks as shipped** (`results/frameworks/`, rows `default`): "
+            + "; ".join(clauses) + ".")
+    clipped = rows.base[(rows.base["recipe"] != "none") & (rows.base["loss"] == "mean")]
+    if not clipped.empty:
+        matched = (clipped["recipe_verdict"] == "matches").sum()
+        text += (f" {words(clipped['framework'].unique().tolist()).capitalize()} clip the "
+                 "window's gradient to norm 1 by default: against a big batch clipped the "
+                 f"same way, their step matched in {matched} of {len(clipped)} cases.")
+    return text
+
+
+#: The parts of README.md and docs/results.md this study states (harness/report/docs.py
+#: collects them).
+DOC_PARTS: dict[str, DocPart] = {"answer:frameworks": frameworks_summary,
+                                 "frameworks": frameworks_answer}

@@ -130,25 +130,25 @@ def subnormal_spacing(dtype: torch.dtype) -> float:
 
 def rounding_bound(per_rank: list[torch.Tensor], wire: torch.dtype) -> float:
     """The largest ``‖ĝ - ḡ‖ / ‖ḡ‖`` rounding to ``wire`` can cause in the average ``ḡ``
-    of the k ranks' gradients ``per_rank``.
+    of the N ranks' gradients ``per_rank``.
 
-    Each element of the result goes through at most k + 2 roundings in ``wire``:
+    Each element of the result goes through at most N + 2 roundings in ``wire``:
     its conversion on each rank, a division by the world size before the sum (DDP's
-    compress hooks; FSDP2's pre-divide), k - 1 additions in the collective, and
+    compress hooks; FSDP2's pre-divide), N - 1 additions in the collective, and
     FSDP2's post-divide. Each multiplies by (1 + d), |d| <= u, so (Higham,
     *Accuracy and Stability of Numerical Algorithms*, lemma 3.1) the element is off
-    by at most gamma_{k+2} = (k+2)u / (1 - (k+2)u) times ``mean_r |g_r|``, the
+    by at most gamma_{N+2} = (N+2)u / (1 - (N+2)u) times ``mean_r |g_r|``, the
     magnitudes being added; values rounded in the subnormal range add at most half
-    a subnormal gap each, 3k of them at most. Dividing the vector of these
+    a subnormal gap each, 3N of them at most. Dividing the vector of these
     per-element bounds by ``‖ḡ‖`` gives the bound: it grows when the ranks'
     gradients cancel (``mean_r |g_r|`` much larger than ``|ḡ|``).
     """
     stacked = torch.stack([g.to(torch.float64) for g in per_rank])
-    k = len(per_rank)
-    roundings = k + 2
+    world_size = len(per_rank)
+    roundings = world_size + 2
     u = unit_roundoff(wire)
     gamma = roundings * u / (1 - roundings * u)
-    per_element = gamma * stacked.abs().mean(0) + 3 * k * subnormal_spacing(wire) / 2
+    per_element = gamma * stacked.abs().mean(0) + 3 * world_size * subnormal_spacing(wire) / 2
     average_norm = float(stacked.mean(0).norm())
     return float(per_element.norm()) / average_norm if average_norm > 0 else math.nan
 
@@ -165,7 +165,7 @@ def magnitude_ratio(per_rank: list[torch.Tensor]) -> float:
 def hook_verdict(fit: ScaleFit, error: float, bound: float, world_size: int,
                  rtol: float) -> HookVerdict:
     """Judge a gradient from its fit against ḡ (``fit``), its relative error ``error``
-    and the rounding bound of its wire format (``bound``), at world size k >= 2."""
+    and the rounding bound of its wire format (``bound``), at world size N >= 2."""
     if error <= rtol:
         return HookVerdict.EXACT
     if error <= bound:

@@ -28,7 +28,7 @@ from harness.report.text import (
 )
 from harness.studies.hooks.rows import (
     always,
-    at_each_k,
+    at_each_world_size,
     by_step,
     bytes_ratio,
     derive,
@@ -51,8 +51,8 @@ SCALE_VERBS = {
     HookVerdict.SCALED: "scaled the average",
 }
 #: What undoes a named scale of the average.
-SCALE_FIXES = {"k": "divide by k once (as the exact variants do)",
-               "1/k": "divide by k once, not twice"}
+SCALE_FIXES = {"N": "divide by N once (as the exact variants do)",
+               "1/N": "divide by N once, not twice"}
 # ------------------------------------------------------------------- answers
 def exact_answer(rows: spec.Rows) -> spec.Answer | None:
     exact = always(rows.ok, HookVerdict.EXACT)
@@ -62,7 +62,7 @@ def exact_answer(rows: spec.Rows) -> spec.Answer | None:
         "Which DDP comm hooks, DDP options, ZeRO and FSDP2 settings keep the exact average?",
         few(ordered(exact, "name")),
         worst(len(exact), "step", exact["relative_error"].max(), "relative_error")
-        + f" (k = {integers(exact['world_size'])})")
+        + f" (N = {integers(exact['world_size'])})")
 
 
 def scaled_answer(rows: spec.Rows) -> spec.Answer | None:
@@ -142,7 +142,7 @@ def exact_finding(rows: spec.Rows) -> spec.Finding | None:
     if exact.empty:
         return None
     text = (f"{variant_names(exact)} gave the exact average of the ranks' gradients at every step "
-            f"({step_runs(ordered(exact, 'step'))}) and world size (k = "
+            f"({step_runs(ordered(exact, 'step'))}) and world size (N = "
             f"{integers(exact['world_size'])}): relative_error at most "
             f"{small(exact['relative_error'].max())}, full_batch_scale 1 within "
             f"{small((exact['full_batch_scale'] - 1).abs().max())}, and param_distance at most "
@@ -177,7 +177,7 @@ def scale_findings(rows: spec.Rows) -> list[spec.Finding]:
         if group.empty:
             continue
         name, deviation = scale_name(group, verdict)
-        scale = (f"full_batch_scale = {name} at k = {integers(group['world_size'])} (largest "
+        scale = (f"full_batch_scale = {name} at N = {integers(group['world_size'])} (largest "
                  f"deviation {small(deviation)})" if name else
                  f"full_batch_scale {span(group['full_batch_scale'], number)}")
         text = (f"{variant_names(group)} {verb}: {scale}, fit_residual at most "
@@ -202,7 +202,7 @@ def differing_findings(rows: spec.Rows) -> list[spec.Finding]:
                       f"{small(exact['relative_error'].max())}), then ")
         last = last_steps(group)
         text = (f"{group['name'].iloc[0]} {before}differed from the exact average in steps "
-                f"{step_runs(ordered(differs, 'step'))} at k = {integers(differs['world_size'])}: "
+                f"{step_runs(ordered(differs, 'step'))} at N = {integers(differs['world_size'])}: "
                 f"relative_error {span(differs['relative_error'])} per step, full_batch_scale "
                 f"{span(differs['full_batch_scale'], number)}; at the last step "
                 f"({integers(last['step'])}) relative_error was {span(last['relative_error'])}, "
@@ -244,7 +244,7 @@ def state_finding(rows: spec.Rows) -> spec.Finding | None:
     fewer = ok[ok["rank0_state_elements"] < most]
     if fewer.empty:
         return None
-    held = [f"{group['name'].iloc[0]} ({at_each_k(group, 'rank0_state_elements')})"
+    held = [f"{group['name'].iloc[0]} ({at_each_world_size(group, 'rank0_state_elements')})"
             for _, group in fewer.groupby("variant", sort=False)]
     exact = always(ok, HookVerdict.EXACT)
     exact = last_steps(exact[exact["variant"].isin(fewer["variant"])])
@@ -278,7 +278,7 @@ def skipped_findings(rows: spec.Rows) -> list[spec.Finding]:
     findings = []
     for variant, group in skipped.groupby("variant", sort=False):
         name = f"{strategy_name(group['strategy'].iloc[0])} {variant}"
-        text = (f"{name} was not measured at k = {integers(group['world_size'])}: "
+        text = (f"{name} was not measured at N = {integers(group['world_size'])}: "
                 f"{'; '.join(ordered(group, 'status'))}.")
         findings.append(spec.Finding(text, rows.inputs.source(f"variant = {variant}, status != ok",
                                                          len(group))))
@@ -288,17 +288,17 @@ def skipped_findings(rows: spec.Rows) -> list[spec.Finding]:
 # -------------------------------------------------------------------- table
 def variants_table(rows: spec.Rows) -> str:
     body = []
-    for (_, k), case in rows.ok.groupby(["variant", "world_size"], sort=False):
+    for (_, n), case in rows.ok.groupby(["variant", "world_size"], sort=False):
         case = case.sort_values("step")
         last = case.iloc[-1]
         body.append([
-            last["name"], str(int(k)), str(len(case)), by_step(case, "verdict", str),
+            last["name"], str(int(n)), str(len(case)), by_step(case, "verdict", str),
             number(last["full_batch_scale"]), small(case["relative_error"].max()),
             small(case["error_bound"].max()), by_step(case, "collective_calls"),
             by_step(case, "collective_bytes"), by_step(case, "buckets"),
             small(last["param_distance"]),
         ])
-    headers = ["variant", "k", "steps", "verdict", "scale (last step)", "largest relative_error",
+    headers = ["variant", "N", "steps", "verdict", "scale (last step)", "largest relative_error",
                "largest error_bound", "calls / step", "bytes / step", "buckets / step",
                "param_distance (last step)"]
     caption = ("**Variants by world size**, rows of {csv} with status ok ({rows}). A value that "
@@ -343,13 +343,13 @@ SECTION = spec.Section(
     study="hooks",
     title="hooks: what reduction variants do to the gradient",
     intro=("DDP comm hooks and options, ZeroRedundancyOptimizer and FSDP2 settings, each for "
-           "a few SGD steps at k >= 2 ranks; every step's `param.grad` is compared with the "
+           "a few SGD steps at N >= 2 ranks; every step's `param.grad` is compared with the "
            "exact float64 average of the ranks' gradients (`full_batch_scale`, "
            "`relative_error` against the rounding bound of the wire format, `error_bound`), "
            "the gradient collectives are counted as called, and the weights are compared with "
            "an exact one-process run (`param_distance`)."),
     derive=derive,
-    terms={"erring": "a compressed or differing step at that k"},
+    terms={"erring": "a compressed or differing step at that N"},
     answers=(exact_answer, scaled_answer, compressed_answer, differing_answer),
     findings=(exact_finding, compressed_findings, scale_findings, differing_findings,
               bucket_finding, state_finding, rank_finding, skipped_findings),

@@ -19,9 +19,9 @@ ERRING = (HookVerdict.COMPRESSED, HookVerdict.DIFFERS)
 
 
 #: The multiple of ḡ that a verdict names (the study judged it, hooks/measure.py), as a
-#: function of k: the report reads it from the verdict instead of judging the scale again.
-NAMED_SCALES = {HookVerdict.SUMMED: ("k", float),
-                HookVerdict.OVER_AVERAGED: ("1/k", lambda k: 1 / k)}
+#: function of N: the report reads it from the verdict instead of judging the scale again.
+NAMED_SCALES = {HookVerdict.SUMMED: ("N", float),
+                HookVerdict.OVER_AVERAGED: ("1/N", lambda n: 1 / n)}
 
 
 # ------------------------------------------------------------------ grouping
@@ -29,7 +29,7 @@ def derive(ok: pd.DataFrame, rtol: float) -> pd.DataFrame:
     """``name`` (strategy and variant, as sentences say them), ``erring`` (the variant had a
     compressed or differing step at that world size), and for the figure ``via`` (one
     series: compressed rows by their wire format, the others by variant) and ``at`` (its
-    panel: ``k = 2``)."""
+    panel: ``N = 2``)."""
     names = [f"{strategy_name(s)} {v}" for s, v in zip(ok["strategy"], ok["variant"],
                                                         strict=True)]
     erring = ok["verdict"].isin(ERRING).groupby(ok["case_id"]).transform("any")
@@ -37,7 +37,7 @@ def derive(ok: pd.DataFrame, rtol: float) -> pd.DataFrame:
     via = [wire if squeezed else variant for squeezed, wire, variant in
            zip(compressed, ok["wire_dtype"], ok["variant"], strict=True)]
     return ok.assign(name=names, erring=erring, via=via,
-                     at=[f"k = {int(k)}" for k in ok["world_size"]])
+                     at=[f"N = {int(n)}" for n in ok["world_size"]])
 
 
 def always(rows: pd.DataFrame, verdict: HookVerdict) -> pd.DataFrame:
@@ -95,19 +95,19 @@ def by_step(rows: pd.DataFrame, column: str, fmt: Callable[[object], str] = inte
 
 def per_world_size(rows: pd.DataFrame, column: str) -> str:
     """:func:`by_step` (in a sentence) at each world size, said once when they agree."""
-    texts = {int(k): by_step(rows[rows["world_size"] == k], column, sentence=True)
-             for k in sorted(rows["world_size"].unique())}
+    texts = {int(n): by_step(rows[rows["world_size"] == n], column, sentence=True)
+             for n in sorted(rows["world_size"].unique())}
     if len(set(texts.values())) == 1:
         return next(iter(texts.values()))
-    return "; ".join(f"{text} at k = {k}" for k, text in texts.items())
+    return "; ".join(f"{text} at N = {n}" for n, text in texts.items())
 
 
-def at_each_k(rows: pd.DataFrame, column: str) -> str:
-    """``32 at k = 2, 4`` or ``29 at k = 2, 19 at k = 4``: the values of a per-case constant."""
+def at_each_world_size(rows: pd.DataFrame, column: str) -> str:
+    """``32 at N = 2, 4`` or ``29 at N = 2, 19 at N = 4``: the values of a per-case constant."""
     by_value: dict[str, list] = {}
-    for k, value in rows.groupby("world_size")[column].first().items():
-        by_value.setdefault(integer(value), []).append(k)
-    return ", ".join(f"{value} at k = {integers(ks)}" for value, ks in by_value.items())
+    for n, value in rows.groupby("world_size")[column].first().items():
+        by_value.setdefault(integer(value), []).append(n)
+    return ", ".join(f"{value} at N = {integers(ns)}" for value, ns in by_value.items())
 
 
 def bytes_ratio(rows: pd.DataFrame, every: pd.DataFrame) -> pd.Series:
@@ -121,10 +121,10 @@ def bytes_ratio(rows: pd.DataFrame, every: pd.DataFrame) -> pd.Series:
 
 
 def scale_name(rows: pd.DataFrame, verdict: HookVerdict) -> tuple[str | None, float]:
-    """The multiple of ḡ (k, 1/k) the rows' ``verdict`` names, and the largest deviation of
+    """The multiple of ḡ (N, 1/N) the rows' ``verdict`` names, and the largest deviation of
     full_batch_scale from it; None (and NaN) for a scale the verdict does not name."""
     if verdict not in NAMED_SCALES:
         return None, math.nan
     name, multiple = NAMED_SCALES[verdict]
-    return name, max(abs(scale - multiple(k)) for k, scale in
+    return name, max(abs(scale - multiple(n)) for n, scale in
                      zip(rows["world_size"], rows["full_batch_scale"], strict=True))

@@ -11,8 +11,8 @@ STEPS = 5
 #: next step's gradient, so that the *sum* of the applied gradients tracks the exact sum
 #: while every single step stays off. Measured on the 4-8-2 MLP at rank 1 (seed 0): after
 #: 3 compressed steps (step 5) the sums with and without feedback are as far from the exact
-#: sum (cumulative error 0.43 and 0.38 at k = 2); at step 12, 0.20 against 0.50 (k = 2) and
-#: 0.18 against 0.46 (k = 4).
+#: sum (cumulative error 0.43 and 0.38 at N = 2); at step 12, 0.20 against 0.50 (N = 2) and
+#: 0.18 against 0.46 (N = 4).
 POWERSGD_STEPS = 12
 #: SGD of every run, the exact one included: momentum gives ZeRO optimizer state to shard.
 LEARNING_RATE = 0.1
@@ -65,12 +65,12 @@ COLUMNS = (
            "rounding errors scale with it"),
     Column("error_bound", "ratio",
            "the largest `relative_error` rounding in the narrowest `wire_dtype` can cause: "
-           "`‖γ_{k+2}·mean_r abs(g_r) + 3k·gap/2‖ / ‖ḡ‖`, γ_n = nu/(1-nu), u the unit "
+           "`‖γ_{N+2}·mean_r abs(g_r) + 3N·gap/2‖ / ‖ḡ‖`, γ_n = nu/(1-nu), u the unit "
            "roundoff (float16 2^-11, bfloat16 2^-8), gap the subnormal spacing"),
     Column("verdict", "`exact`, `compressed`, `summed`, `over-averaged`, `scaled`, "
            "`differs`",
            "`relative_error` within the run's tolerance; within `error_bound`; else a pure "
-           "multiple of ḡ (s = k, s = 1/k, another s); else not a multiple at all"),
+           "multiple of ḡ (s = N, s = 1/N, another s); else not a multiple at all"),
     Column("cumulative_error", "ratio",
            "`‖Σ g - Σ ḡ‖ / ‖Σ ḡ‖` over the steps so far: what error feedback keeps small"),
     Column("param_distance", "ratio",

@@ -2,7 +2,7 @@
 
 Each case trains the 4-8-2 MLP for a few SGD steps (PowerSGD for more) under one variant
 (:mod:`harness.studies.hooks.variants`: DDP comm hooks and options, ZeRO, FSDP2
-divide factors and reduce dtypes) on the ranks 0..k-1, each rank on its own
+divide factors and reduce dtypes) on the ranks 0..N-1, each rank on its own
 shard of every step's batch, and writes one row per step. At every step,
 rank 0 compares what the variant left in ``param.grad`` (g) with the exact
 average ḡ = mean_r g_r of the ranks' gradients, each computed in float64 at the
@@ -10,7 +10,7 @@ replica's weights of that step: ḡ is the big-batch gradient (equal shards, mea
 loss) and what DDP's default all-reduce computes.
 
 - ``full_batch_scale`` s and ``fit_residual`` fit g ~ s * ḡ: a hook that forgets to
-  divide gives s = k, one that divides twice s = 1/k;
+  divide gives s = N, one that divides twice s = 1/N;
 - ``relative_error`` ‖g - ḡ‖ / ‖ḡ‖ is the compression error of a hook that keeps the
   scale, judged against ``error_bound``, the most that rounding in the wire format
   (the narrowest dtype handed to the step's collectives) can cause;
@@ -82,9 +82,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def world_sizes(run: RunContext) -> tuple[int, ...]:
-    """k >= 2 (one rank has nothing to reduce): the smallest and the largest by
+    """N >= 2 (one rank has nothing to reduce): the smallest and the largest by
     default, every one with ``--matrix full``."""
-    multi = sorted(k for k in run.world_sizes if k >= 2)
+    multi = sorted(n for n in run.world_sizes if n >= 2)
     if run.config.matrix == "full" or len(multi) <= 2:
         return tuple(multi)
     return (multi[0], multi[-1])
@@ -204,27 +204,27 @@ class HooksStudy(Study):
 
     def cases(self, run: RunContext) -> list[Case]:
         strategies = run.strategies(STRATEGIES)
-        return [Case.of(self.name, participants=k, collective=True,
-                        cost=variant.steps * step_cost(variant.strategy, k),
-                        strategy=variant.strategy, variant=variant.name, world_size=k)
+        return [Case.of(self.name, participants=n, collective=True,
+                        cost=variant.steps * step_cost(variant.strategy, n),
+                        strategy=variant.strategy, variant=variant.name, world_size=n)
                 for variant in VARIANTS if variant.strategy in strategies
-                for k in world_sizes(run)]
+                for n in world_sizes(run)]
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         variant = variant_by_name(case["strategy"], case["variant"])
-        k = case["world_size"]
+        n = case["world_size"]
         reports = run.reports(case)
-        identity = _identity(variant, k, run)
-        if reason := unavailable_reason(variant.strategy, k, run):
+        identity = _identity(variant, n, run)
+        if reason := unavailable_reason(variant.strategy, n, run):
             return [_blank(identity, step=math.nan, status=reason)] if reports else None
-        task, group = task_by_name(TASK), run.group(k)
+        task, group = task_by_name(TASK), run.group(n)
         initial = task.build_model(generator_for(run.seed, "hooks-model"), run.dtype)
         try:
             replica = build_replica(variant, copy.deepcopy(initial), group, run.device, run.seed)
         except Exception as error:  # raised alike on every rank: a setting refused here
             return [_blank(identity, step=math.nan, status=_skipped(error))] if reports else None
-        data = [make_shards(task, [SHARD_SIZE] * k,
-                            generator_for(run.seed, "hooks-data", k, step), run.dtype)
+        data = [make_shards(task, [SHARD_SIZE] * n,
+                            generator_for(run.seed, "hooks-data", n, step), run.dtype)
                 for step in range(1, variant.steps + 1)]
         records, failure = _train(replica, task, data, dist.get_rank(group), run.device)
         # One gather per case: rank 0 needs every rank's gradients and weights only now.
@@ -232,7 +232,7 @@ class HooksStudy(Study):
                                       run.device) if records else [])
         if not reports:
             return None
-        judge = Judge(task, initial, k, run.rtol)
+        judge = Judge(task, initial, n, run.rtol)
         # Not strict: the records stop at a step that failed.
         rows = [{**identity, "step": step,
                  **judge.measure(record, *replica.assemble([s[step - 1] for s in snapshots]),

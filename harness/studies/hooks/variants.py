@@ -8,7 +8,7 @@ gradient collective counted (:mod:`harness.studies.hooks.measure`).
 The two hand-written hooks are the classic bugs: DDP hands a comm hook the
 *undivided* local gradients, so a hook that all-reduces and returns gives the
 sum, and one that divides before calling a hook that divides again gives the
-average over k.
+average over N.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _ddp(name: str, setting: str, hook: Callable = allreduce_hook, *,
 
 VARIANTS: tuple[Variant, ...] = (
     _ddp("allreduce_hook", "register_comm_hook(group, allreduce_hook): DDP's default "
-         "reduction (divide by k, all-reduce SUM) as a hook"),
+         "reduction (divide by N, all-reduce SUM) as a hook"),
     _ddp("fp16_compress_hook", "register_comm_hook(group, fp16_compress_hook)",
          fp16_compress_hook),
     _ddp("bf16_compress_hook", "register_comm_hook(group, bf16_compress_hook)",
@@ -145,7 +145,7 @@ VARIANTS: tuple[Variant, ...] = (
          steps=POWERSGD_STEPS),
     _ddp("sum-hook", "a hand-written hook: all_reduce(bucket.buffer()) without dividing",
          sum_hook),
-    _ddp("double-divide-hook", "a hand-written hook: bucket.buffer().div_(k), then "
+    _ddp("double-divide-hook", "a hand-written hook: bucket.buffer().div_(N), then "
          "allreduce_hook (which divides again)", double_divide_hook),
     _ddp("gradient_as_bucket_view", "DDP(gradient_as_bucket_view=True)",
          options=(("gradient_as_bucket_view", True),)),
@@ -158,7 +158,7 @@ VARIANTS: tuple[Variant, ...] = (
          "with allreduce_hook", sharded_optimizer=True),
     Variant("fsdp", "fully_shard", "fully_shard(model, mesh=...): FSDP2's own average"),
     Variant("fsdp", "set_gradient_divide_factor", "fully_shard(...)."
-            "set_gradient_divide_factor(1.0): divide by 1 instead of k", divide_factor=1.0),
+            "set_gradient_divide_factor(1.0): divide by 1 instead of N", divide_factor=1.0),
     Variant("fsdp", "reduce_dtype-bfloat16", "fully_shard(..., mp_policy=MixedPrecisionPolicy("
             "reduce_dtype=torch.bfloat16))", reduce_dtype=torch.bfloat16),
     Variant("fsdp", "reduce_dtype-float16", "fully_shard(..., mp_policy=MixedPrecisionPolicy("
@@ -272,7 +272,7 @@ class DDPReplica(Replica):
 
 class FSDPReplica(Replica):
     """FSDP2 shards every parameter (and its gradient) along dim 0 as ``torch.chunk``
-    does: rank r holds rows [r*c, (r+1)*c) with c = ceil(n / k), possibly none."""
+    does: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / N), possibly none."""
 
     replicated = False
 

@@ -9,16 +9,17 @@ devices' own-shard gradients (``verdict``) and of the big batch's
 from __future__ import annotations
 
 from harness.report import spec
-from harness.report.text import small, strategy_name, words, worst
-from harness.strategies import names
+from harness.report.quoted import DocPart, Results, require
+from harness.report.text import integers, small, strategy_name, words, worst
+from harness.strategies import emulated_names, names
 from harness.verdicts import Equivalence, Reduction
 
 MULTI = "devices_used >= 2"
 #: Strategies whose ranks each hold a param.grad that can disagree.
 COLLECTIVE = names(collective=True)
 DIFFERS = Equivalence.DIFFERS
-#: The weight of k devices' sum each reduction verdict names, as a multiple of k.
-MULTIPLE = {Reduction.MEAN: "1/k", Reduction.SUM: "1", Reduction.SUM_EQUALS_MEAN: "1"}
+#: The weight of N devices' sum each reduction verdict names, as a multiple of N.
+MULTIPLE = {Reduction.MEAN: "1/N", Reduction.SUM: "1", Reduction.SUM_EQUALS_MEAN: "1"}
 #: What the title says each reduction verdict did to the devices' gradients.
 REDUCED = {Reduction.MEAN: "averaged", Reduction.SUM: "summed"}
 SCALE = spec.ratio("full_batch_scale", "full_batch_multiple", "devices_used")
@@ -26,7 +27,7 @@ REDUCE = spec.ratio("reduce_weight", "reduce_multiple", "devices_used")
 
 
 def _derive(ok, rtol):
-    """The multiples of k the reduction verdicts name, for sentences to say."""
+    """The multiples of N the reduction verdicts name, for sentences to say."""
     return ok.assign(rank_multiple=ok["verdict"].map(MULTIPLE).fillna(""),
                      reduce_multiple=ok["reduce_op"].map(MULTIPLE).fillna(""))
 
@@ -44,7 +45,7 @@ def _scale_answers(rows) -> list[spec.Answer]:
             misfits = group[misfit]
             answer += f"; no multiple for {words(misfits['model'].unique().tolist())}"
             evidence += f" (BatchNorm: ≥ {small(misfits['full_batch_residual'].min())})"
-        answers.append(spec.Answer(f"Training on k devices with a {values['loss_reduction']} "
+        answers.append(spec.Answer(f"Training on N devices with a {values['loss_reduction']} "
                                    f"loss: param.grad = ? × the big batch's", answer, evidence,
                                    spec.corrections(found)))
     return answers
@@ -52,7 +53,7 @@ def _scale_answers(rows) -> list[spec.Answer]:
 
 def _weights_title(data, rtol) -> str:
     """What each strategy's reduction did (``reduce_op``) first: the plotted ratio of a mean
-    loss is 1/k under DataParallel too, which alone would read as if it averaged."""
+    loss is 1/N under DataParallel too, which alone would read as if it averaged."""
     multi = data.query(MULTI)
     did: dict[str, list[str]] = {}
     for strategy, group in multi.groupby("strategy", sort=False):
@@ -77,16 +78,16 @@ def _big_batch_title(data, rtol) -> str:
 SECTION = spec.Section(
     study="reduction",
     title="reduction: summed or averaged?",
-    intro=("One training step per strategy, world size k, model and loss reduction; "
+    intro=("One training step per strategy, world size N, model and loss reduction; "
            "`param.grad` is fitted against the sum of each device's own-shard gradient "
-           "(`rank_weight`: 1/k averaged, 1 summed) and against one device's gradient of the "
-           "whole batch (`full_batch_scale`: 1 = the big batch). k in the findings is the "
+           "(`rank_weight`: 1/N averaged, 1 summed) and against one device's gradient of the "
+           "whole batch (`full_batch_scale`: 1 = the big batch). N in the findings is the "
            "number of devices that computed (`devices_used`)."),
     derive=_derive,
     answers=(
         spec.VerdictAnswer(question="{strategy}: summed or averaged?", column="reduce_op",
                            where=MULTI, evidence=REDUCE,
-                           answers={Reduction.MEAN: "averaged (÷ k)", Reduction.SUM: "summed",
+                           answers={Reduction.MEAN: "averaged (÷ N)", Reduction.SUM: "summed",
                                     Reduction.OTHER: "neither"}, note=spec.emulation_only),
         _scale_answers,
     ),
@@ -124,7 +125,7 @@ SECTION = spec.Section(
     ),
     tables=(
         spec.Pivot(caption="**param.grad against the sum of the devices' own-shard gradients**: "
-                           "`rank_weight` by world size k (1/k: averaged, 1: summed); rows of "
+                           "`rank_weight` by world size N (1/N: averaged, 1: summed); rows of "
                            "{csv} with status ok, models with identical cells sharing a line.",
                    index=("strategy", "loss_reduction"), column="world_size", collapse="model",
                    cell=spec.numbers("rank_weight")),
@@ -149,3 +150,52 @@ SECTION = spec.Section(
                              "differs)."),
     ),
 )
+
+
+# ------------------------------------------------------------ README's answers
+#: The README's rows: measured, with two or more devices (with one, sum and mean coincide).
+MEASURED_MULTI = f"status == 'ok' and {MULTI}"
+
+
+def reduction_answer(results: Results) -> str:
+    """DDP and FSDP average, DataParallel sums."""
+    every = results.csv("reduction")
+    rows = every.query(MEASURED_MULTI)
+    ddp_fsdp = rows[rows["strategy"].isin(COLLECTIVE)]
+    dp = rows[rows["strategy"].isin(names(emulated=True))]
+    real = every[every["strategy"].isin(emulated_names())]
+    require((ddp_fsdp["reduce_op"] == "mean").all() and len(ddp_fsdp) > 0,
+            "DDP and FSDP average", "reduction.csv: strategy in ddp, fsdp, devices_used >= 2")
+    require((dp["reduce_op"] == "sum").all() and len(dp) > 0, "DataParallel sums",
+            "reduction.csv: strategy = dp-emulated, devices_used >= 2")
+    emulated = ("measured on its CPU emulation: the real one needs CUDA devices, and its "
+                f"{len(real)} cases were skipped" if not (real["status"] == "ok").any()
+                else f"{int((real['status'] == 'ok').sum())} real DataParallel cases too")
+    return (f"**DDP and FSDP average** the devices' gradients (÷ N; {len(ddp_fsdp)} cases at "
+            f"N = {integers(ddp_fsdp['devices_used'])}); **DataParallel sums** them "
+            f"({len(dp)} cases, {emulated}).")
+
+
+def mean_loss_answer(results: Results) -> str:
+    """With a mean loss all three give the big batch's gradient; a sum loss and BatchNorm."""
+    rows = results.csv("reduction").query(MEASURED_MULTI)
+    mean, plain = rows[rows["loss_reduction"] == "mean"], ~rows["model"].str.contains("batchnorm")
+    exact = mean[plain[mean.index]]
+    require((exact["full_batch_verdict"] == "matches").all(), "a mean loss gives the big batch",
+            "reduction.csv: loss_reduction = mean, model without BatchNorm")
+    summed = rows[(rows["loss_reduction"] == "sum") & plain & rows["strategy"].isin(COLLECTIVE)]
+    require((summed["full_batch_multiple"] == "1/N").all(), "a sum loss gives 1/N under DDP",
+            "reduction.csv: loss_reduction = sum, strategy in ddp, fsdp")
+    norm = rows[~plain]
+    require((norm["full_batch_verdict"] == "differs").all(), "BatchNorm gives no multiple",
+            "reduction.csv: model = mlp-batchnorm")
+    return (f"So with a **mean loss**, `param.grad` on N devices **is the big batch's gradient** "
+            f"under all three ({len(exact)} cases, worst residual "
+            f"{small(exact['full_batch_residual'].max())}); with a sum loss DDP and FSDP give "
+            f"1/N of it, and with BatchNorm no strategy gives any multiple of it (residual ≥ "
+            f"{small(norm['full_batch_residual'].min())}).")
+
+
+#: The README's sentences this study states (harness/report/docs.py collects them).
+DOC_PARTS: dict[str, DocPart] = {"answer:reduction": reduction_answer,
+                                 "answer:mean-loss": mean_loss_answer}

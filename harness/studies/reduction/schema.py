@@ -33,8 +33,8 @@ COLUMNS = (
     Column("fit_residual", "ratio",
            "the larger of the two residuals"),
     Column("verdict", "`mean`, `sum`, `sum=mean`, `other`",
-           "what w says, within the tolerance: `mean` for w = 1/k, `sum` for w = 1, "
-           "`sum=mean` at k = 1 where the two coincide, `other` when no such w fits"),
+           "what w says, within the tolerance: `mean` for w = 1/N, `sum` for w = 1, "
+           "`sum=mean` at N = 1 where the two coincide, `other` when no such w fits"),
     Column("full_batch_verdict", "`matches`, `scaled`, `differs`",
            "what s says, within the tolerance: `matches` for s = 1 (the big batch exactly), "
            "`scaled` for another pure multiple, `differs` when no multiple fits"),
@@ -52,8 +52,8 @@ COLUMNS = (
            "batch (relative distance; empty without BatchNorm)"),
     Column("running_stats_vs_first_shard", "ratio",
            "the same vs one forward of the first device's shard alone"),
-    Column("full_batch_multiple", "`1`, `1/k`, `k`, empty",
-           "which of 1, 1/k and k (k: `devices_used`) `full_batch_scale` equals within the "
+    Column("full_batch_multiple", "`1`, `1/N`, `N`, empty",
+           "which of 1, 1/N and N (N: `devices_used`) `full_batch_scale` equals within the "
            "tolerance, where a multiple fits (`full_batch_verdict` not `differs`); empty "
            "otherwise"),
     Column("ranks_agree", "bool",

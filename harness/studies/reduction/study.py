@@ -1,11 +1,11 @@
 """The reduction study: summed or averaged across devices?
 
-For every strategy, world size k, model and loss reduction, one global batch
-(seeded, split into k equal shards) goes through one training step. What lands
+For every strategy, world size N, model and loss reduction, one global batch
+(seeded, split into N equal shards) goes through one training step. What lands
 in ``param.grad`` (g) is fitted against two references computed in one process:
 
 - ``sum_r g_r``: each device's gradient of *its own shard alone*, same loss.
-  ``rank_weight`` w in ``g ~ w * sum_r g_r``: 1/k means averaged, 1 summed;
+  ``rank_weight`` w in ``g ~ w * sum_r g_r``: 1/N means averaged, 1 summed;
 - ``g_full``: the gradient of the whole global batch. ``full_batch_scale`` s in
   ``g ~ s * g_full``: 1 means "the same as single-device big-batch training".
 
@@ -59,7 +59,7 @@ DATAPARALLEL_ONLY_MODELS = ("loss-in-forward",)
 
 @dataclass(frozen=True)
 class ReductionOptions(StudyOptions):
-    #: Samples per device in the global batch (k shards of this size).
+    #: Samples per device in the global batch (N shards of this size).
     shard_size: int = field(default=4, metadata=option(
         "--shard-size", "INT", "samples per device in the reduction study's global batch",
         parse=parse_int))
@@ -88,38 +88,38 @@ class ReductionStudy(Study):
         cases = []
         for strategy in run.strategies(SUPPORTED):
             spec = STRATEGIES[strategy]
-            for k in run.world_sizes:
+            for n in run.world_sizes:
                 for model in MODELS:
                     if model in DATAPARALLEL_ONLY_MODELS and spec.collective:
                         continue
                     for reduction in LOSS_REDUCTIONS:
                         cases.append(Case.of(
-                            self.name, participants=spec.participants(k),
-                            collective=spec.collective, cost=2 * step_cost(strategy, k),
-                            strategy=strategy, world_size=k, model=model,
+                            self.name, participants=spec.participants(n),
+                            collective=spec.collective, cost=2 * step_cost(strategy, n),
+                            strategy=strategy, world_size=n, model=model,
                             loss_reduction=reduction))
         return cases
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        strategy, k = case["strategy"], case["world_size"]
+        strategy, n = case["strategy"], case["world_size"]
         spec = self._spec(case, run)
         shard_sizes = _join(len(s) for s in spec.shards)
-        if reason := unavailable_reason(strategy, k, run):
+        if reason := unavailable_reason(strategy, n, run):
             return [_skipped_row(case, shard_sizes, reason)]
-        measurement = measure_step(strategy, spec, k, run)
+        measurement = measure_step(strategy, spec, n, run)
         if measurement is None:
             return None
         return [{**_identity(case, shard_sizes), **_analyse(spec, measurement, run.rtol),
                  "status": "ok", "device": row_device(strategy)}]
 
     def _spec(self, case: Case, run: RunContext) -> StepSpec:
-        """The same weights and batch for every strategy and loss of a (model, k) pair."""
-        model_name, k = case["model"], case["world_size"]
+        """The same weights and batch for every strategy and loss of a (model, N) pair."""
+        model_name, n = case["model"], case["world_size"]
         task_name = "mlp" if model_name == "loss-in-forward" else model_name
         task = task_by_name(task_name)
-        generator = generator_for(run.seed, "reduction", task_name, k)
+        generator = generator_for(run.seed, "reduction", task_name, n)
         model = task.build_model(generator, run.dtype)
-        shards = make_shards(task, [self.options.shard_size] * k, generator, run.dtype)
+        shards = make_shards(task, [self.options.shard_size] * n, generator, run.dtype)
         loss_in_forward = model_name == "loss-in-forward"
         if loss_in_forward:
             model = LossInForward(model, task)
@@ -205,7 +205,7 @@ def _analyse(spec: StepSpec, m: StepMeasurement, rtol: float) -> dict[str, Any]:
         "rank_spread": m.rank_spread,
         "running_stats_vs_full": vs_full, "running_stats_vs_first_shard": vs_first,
         "full_batch_multiple": "" if big_batch == Equivalence.DIFFERS
-        else named_multiple(scale.scale, m.devices_used, rtol),
+        else named_multiple(scale.scale, m.devices_used, rtol, "N"),
         "ranks_agree": within_tolerance(m.rank_spread, rtol),
         "running_stats_from_first_shard": within_tolerance(vs_first, rtol),
     }

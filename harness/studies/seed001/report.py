@@ -44,17 +44,17 @@ def _explanations(row: dict, ok) -> list[str]:
 
 
 def _arithmetic(row) -> str:
-    """``e.g. 1-per-device-factor, k = 2, mean loss: 0.5 + 1 = 1.5``: a row's w.grad, worked."""
+    """``e.g. 1-per-device-factor, N = 2, mean loss: 0.5 + 1 = 1.5``: a row's w.grad, worked."""
     parts = str(row["device_contributions"]).split(";")
     terms = " + ".join(parts)
     if row["contributions_combination"] == Combination.MEAN:
         terms = f"({terms})/{len(parts)}"
-    return (f"e.g. {row['experiment']}, k = {int(row['world_size'])}, {row['loss_reduction']} "
+    return (f"e.g. {row['experiment']}, N = {int(row['world_size'])}, {row['loss_reduction']} "
             f"loss: {terms} = {number(row['measured_grad'])}")
 
 
 def _where(row: dict) -> str:
-    return (f"{row['experiment']} at k = {int(row['world_size'])}, pass {int(row['iteration'])}, "
+    return (f"{row['experiment']} at N = {int(row['world_size'])}, pass {int(row['iteration'])}, "
             f"{row['loss_reduction']} loss")
 
 
@@ -85,7 +85,7 @@ def _printed(rows) -> list:
         f"DataParallel, {row['loss_reduction']} loss: the source post printed "
         f"{number(row['seed_printed'])} where {number(row['measured_grad'])} is measured: why?",
         f"{_off(row)}: {_short_explanation(row)}" + (f" ({emulated})" if emulated else ""),
-        evidence + "; not " + ", ".join(f"{r['experiment']} (k = {int(r['world_size'])})"
+        evidence + "; not " + ", ".join(f"{r['experiment']} (N = {int(r['world_size'])})"
                                         for r in off.to_dict("records"))), *made]
 
 
@@ -173,7 +173,7 @@ SECTION = spec.Section(
                               spec.column("formula", lambda f: f"`{f}`"),
                               ("the printed number is", lambda r: r["printed_from"]))),
         spec.Pivot(caption="**The common entry of w.grad**, last backward pass of each case, by "
-                           "world size k: rows of {csv} with status ok, strategies with "
+                           "world size N: rows of {csv} with status ok, strategies with "
                            "identical cells sharing a line. ✗: differs from the prediction.",
                    index=("experiment", "loss_reduction"), column="world_size",
                    collapse="strategy", where="last_pass",

@@ -26,7 +26,7 @@ COLUMNS = (
            "the entry first principles predict"),
     Column("formula", "text",
            "the arithmetic of the prediction: `a*f` per sample (input value times device "
-           "factor), `/B` for a mean loss, `/k` for DDP's and FSDP's average"),
+           "factor), `/B` for a mean loss, `/N` for DDP's and FSDP's average"),
     Column("abs_error", "gradient",
            "`|measured - predicted|`"),
     Column("matches", "bool",
@@ -36,7 +36,7 @@ COLUMNS = (
            "tolerance, judged on the unrounded float64 values"),
     Column("seed_printed", "gradient",
            "the number the seed printed for this case (DataParallel, mean loss: experiment "
-           "1 at k = 2, experiments 2 and 3 at k = 1); empty where it printed nothing"),
+           "1 at N = 2, experiments 2 and 3 at N = 1); empty where it printed nothing"),
     Column("matches_seed", "bool",
            "`measured_grad` equals `seed_printed` within the tolerance; empty where the "
            "seed printed nothing"),
@@ -51,7 +51,7 @@ COLUMNS = (
            "`seed_printed` / `measured_grad`; empty where the seed printed nothing"),
     Column("printed_other_loss", "bool",
            "`seed_printed` equals the w.grad first principles predict for the other loss "
-           "reduction in the same experiment, k and pass, within the tolerance; empty where "
+           "reduction in the same experiment, N and pass, within the tolerance; empty where "
            "the seed printed nothing"),
     Column("printed_passes", "backward passes",
            "n > 1 where `seed_printed` equals n × `measured_grad` within the tolerance (what n "

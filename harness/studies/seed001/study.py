@@ -104,7 +104,7 @@ def predict(setup: SeedSetup, strategy: str, world_size: int, reduction: str,
                            f"){divisor}" for r in range(world_size))
         formula = f"({terms})/{world_size}"
     else:
-        # DataParallel: torch.chunk puts sample i on device min(i, k-1) for a batch of 2.
+        # DataParallel: torch.chunk puts sample i on device min(i, N-1) for a batch of 2.
         devices = [i * min(world_size, len(values)) // len(values) for i in range(len(values))]
         value = sum(a * _factor(setup, d) for a, d in zip(values, devices, strict=True))
         if reduction == "mean":
@@ -147,29 +147,29 @@ class Seed001Study(Study):
     columns = COLUMNS
 
     def cases(self, run: RunContext) -> list[Case]:
-        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(k),
+        return [Case.of(self.name, participants=STRATEGIES[strategy].participants(n),
                         collective=STRATEGIES[strategy].collective,
-                        cost=step_cost(strategy, k) * (PASSES[experiment] + 1),
-                        strategy=strategy, experiment=experiment, world_size=k,
+                        cost=step_cost(strategy, n) * (PASSES[experiment] + 1),
+                        strategy=strategy, experiment=experiment, world_size=n,
                         loss_reduction=reduction)
                 for strategy in run.strategies(SUPPORTED)
                 for experiment in EXPERIMENTS
-                for k in run.world_sizes
+                for n in run.world_sizes
                 for reduction in LOSS_REDUCTIONS]
 
     def run_case(self, case: Case, run: RunContext) -> dict[str, Any] | None:
-        strategy, k = case["strategy"], case["world_size"]
+        strategy, n = case["strategy"], case["world_size"]
         setup = SeedSetup(case["experiment"])
         passes = PASSES[setup.experiment]
-        if reason := unavailable_reason(strategy, k, run):
+        if reason := unavailable_reason(strategy, n, run):
             return [self._skipped(case, t + 1, reason) for t in range(passes)]
         x = setup.inputs(run.dtype)
         batch = Batch(x, torch.zeros(SEED_BATCH, dtype=run.dtype))
         # DDP/FSDP: each rank has the seed's batch; DataParallel: it is the global batch.
-        shards = [batch] * k if STRATEGIES[strategy].collective else [batch]
+        shards = [batch] * n if STRATEGIES[strategy].collective else [batch]
         spec = StepSpec(task=ToyTask(), model=setup.model(run.dtype), shards=shards,
                         reduction=case["loss_reduction"], backward_passes=passes)
-        measurement = measure_step(strategy, spec, k, run)
+        measurement = measure_step(strategy, spec, n, run)
         if measurement is None:
             return None
         return [self._row(case, setup, measurement, t, run) for t in range(passes)]

@@ -16,7 +16,7 @@ from harness.report.text import number, small, span, value_name, words
 from harness.studies.training.schema import NEVER_ZEROED, RANK0_ALONE, REFERENCE
 
 TRAINED, PER = "epoch >= 1", ("strategy", "world_size")
-SUBJECT = "With {strategy} at k = {world_size}, "
+SUBJECT = "With {strategy} at N = {world_size}, "
 
 
 #: What a tally over several rules counts: one row per rule and epoch, not epochs.
@@ -26,7 +26,7 @@ RULE_EPOCHS = "rule × epoch row"
 def _derive(ok, rtol):
     last = ok["epoch"] == ok.groupby(["strategy", "variant"])["epoch"].transform("max")
     return ok.assign(last=last, label=ok["strategy"] + ok["world_size"].map(
-        lambda k: f" (k = {k})" if k > 1 else ""))
+        lambda n: f" (N = {n})" if n > 1 else ""))
 
 
 def _on_reference(group) -> list[str]:
@@ -66,8 +66,8 @@ def _never_zeroed(rows) -> list:
         if never.empty:
             continue
         first, last = never.iloc[0], never.iloc[-1]
-        k = f" at k = {values['world_size']}" if values["world_size"] > 1 else ""
-        text = (f"Training with {value_name('strategy', values['strategy'])}{k}, {NEVER_ZEROED} "
+        at = f" at N = {values['world_size']}" if values["world_size"] > 1 else ""
+        text = (f"Training with {value_name('strategy', values['strategy'])}{at}, {NEVER_ZEROED} "
                 f"(`.grad` never zeroed) ended epoch {int(last['epoch'])} at param_distance "
                 f"{small(last['param_distance'])} from the reference weights "
                 f"({small(first['param_distance'])} after epoch {int(first['epoch'])})")
@@ -125,7 +125,7 @@ SECTION = spec.Section(
     derive=_derive, terms={"last": "the last epoch of each rule"},
     answers=(
         _never_zeroed,
-        spec.VerdictAnswer(question="Update rules under {strategy} at k = {world_size}: do the "
+        spec.VerdictAnswer(question="Update rules under {strategy} at N = {world_size}: do the "
                                     "ranks keep the same weights?", column="ranks_in_step",
                            per=PER, unit=RULE_EPOCHS,
                            qualify=("variant",),

@@ -14,7 +14,7 @@ RANK0_ALONE = "autograd.grad-rank0-shards"
 
 COLUMNS = (
     Column("strategy", "`local`, `ddp`",
-           "one process, or DistributedDataParallel over ranks 0..k-1"),
+           "one process, or DistributedDataParallel over ranks 0..N-1"),
     WORLD_SIZE.described("1 for `local`, N for `ddp`"),
     Column("variant", "`autograd.grad`, `backward-no-zero`, `backward-zero-grad`, `optim.SGD`",
            "the update rule (above)"),
@@ -23,7 +23,7 @@ COLUMNS = (
     Column("steps", "optimizer steps",
            "steps taken so far"),
     Column("batch_size", "samples",
-           "global batch (under DDP split into k equal shards)"),
+           "global batch (under DDP split into N equal shards)"),
     Column("learning_rate", "",
            "SGD learning rate"),
     Column("train_samples", "samples",

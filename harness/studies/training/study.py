@@ -20,9 +20,9 @@ the zeroed rules with ``autograd.grad``, and ``backward-no-zero`` with
 distance at rounding level is the measured proof that the two seed-000 rules
 differ through gradient accumulation and nothing else.
 
-Under ``ddp`` (k ranks, each forwarding its 1/k of every batch) the reference is
+Under ``ddp`` (N ranks, each forwarding its 1/N of every batch) the reference is
 one process forwarding every rank's shard separately (per-shard BatchNorm
-statistics, as DDP computes them) and averaging the k losses. ``autograd.grad``
+statistics, as DDP computes them) and averaging the N losses. ``autograd.grad``
 never reaches the hooks through which DDP all-reduces, so under DDP its twin is
 one process training on rank 0's shards alone, and the ranks drift apart
 (``rank_spread``).
@@ -67,16 +67,16 @@ def _params_per_epoch(records: list[EpochRecord]) -> list[torch.Tensor]:
     return [record.params for record in records]
 
 
-def _shared_twins(trainer: RuleTrainer, initial: nn.Module, k: int, rank: int,
+def _shared_twins(trainer: RuleTrainer, initial: nn.Module, world_size: int, rank: int,
                   group: dist.ProcessGroup) -> dict[str, list[torch.Tensor]] | None:
-    """The DDP case's one-process twins, trained by the k ranks in turn (twin i on rank
-    i mod k) instead of all on rank 0, and gathered on rank 0; None on the other ranks."""
-    every_shard = Feed(k, tuple(range(k)))
+    """The DDP case's one-process twins, trained by the N ranks in turn (twin i on rank
+    i mod N) instead of all on rank 0, and gathered on rank 0; None on the other ranks."""
+    every_shard = Feed(world_size, tuple(range(world_size)))
     jobs = ((RUNNING_SUM, RUNNING_SUM, every_shard), (REFERENCE, REFERENCE, every_shard),
-            (RANK0_ALONE, REFERENCE, Feed(k, (0,))))
+            (RANK0_ALONE, REFERENCE, Feed(world_size, (0,))))
     mine = {name: _params_per_epoch(trainer.train(initial, rule, feed))
-            for i, (name, rule, feed) in enumerate(jobs) if i % k == rank}
-    gathered: list[Any] | None = [None] * k if rank == 0 else None
+            for i, (name, rule, feed) in enumerate(jobs) if i % world_size == rank}
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=group)
     if gathered is None:
         return None
@@ -94,9 +94,9 @@ def twin_of(strategy: str, rule: str) -> str | None:
 
 
 def ddp_world_sizes(run: RunContext) -> list[int]:
-    """One DDP world size: the smallest k >= 2 of the run. Larger k add time, not insight:
-    what autograd.grad and a forgotten zero_grad do under DDP does not depend on k."""
-    return [k for k in run.world_sizes if k >= 2][:1]
+    """One DDP world size: the smallest N >= 2 of the run. Larger N add time, not insight:
+    what autograd.grad and a forgotten zero_grad do under DDP does not depend on N."""
+    return [n for n in run.world_sizes if n >= 2][:1]
 
 
 # ------------------------------------------------------------------ study
@@ -139,9 +139,9 @@ class TrainingStudy(Study):
                                      world_size=1))
                 continue
             # Four DDP runs on every rank, then the three twins shared among the ranks.
-            cases += [Case.of(self.name, participants=k, collective=True,
-                              cost=steps * (4 * (STEP_MS + step_cost(strategy, k)) + 2 * STEP_MS),
-                              strategy=strategy, world_size=k) for k in ddp_world_sizes(run)]
+            cases += [Case.of(self.name, participants=n, collective=True,
+                              cost=steps * (4 * (STEP_MS + step_cost(strategy, n)) + 2 * STEP_MS),
+                              strategy=strategy, world_size=n) for n in ddp_world_sizes(run)]
         return cases
 
     def _steps_per_epoch(self) -> int:
@@ -149,18 +149,18 @@ class TrainingStudy(Study):
         return math.ceil(samples / self.setup.batch_size)
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
-        strategy, k = case["strategy"], case["world_size"]
+        strategy, n = case["strategy"], case["world_size"]
         setup = self.setup
         digits = Digits.load(run.seed, run.dtype, run.device, setup.held_out,
                              setup.train_samples)
         trainer = RuleTrainer(digits, setup, self.options.epochs, run.device)
         initial = build_model(run.seed, setup, run.dtype)
         if SPECS[strategy].collective:
-            group = run.group(k)
+            group = run.group(n)
             rank = dist.get_rank(group)
-            runs = {rule: trainer.train(initial, rule, Feed(k, (rank,)), group)
+            runs = {rule: trainer.train(initial, rule, Feed(n, (rank,)), group)
                     for rule in UPDATE_RULES}
-            twins = _shared_twins(trainer, initial, k, rank, group)
+            twins = _shared_twins(trainer, initial, n, rank, group)
             if twins is None:
                 return None
         else:

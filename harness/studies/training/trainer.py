@@ -28,7 +28,7 @@ class Feed:
 
     The loss is the mean over the forwarded shards of each shard's mean
     cross-entropy: with every shard, what DDP's averaged gradient differentiates
-    (BatchNorm sees one shard at a time, as on k ranks); with one shard, one rank.
+    (BatchNorm sees one shard at a time, as on N ranks); with one shard, one rank.
     """
 
     shards: int = 1

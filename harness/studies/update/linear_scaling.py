@@ -26,21 +26,27 @@ window at lr, on the same batches.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from harness.context import RunContext
 from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.studies.update.experiments.linear_scaling import (
+    PHASES,
+    SCHEDULES,
+    WARM_UP,
+    ScalingRule,
+)
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import flat_parameters, update_error
-from harness.studies.update.verdicts import ScalingRule
+from harness.studies.update.training import dtype_name, flat_parameters, update_error
 from harness.tasks import Batch
 from harness.tolerances import LINEAR_SCALING_TOLERANCE
 
-PHASES = ("initial", "trained")
+if TYPE_CHECKING:
+    from harness.studies.update.experiment import Trial
+
 #: Enough SGD steps for the loss to flatten out on this regression (the "later in
 #: training" phase), at a learning rate well inside the stable range.
 PRETRAIN_STEPS = 100
@@ -48,7 +54,6 @@ PRETRAIN_LR = 0.1
 #: Goyal et al.'s warm-up length W, in windows (big steps); the runs are compared after 2W,
 #: when the warmed-up run has spent as many windows at lr * N as it took to get there.
 WARMUP_WINDOWS = 5
-SCHEDULES = ("no-warm-up", "warm-up")
 
 
 def descend(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:
@@ -82,7 +87,7 @@ def pretrained(initial: nn.Module, world_size: int, seed: int, dtype: torch.dtyp
 
 def big_step_factor(schedule: str, window: int, world_size: int) -> float:
     """The big step's learning rate over the small steps' at ``window`` (0-based)."""
-    if schedule == "no-warm-up":
+    if schedule != WARM_UP:
         return world_size
     return 1 + (world_size - 1) * min(1.0, window / WARMUP_WINDOWS)
 
@@ -112,10 +117,9 @@ def _row(lr: float, world_size: int, steps: int, setting: str, big: torch.Tensor
          big_lr: str) -> dict[str, Any]:
     error = update_error(big, small, start)
     return {
-        "accum_steps": 1, "loss": "mean", "sync": "none", "optimizer": "sgd",
+        "micro_batch": MICRO_BATCH, "loss": "mean", "sync": "none", "optimizer": "sgd",
         "optimizer_settings": f"SGD lr={lr:g} (big step: {big_lr})",
-        "learning_rate": lr, "steps": steps, "setting": setting,
-        "dtype_used": str(dtype).removeprefix("torch."),
+        "learning_rate": lr, "steps": steps, "setting": setting, "dtype_used": dtype_name(dtype),
         "lr_multiplier": world_size, "device": "cpu",
         "param_distance": relative_error(big, small), "update_error": error,
         "verdict": (ScalingRule.HOLDS if error <= LINEAR_SCALING_TOLERANCE
@@ -123,12 +127,16 @@ def _row(lr: float, world_size: int, steps: int, setting: str, big: torch.Tensor
     }
 
 
-def run(world_size: int, lrs: tuple[float, ...], run_context: RunContext,
-        early: bool = True) -> list[dict[str, Any]]:
-    """Rows of both phases, and of both warm-up schedules when ``early``."""
-    dtype, seed = run_context.dtype, run_context.seed
+def measure(trial: Trial) -> list[dict[str, Any]]:
+    """Rows of both phases, and of both warm-up schedules where early training is measured:
+    the costly part, at the widest N alone unless the matrix is full."""
+    world_size, lrs = trial.world_size, trial.options.lrs
+    dtype, seed = trial.run.dtype, trial.run.seed
+    early = trial.full or world_size == max(trial.run.world_sizes)
     initial = initial_model(seed, dtype)
-    starts = {"initial": initial, "trained": pretrained(initial, world_size, seed, dtype)}
+    # The phases in their order: the initial weights, and those after pre-training.
+    starts = dict(zip(PHASES, (initial, pretrained(initial, world_size, seed, dtype)),
+                      strict=True))
     batches = small_batches(seed, world_size, "update-linear-scaling", dtype)
     rows = []
     for phase in PHASES:
@@ -149,5 +157,5 @@ def run(world_size: int, lrs: tuple[float, ...], run_context: RunContext,
             ramp = f"lr ramped {lr:g} -> {lr * world_size:g} over {WARMUP_WINDOWS} steps"
             rows.append(_row(lr, world_size, len(windows), schedule, big, small,
                              flat_parameters(initial), dtype,
-                             ramp if schedule == "warm-up" else f"lr={lr * world_size:g}"))
+                             ramp if schedule == WARM_UP else f"lr={lr * world_size:g}"))
     return rows

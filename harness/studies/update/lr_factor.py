@@ -19,35 +19,28 @@ factor 1. The row says which candidate came closest and how close.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness.context import RunContext
-from harness.fit import fit_scale, relative_error
+from harness.fit import fit_scale
 from harness.strategies import STRATEGIES
-from harness.studies.update.fleet import (
-    Fleet,
-    every_member_parameters,
-    fleet_trainer,
-    member_gradients,
-    members,
-)
+from harness.studies.update import fleet
+from harness.studies.update.experiments.lr_factor import LrFactor
 from harness.studies.update.optimizers import FSDP_DEFAULT_OPTIMIZERS, OPTIMIZERS, OptimizerSpec
-from harness.studies.update.recipes import Shape, initial_model, losses_for, windows
+from harness.studies.update.recipes import MICRO_BATCH, Shape, losses_for
 from harness.studies.update.training import (
     FleetOptimizers,
     Member,
-    ReferenceRuns,
+    Start,
     accumulate_window,
     big_batch_gradient,
     big_batch_run,
-    flat_parameters,
-    update_error,
 )
-from harness.studies.update.verdicts import LrFactor
-from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE, update_tolerance
-from harness.verdicts import Equivalence
+from harness.tolerances import APPROXIMATE_UPDATE_TOLERANCE
+
+if TYPE_CHECKING:
+    from harness.studies.update.experiment import Trial
 
 #: The learning-rate factors each (loss, optimizer) pair is trained with: its own lr,
 #: and lr divided by the gradient scale s its recipe shows against the big batch.
@@ -75,43 +68,36 @@ def sync_of(strategy: str, accum_steps: int) -> str:
     return STRATEGIES[strategy].sync(accum_steps)
 
 
-def run(strategy: str, world_size: int, accum_steps: int, steps: int, full: bool,
-        run_context: RunContext, reports: bool, references: ReferenceRuns
-        ) -> list[dict[str, Any]] | None:
-    shape = Shape(world_size, accum_steps)
-    dtype, seed = run_context.dtype, run_context.seed
-    data = windows(seed, shape, steps, dtype)
-    initial = initial_model(seed, dtype)
-    optimizers = optimizers_for(strategy, full)
-    runs = [(Member(loss, spec), candidate) for loss in losses_for(accum_steps)
+def measure(trial: Trial) -> list[dict[str, Any]] | None:
+    start = Start.of(trial, trial.options.steps)
+    optimizers = optimizers_for(trial.strategy, trial.full)
+    runs = [(Member(loss, spec), candidate) for loss in losses_for(trial.accum_steps)
             for spec in optimizers for candidate in CANDIDATES]
-    trainer = fleet_trainer(strategy, Fleet(initial, len(runs)), world_size, run_context)
-    optimizer = FleetOptimizers([member for member, _ in runs], members(trainer))
-    no_sync = sync_of(strategy, accum_steps) == "no_sync"
-    scales = _train(trainer, optimizer, runs, data, shape, initial, no_sync)
-    final = every_member_parameters(trainer)
-    if not reports:
+    trainer = fleet.fleet_trainer(trial.strategy, fleet.Fleet(start.initial, len(runs)),
+                                  trial.world_size, trial.run)
+    optimizer = FleetOptimizers([member for member, _ in runs], fleet.members(trainer))
+    sync = sync_of(trial.strategy, trial.accum_steps)
+    scales = _train(trainer, optimizer, runs, start.data, start.shape, start.initial,
+                    sync == "no_sync")
+    final = fleet.every_member_parameters(trainer)
+    if not trial.reports:
         return None
-    start = flat_parameters(initial)
-    final_reference = {spec.name: references.get(
-        (seed, dtype, shape, steps, spec.name), lambda spec=spec: big_batch_run(initial, spec, data)
+    final_reference = {spec.name: trial.references.get(
+        (*start.key, spec.name), lambda spec=spec: big_batch_run(start.initial, spec, start.data)
     )[-1] for spec in optimizers}
-    tolerance = update_tolerance(dtype)
     rows = []
     for i in range(0, len(runs), len(CANDIDATES)):
         member = runs[i][0]
         reference = final_reference[member.optimizer.name]
-        errors = [update_error(final[i + j], reference, start) for j in range(len(CANDIDATES))]
+        against = [start.judged(final[i + j], reference) for j in range(len(CANDIDATES))]
         fit = scales[member.loss]
         rows.append({
-            "loss": member.loss, "sync": sync_of(strategy, accum_steps),
+            "micro_batch": MICRO_BATCH, "loss": member.loss, "sync": sync,
             "optimizer": member.optimizer.name, "optimizer_settings": member.optimizer.settings,
-            "learning_rate": member.optimizer.lr, "steps": steps,
-            "grad_scale": fit.scale, "grad_residual": fit.residual,
-            "param_distance": relative_error(final[i], reference),
-            "update_error": errors[0],
-            "verdict": Equivalence.MATCHES if errors[0] <= tolerance else Equivalence.DIFFERS,
-            **lr_factor_columns(errors, fit.scale, tolerance),
+            "learning_rate": member.optimizer.lr, "steps": trial.options.steps,
+            "grad_scale": fit.scale, "grad_residual": fit.residual, **against[0],
+            **lr_factor_columns([a["update_error"] for a in against], fit.scale,
+                                start.tolerance),
         })
     return rows
 
@@ -140,7 +126,7 @@ def _gradient_scales(trainer, runs, reference: torch.Tensor) -> dict[str, Any]:
     for i, (member, _) in enumerate(runs):
         if member.loss not in probes and not member.optimizer.l2_in_loss:
             probes[member.loss] = i
-    grads = member_gradients(trainer, list(probes.values()))
+    grads = fleet.member_gradients(trainer, list(probes.values()))
     return {loss: fit_scale(g, reference) for loss, g in zip(probes, grads, strict=True)}
 
 

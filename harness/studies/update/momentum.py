@@ -16,23 +16,22 @@ is one lr-inside variant against the reference.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from harness.context import RunContext
-from harness.fit import relative_error
 from harness.seeding import generator_for
+from harness.studies.update.experiments.momentum_correction import CORRECTED, SETTINGS
 from harness.studies.update.linear_scaling import descend
 from harness.studies.update.optimizers import MOMENTUM, SGD_LR
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import flat_parameters, update_error
+from harness.studies.update.training import dtype_name, flat_parameters, judged
 from harness.tasks import Batch
 from harness.tolerances import update_tolerance
-from harness.verdicts import Equivalence
 
-SETTINGS = ("lr-inside-corrected", "lr-inside-uncorrected")
+if TYPE_CHECKING:
+    from harness.studies.update.experiment import Trial
 
 
 def batches(seed: int, world_size: int, count: int, dtype: torch.dtype) -> list[Batch]:
@@ -74,27 +73,24 @@ def lr_inside_sgd(start: nn.Module, data: list[Batch], lrs: list[float],
     return model
 
 
-def run(world_size: int, steps: int, run_context: RunContext) -> list[dict[str, Any]]:
-    dtype, seed = run_context.dtype, run_context.seed
+def measure(trial: Trial) -> list[dict[str, Any]]:
+    world_size, steps = trial.world_size, trial.options.steps
+    dtype, seed = trial.run.dtype, trial.run.seed
     start = initial_model(seed, dtype)
     lrs = [SGD_LR] * steps + [SGD_LR * world_size] * steps
     data = batches(seed, world_size, len(lrs), dtype)
     reference = flat_parameters(torch_sgd(start, data, lrs))
     origin = flat_parameters(start)
-    tolerance = update_tolerance(dtype)
     rows = []
     for setting in SETTINGS:
-        params = flat_parameters(lr_inside_sgd(start, data, lrs,
-                                               corrected=setting == "lr-inside-corrected"))
-        error = update_error(params, reference, origin)
+        params = flat_parameters(lr_inside_sgd(start, data, lrs, corrected=setting == CORRECTED))
         rows.append({
-            "accum_steps": 1, "loss": "mean", "sync": "none", "optimizer": "sgd-momentum",
+            "micro_batch": MICRO_BATCH, "loss": "mean", "sync": "none",
+            "optimizer": "sgd-momentum",
             "optimizer_settings": (f"v <- {MOMENTUM:g} v + lr g, θ <- θ - v; lr = {SGD_LR:g} "
                                    f"for {steps} steps, then {SGD_LR * world_size:g}"),
             "learning_rate": SGD_LR, "steps": len(lrs), "setting": setting,
-            "dtype_used": str(dtype).removeprefix("torch."), "lr_multiplier": world_size,
-            "device": "cpu", "param_distance": relative_error(params, reference),
-            "update_error": error,
-            "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS,
+            "dtype_used": dtype_name(dtype), "lr_multiplier": world_size, "device": "cpu",
+            **judged(params, reference, origin, update_tolerance(dtype)),
         })
     return rows

@@ -1,19 +1,35 @@
-"""Training a fleet window by window, and the one-process big-batch run it is compared with."""
+"""Training a fleet window by window, the one-process big-batch run it is compared with, and
+how the comparison is judged."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from harness.fit import relative_error
 from harness.strategies.common import Trainer, flat_grad, flat_params
 from harness.studies.update.fleet import members, micro_step_context
 from harness.studies.update.optimizers import OptimizerSpec
-from harness.studies.update.recipes import TASK, Shape, big_batch, l2_penalty, recipe_loss
+from harness.studies.update.recipes import (
+    TASK,
+    Shape,
+    big_batch,
+    initial_model,
+    l2_penalty,
+    recipe_loss,
+    windows,
+)
 from harness.tasks import Batch
+from harness.tolerances import update_tolerance
+from harness.verdicts import Equivalence
+
+if TYPE_CHECKING:
+    from harness.studies.update.experiment import Trial
 
 #: A window: [micro-step][device] shards.
 Window = list[list[Batch]]
@@ -114,6 +130,10 @@ class FleetOptimizers:
         step_all(self.optimizers)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def flat_parameters(module: nn.Module) -> torch.Tensor:
     return flat_params(module).to(torch.float64)
 
@@ -159,6 +179,47 @@ def update_error(measured: torch.Tensor, reference: torch.Tensor, start: torch.T
     """``||measured - reference|| / ||reference - start||``: the error as a fraction of how
     far the reference moved, so that a small learning rate does not hide it."""
     return float((measured - reference).norm() / (reference - start).norm())
+
+
+def judged(measured: torch.Tensor, reference: torch.Tensor, start: torch.Tensor,
+           tolerance: float) -> dict[str, Any]:
+    """The columns comparing a run's parameters with the reference's, from the same start:
+    ``param_distance``, ``update_error`` and the ``verdict`` on it."""
+    error = update_error(measured, reference, start)
+    return {"param_distance": relative_error(measured, reference), "update_error": error,
+            "verdict": Equivalence.MATCHES if error <= tolerance else Equivalence.DIFFERS}
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a case of a fleet experiment trains on and is judged with."""
+
+    shape: Shape
+    #: Its windows: the same for every strategy and recipe of the shape.
+    data: list[Window]
+    initial: nn.Module
+    #: The run's dtype, and its update tolerance.
+    dtype: torch.dtype
+    tolerance: float
+    #: What identifies its big-batch runs among those this process shares (ReferenceRuns).
+    key: tuple
+
+    @classmethod
+    def of(cls, trial: Trial, count: int) -> Start:
+        """``count`` windows of the trial's world size and micro-steps, in the run's dtype."""
+        shape = Shape(trial.world_size, trial.accum_steps)
+        dtype, seed = trial.run.dtype, trial.run.seed
+        return cls(shape, windows(seed, shape, count, dtype), initial_model(seed, dtype), dtype,
+                   update_tolerance(dtype), (seed, dtype, shape, count))
+
+    @property
+    def dtype_used(self) -> str:
+        """The run's dtype as the ``dtype_used`` column writes it: ``float64``."""
+        return dtype_name(self.dtype)
+
+    def judged(self, measured: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+        """:func:`judged` from the initial model's parameters."""
+        return judged(measured, reference, flat_parameters(self.initial), self.tolerance)
 
 
 class ReferenceRuns:

@@ -1,18 +1,85 @@
-"""The update section's lr-factor parts: the what-to-change table, its answers and findings."""
+"""Experiment ``lr-factor``: which learning-rate factor makes a recipe's update the big batch's?
+
+For one strategy, world size N and accumulation k, every loss recipe is crossed with
+every optimizer, and each pair is trained twice over T windows: at the optimizer's own
+learning rate (factor 1), and at lr * 1/s, where s is the scale of the recipe's gradient
+against the big batch's (fitted at the first window). The measuring code is
+``harness/studies/update/lr_factor.py``; here: the plug-in, its columns, its grid, its
+verdict words and its report parts (the what-to-change table, its answers and findings).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 from harness.report.rows import ordered
 from harness.report.section import Answer, Finding, SectionInputs
 from harness.report.text import count, integers, small, span, strategy_name, table, words
-from harness.studies.update.report.wording import factor_text, is_scaled
-from harness.studies.update.verdicts import LrFactor
+from harness.strategies import STRATEGIES
+from harness.studies.schema import Column
+from harness.studies.update import schema
+from harness.studies.update.experiment import Experiment, Grid, measured_in, report_part
+from harness.studies.update.wording import factor_text, is_scaled
 from harness.verdicts import Equivalence
 
 if TYPE_CHECKING:
     import pandas as pd
+
+
+class LrFactor(StrEnum):
+    """Whether some learning-rate factor c makes a recipe's run equal the big-batch run."""
+
+    #: lr * c gives the big-batch parameters within the update tolerance.
+    EXACT = "exact"
+    #: Only within the approximate tolerance (e.g. Adam, whose scale invariance holds up to eps).
+    APPROXIMATE = "approximate"
+    #: No factor tried comes within the approximate tolerance (e.g. coupled weight decay).
+    NONE = "none"
+
+
+STRATEGY_NAMES = ("local", "ddp", "fsdp", "dp-emulated", "dp")
+COLUMNS = (
+    schema.strategy(*STRATEGY_NAMES),
+    schema.WORLD_SIZE.described(schema.WORLD_SIZE.doc + "; 1 for `local`"),
+    schema.ACCUM_STEPS, *schema.recipe(), schema.GRAD_SCALE, schema.GRAD_RESIDUAL,
+    schema.PARAM_DISTANCE, schema.UPDATE_ERROR, schema.VERDICT,
+    Column("lr_factor", "ratio", "c: the run at lr·c gives the big-batch parameters "
+           "(candidates 1 and 1/s; empty when none does)"),
+    Column("lr_factor_residual", "ratio", "`update_error` of the run at lr·c for the best "
+           "candidate"),
+    Column("lr_factor_verdict", ", ".join(f"`{v}`" for v in LrFactor),
+           "the residual within the update tolerance; within 1e-3; neither"),
+)
+
+
+def grid(offered: Grid) -> list[dict[str, Any]]:
+    """One optimizer step per batch at every world size; k-step accumulation at the widest
+    (every size in the full matrix); one process accumulates only. A sharded strategy's
+    cases (FSDP) are the costliest: the widest sizes only, unless the matrix is full."""
+    k = offered.accum_steps
+    cases = []
+    for strategy in (s for s in offered.strategies if s in STRATEGY_NAMES):
+        spec = STRATEGIES[strategy]
+        if spec.reference:
+            pairs = [(1, k)]
+        else:
+            single = offered.widest if spec.sharded else offered.sizes
+            pairs = [(n, 1) for n in single] + [(n, k) for n in offered.widest]
+        cases += [{"strategy": strategy, "world_size": n, "accum_steps": steps}
+                  for n, steps in pairs]
+    return cases
+
+
+def summary(rows: pd.DataFrame) -> str:
+    """The verdicts on the factor at the widest world size, a column per optimizer."""
+    shown = rows[(rows.status == "ok") & (rows.world_size == rows.world_size.max())]
+    if shown.empty:
+        return "no rows measured"
+    table = shown.pivot_table(index=["strategy", "accum_steps", "loss"], columns="optimizer",
+                              values="lr_factor_verdict", aggfunc="first", sort=False)
+    return ("learning-rate factor that gives the big-batch update, at the widest world "
+            "size (exact / approximate / none):\n" + table.to_string())
 
 
 # ------------------------------------------------------ the what-to-change table
@@ -29,6 +96,7 @@ def _cell(row, rtol: float) -> str:
     return f"✗ ({small(row['lr_factor_residual'])})"
 
 
+@report_part()
 def what_to_change(lr: pd.DataFrame, inputs: SectionInputs) -> str:
     widest = int(lr["world_size"].max())
     rows = lr[lr["world_size"] == widest]
@@ -50,7 +118,7 @@ def what_to_change(lr: pd.DataFrame, inputs: SectionInputs) -> str:
                f"multiplying the learning rate by c (exact); ≈: equal only up to the residual "
                f"in brackets (`lr_factor_residual`, the update error as a fraction of the big "
                f"batch's update); ✗ (e): no factor gets closer than e. Rows of "
-               f"`{inputs.csv_name}` with experiment = lr-factor, status = ok, world_size = "
+               f"`{inputs.csv_name}` with status = ok, world_size = "
                f"{widest} ({len(rows)} rows); strategies whose cells agree share a line; an empty "
                f"cell: that optimizer was not measured for that strategy.")
     return caption + "\n\n" + table(headers, body, [False] * 4 + [False] * len(optimizers))
@@ -65,6 +133,13 @@ def _matching_recipes(lr: pd.DataFrame) -> list[tuple[str, str, int, pd.DataFram
         if (group["verdict"] == Equivalence.MATCHES).all():
             found.append((strategy, loss, int(k), group))
     return found
+
+
+def _evidence(recipes: list[tuple[str, str, int, pd.DataFrame]]) -> tuple[int, float]:
+    """How many rows ``recipes`` hold, and their largest update_error."""
+    together = [group for *_, group in recipes]
+    return (sum(len(g) for g in together),
+            max(float(g["update_error"].max()) for g in together))
 
 
 def _by_strategy(recipes: list[tuple[str, str, int, pd.DataFrame]]) -> str:
@@ -109,19 +184,17 @@ def _optimizer_outcomes(scaled: pd.DataFrame, rtol: float) -> dict[str, list[str
     return outcomes
 
 
+@report_part()
 def lr_findings(lr: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
     findings = []
     matching = _matching_recipes(lr)
     if matching:
-        together = [g for *_, g in matching]
-        rows = sum(len(g) for g in together)
-        worst = max(float(g["update_error"].max()) for g in together)
+        rows, worst = _evidence(matching)
         findings.append(Finding(
             f"Equal to the big-batch update with every optimizer, at the unchanged learning "
             f"rate, at every world size measured for it (N = {integers(lr['world_size'])} in "
             f"all): {_by_strategy(matching)} (largest update_error {small(worst)}).",
-            inputs.source("experiment = lr-factor, status = ok, recipes whose every row has "
-                          "verdict = matches", rows)))
+            inputs.source("status = ok, recipes whose every row has verdict = matches", rows)))
     scaled = lr[is_scaled(lr, inputs.rtol)]
     for (loss, k), group in scaled.groupby(["loss", "accum_steps"], sort=False):
         parts = []
@@ -134,8 +207,8 @@ def lr_findings(lr: pd.DataFrame, inputs: SectionInputs) -> list[Finding]:
         findings.append(Finding(
             f"With loss = {loss}{at_k}, the gradient was s times the big batch's: s = "
             f"{'; '.join(parts)}.",
-            inputs.source(f"experiment = lr-factor, status = ok, loss = {loss}, accum_steps = "
-                          f"{int(k)}, grad_scale ≠ 1", len(group))))
+            inputs.source(f"status = ok, loss = {loss}, accum_steps = {int(k)}, grad_scale ≠ 1",
+                          len(group))))
     if not scaled.empty:
         findings.append(_optimizer_finding(scaled, inputs))
     return findings
@@ -162,37 +235,64 @@ def _optimizer_finding(scaled: pd.DataFrame, inputs: SectionInputs) -> Finding:
     return Finding(
         f"Over the {count(len(recipes), 'recipe')} whose gradient was s ≠ 1 times the big "
         f"batch's, after {integers(scaled['steps'])} steps: {'; '.join(clauses)}.",
-        inputs.source("experiment = lr-factor, status = ok, grad_scale ≠ 1", len(scaled)))
+        inputs.source("status = ok, grad_scale ≠ 1", len(scaled)))
 
 
+@report_part()
 def lr_answers(lr: pd.DataFrame, inputs: SectionInputs) -> list[Answer]:
-    answers = []
     matching = _matching_recipes(lr)
-    if matching:
-        together = [g for *_, g in matching]
-        answers.append(Answer(
-            "N devices or k micro-steps: which loss gives the big-batch update unchanged?",
-            _alike_strategies(matching),
-            f"{count(sum(len(g) for g in together), 'run')} over "
-            f"{count(lr['optimizer'].nunique(), 'optimizer')} (N = "
-            f"{integers(lr['world_size'])}, k = {integers(lr['accum_steps'])}), worst "
-            f"update_error {small(max(float(g['update_error'].max()) for g in together))}"))
-    scaled = lr[is_scaled(lr, inputs.rtol)]
-    if not scaled.empty:
-        outcomes = _optimizer_outcomes(scaled, inputs.rtol)
-        answer = "; ".join(f"{label}: {words(outcomes[kind])}" for kind, label in (
-            ("exact-inverse", "lr × 1/s, exact"), ("approximate-unchanged", "lr as is, ≈"),
-            ("none", "no factor"), ("mixed", "depends")) if kind in outcomes)
-        fix = []
-        if "exact-inverse" in outcomes:
-            fix.append(f"lr × 1/s for {words(outcomes['exact-inverse'])}")
-        if "none" in outcomes and matching:
-            fix.append("otherwise a loss of the row above")
-        scales = scaled["grad_scale"]
-        answers.append(Answer(
-            "Gradient s × the big batch's (a sum loss, a per-device normalization): which "
-            "learning rate restores the update?", answer,
-            f"{count(len(scaled), 'run')}, s from {factor_text(scales.min(), inputs.rtol)} to "
-            f"{factor_text(scales.max(), inputs.rtol)}; lr_factor_residual "
-            f"{span(scaled['lr_factor_residual'])}", "; ".join(fix)))
-    return answers
+    return [*_unchanged_answer(lr, matching), *_scaled_answer(lr, bool(matching), inputs.rtol)]
+
+
+def _unchanged_answer(lr: pd.DataFrame, matching: list) -> list[Answer]:
+    """Which losses give the big-batch update at the unchanged learning rate, if any does."""
+    if not matching:
+        return []
+    runs, worst = _evidence(matching)
+    return [Answer(
+        "N devices or k micro-steps: which loss gives the big-batch update unchanged?",
+        _alike_strategies(matching),
+        f"{count(runs, 'run')} over {count(lr['optimizer'].nunique(), 'optimizer')} (N = "
+        f"{integers(lr['world_size'])}, k = {integers(lr['accum_steps'])}), worst "
+        f"update_error {small(worst)}")]
+
+
+def _scaled_answer(lr: pd.DataFrame, some_matched: bool, rtol: float) -> list[Answer]:
+    """Which learning rate restores the update of a recipe whose gradient is s ≠ 1 times the
+    big batch's, per optimizer; ``some_matched``: a loss of the answer above is the fallback."""
+    scaled = lr[is_scaled(lr, rtol)]
+    if scaled.empty:
+        return []
+    outcomes = _optimizer_outcomes(scaled, rtol)
+    answer = "; ".join(f"{label}: {words(outcomes[kind])}" for kind, label in (
+        ("exact-inverse", "lr × 1/s, exact"), ("approximate-unchanged", "lr as is, ≈"),
+        ("none", "no factor"), ("mixed", "depends")) if kind in outcomes)
+    fix = []
+    if "exact-inverse" in outcomes:
+        fix.append(f"lr × 1/s for {words(outcomes['exact-inverse'])}")
+    if "none" in outcomes and some_matched:
+        fix.append("otherwise a loss of the row above")
+    scales = scaled["grad_scale"]
+    return [Answer(
+        "Gradient s × the big batch's (a sum loss, a per-device normalization): which "
+        "learning rate restores the update?", answer,
+        f"{count(len(scaled), 'run')}, s from {factor_text(scales.min(), rtol)} to "
+        f"{factor_text(scales.max(), rtol)}; lr_factor_residual "
+        f"{span(scaled['lr_factor_residual'])}", "; ".join(fix))]
+
+
+EXPERIMENT = Experiment(
+    name="lr-factor",
+    question="which learning-rate factor makes a recipe's update the big batch's?",
+    intro=("Each loss recipe (N devices, k micro-steps) crossed with each optimizer, trained T "
+           "steps at its own learning rate and at lr × 1/s (s: its gradient over the big "
+           "batch's), against one process training on the big batch; which factor, if any, "
+           "makes the parameters equal."),
+    columns=COLUMNS,
+    grid=grid,
+    measure=measured_in("harness.studies.update.lr_factor"),
+    cost_ms=60.0,
+    findings=(lr_answers, lr_findings),
+    tables=(what_to_change,),
+    summary=summary,
+)
