@@ -120,6 +120,52 @@ def framework_answers(rows: spec.Rows) -> list[spec.Answer]:
     return answers
 
 
+#: The study's causal LM whose class name has no "ForCausalLM", and the same model with
+#: its loss_type set (harness/studies/frameworks/setups.py).
+COUNTED_LM, COUNTED_LM_FIXED = "gpt2", "gpt2+loss_type"
+
+
+def _counted(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The Trainer's gradient rows of the causal LM without and with its loss_type set,
+    clip off (a binding clip would hide the scale)."""
+    trainer = rows[(rows["framework"] == "transformers") & (rows["point"] == "grad")
+                   & (rows["status"] == "ok") & (rows["recipe"] == "none")]
+    return (trainer[trainer["setup"] == COUNTED_LM], trainer[trainer["setup"] == COUNTED_LM_FIXED])
+
+
+def count_answers(rows: spec.Rows) -> list[spec.Answer]:
+    """Whether the Trainer's ``num_items_in_batch`` counts the tokens a causal LM whose class
+    name lacks "ForCausalLM" predicts, and what the model's loss_type changes."""
+    counted, fixed = _counted(rows.all)
+    if counted.empty:
+        return []
+    matched = (fixed["verdict"] == Equivalence.MATCHES).sum()
+    return [spec.Answer(
+        "transformers' Trainer on GPT2LMHeadModel (loss_type None): does "
+        "num_items_in_batch count the tokens its loss predicts?",
+        f"no: it counts the labels before the shift; the gradient is "
+        f"{number(counted['scale'].min())} to {number(counted['scale'].max())} × the big "
+        f"batch's ({words(sorted(counted['verdict'].unique()))}: predicted / counted tokens)",
+        worst(len(counted), "case", counted["residual"].max(), "residual"),
+        f"`model.loss_type = \"ForCausalLM\"`: matched in {matched} of {len(fixed)}")]
+
+
+def count_findings(rows: spec.Rows) -> list[spec.Finding]:
+    counted, fixed = _counted(rows.all)
+    if counted.empty:
+        return []
+    by_loss = "; ".join(f"{LOSS_NAMES[loss]}: {at_k(group)}"
+                        for loss, group in counted.groupby("loss", sort=True))
+    return [spec.Finding(
+        f"The Trainer (clip off) handed a tiny GPT2LMHeadModel (loss_type None) the gradient "
+        f"({by_loss}): it counted num_items_in_batch over the labels before the shift while "
+        "the model's own loss averages over the tokens it predicts, one fewer per sequence; "
+        f"with `model.loss_type = \"ForCausalLM\"` it handed {at_k(fixed)}.",
+        rows.inputs.source(f"framework = transformers, setup in ({COUNTED_LM}, "
+                           f"{COUNTED_LM_FIXED}), recipe = none, point = grad",
+                           len(counted) + len(fixed)))]
+
+
 def clip_findings(rows: spec.Rows) -> list[spec.Finding]:
     """Per framework whose default clips: how much the clip changed the step against a
     plain loop, and whether the big batch clipped the same way gives it."""
@@ -191,9 +237,9 @@ SECTION = spec.Section(
            "applied once). The big batch's gradient norm is above 1 at every k, so a clip "
            "of 1.0 binds. `mean`: every micro-batch holds as many tokens; `token`: padded "
            "sequences of random lengths, micro-batches holding different numbers."),
-    answers=(framework_answers,),
+    answers=(framework_answers, count_answers),
     findings=(
-        clip_findings,
+        clip_findings, count_findings,
         spec.Verdicts(column="verdict", per=("framework", "loss"), where=GRAD,
                       qualify=("setting", "setup", "accum_steps"), phrases=spec.BIG_BATCH,
                       subject="With a {loss} loss, against the plain big batch, the gradient "
@@ -316,6 +362,13 @@ def frameworks_summary(results: Results) -> str:
         text += (f" {words(clipped['framework'].unique().tolist()).capitalize()} clip the "
                  "window's gradient to norm 1 by default: against a big batch clipped the "
                  f"same way, their step matched in {matched} of {len(clipped)} cases.")
+    counted, fixed = _counted(results.csv("frameworks", "frameworks"))
+    if not counted.empty:
+        text += (" The Trainer on a GPT2LMHeadModel (loss_type None) counts the labels before "
+                 "the shift: the gradient was "
+                 f"{number(counted['scale'].min())} to {number(counted['scale'].max())} × the "
+                 "big batch's; `model.loss_type = \"ForCausalLM\"` matched in "
+                 f"{(fixed['verdict'] == 'matches').sum()} of {len(fixed)} cases.")
     return text
 
 
