@@ -130,8 +130,8 @@ def window_count_fix(counts: tuple[int, ...]) -> str:
     shown = ", ".join(map(str, counts[:8])) + (", ..." if len(counts) > 8 else "")
     return (f"normalize by the window's token count: its micro-batches hold {shown} tokens "
             f"({sum(counts)} in all), and a loss that divides each by its own count weighs "
-            f"them unequally; sum the per-token losses and divide by the window's "
-            f"{sum(counts)} (times N under DDP/FSDP, which average the ranks)")
+            "them unequally; sum the per-token losses and divide by the count of the whole "
+            "window (times N under DDP/FSDP, which average the ranks)")
 
 
 def buffers_fix(comparison: Comparison, facts: Facts) -> str:

@@ -149,10 +149,17 @@ def row_fingerprint(row: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value``, depth first through tuples, lists and dicts (a
+    framework's wrapper may be called with the whole batch, ``[x, y]``)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(items, (tuple, list)) or isinstance(value, dict):
+        for item in items:
+            found = first_tensor(item)
+            if found is not None:
+                return found
     return None
 
 
@@ -214,10 +221,14 @@ class Capture:
     def recording(self) -> bool:
         return self.done < self.steps
 
-    def before_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer, args: tuple,
+                    kwargs: dict) -> tuple[tuple, dict] | None:
+        """Before the outermost step: the gradients, or, where the step is given a closure
+        (Lightning passes one that runs the last micro-step's backward and the clipping),
+        a closure that reads them once it has run."""
         self.step_depth += 1
         if self.step_depth > 1 or not self.recording:
-            return
+            return None
         try:
             if self.optimizer is None:
                 self._first_step(optimizer)
@@ -225,16 +236,36 @@ class Capture:
                 raise Refused(f"the script steps two optimizers ({type(self.optimizer).__name__}"
                               f" and {type(optimizer).__name__}); allowed: scripts that step "
                               "one optimizer")
-            grads = [p.grad for p in self.parameters]
-            self.dtypes.update(str(p.dtype) for p in self.parameters)
-            self.dtypes.update(str(g.dtype) for g in grads if g is not None)
-            gathered = {name: None if g is None else whole(g).detach()
-                        for name, g in zip(self.names, grads, strict=True)}
-            self.current["grad_fingerprint"] = sampled_fingerprint(gathered.values())
-            if self.rank == 0:
-                save_atomically(gathered, tensors_file(self.folder, self.done, "grad"))
         except Refused as refusal:
             self.refuse(str(refusal))
+        # args[0] is the optimizer itself, args[1] a positional closure.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.read_gradients()
+            return None
+        called = []
+
+        def closure_then_gradients():
+            loss = closure()
+            if not called:  # an optimizer that calls it again (LBFGS) moved on from there
+                called.append(True)
+                self.read_gradients()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_gradients}
+        return (args[0], closure_then_gradients, *args[2:]), kwargs
+
+    def read_gradients(self) -> None:
+        """The gradients the optimizer receives: fingerprinted, and written by rank 0."""
+        grads = [p.grad for p in self.parameters]
+        self.dtypes.update(str(p.dtype) for p in self.parameters)
+        self.dtypes.update(str(g.dtype) for g in grads if g is not None)
+        gathered = {name: None if g is None else whole(g).detach()
+                    for name, g in zip(self.names, grads, strict=True)}
+        self.current["grad_fingerprint"] = sampled_fingerprint(gathered.values())
+        if self.rank == 0:
+            save_atomically(gathered, tensors_file(self.folder, self.done, "grad"))
 
     def after_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
         self.step_depth -= 1
@@ -260,7 +291,7 @@ class Capture:
 
     def saw_batch(self, args: tuple, kwargs: dict) -> None:
         """An outermost training forward: its samples, its counted labels, autocast."""
-        first = first_tensor(args, kwargs)
+        first = first_tensor((args, kwargs))
         if first is not None:
             self.current["samples"] += [row_fingerprint(row) for row in
                                         sample_rows(first, matching_mask(first, kwargs))]
