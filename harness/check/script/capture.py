@@ -103,36 +103,49 @@ def stripped(name: str) -> str:
 
 
 def owner(parameters: list[nn.Parameter]) -> nn.Module | None:
-    """The innermost live module whose parameters include all of ``parameters`` (or, where
-    none does, the one that holds the most): a model's own names, without the prefixes of
-    the DDP, compile or framework wrappers around it. Found once, among every module alive
-    (the optimizer knows its tensors, not their module)."""
+    """The model the optimizer's parameters belong to, the same however it is wrapped: of
+    the live modules that hold all of them, the outermost, then, while it wraps a single
+    child that holds them all too (DDP's ``module``, torch.compile's ``_orig_mod``, a
+    framework's wrapper, a LightningModule around its one network), that child. Where no
+    module holds them all, the one that holds the most. Found once, among every module
+    alive: the optimizer knows its tensors, not their module."""
     wanted = {id(p) for p in parameters}
     parents: dict[int, list[nn.Module]] = {}
-    holder = None
+    found: list[nn.Module] = []
     # type(), not isinstance(): a deprecated object of torch answers isinstance with a warning.
     for module in (o for o in gc.get_objects() if issubclass(type(o), nn.Module)):
         for child in module._modules.values():
             if child is not None:
                 parents.setdefault(id(child), []).append(module)
-        if holder is None and any(p is not None and id(p) in wanted
-                                  for p in module._parameters.values()):
-            holder = module
-    if holder is None:
+        if any(p is not None and id(p) in wanted for p in module._parameters.values()):
+            found.append(module)
+    held: dict[int, int] = {}  # every holder and its ancestors: how many they hold
+    by_id: dict[int, nn.Module] = {}
+    while found:
+        module = found.pop()
+        if id(module) not in held:
+            held[id(module)] = len(wanted & {id(p) for p in module.parameters()})
+            by_id[id(module)] = module
+            found += parents.get(id(module), [])
+    if not held:
         return None
-    best, best_count, queue, seen = holder, 0, [holder], {id(holder)}
-    while queue:
-        module = queue.pop(0)
-        count = len(wanted & {id(p) for p in module.parameters()})
-        if count == len(wanted):
+    whole = {key for key, count in held.items() if count == len(wanted)}
+    if not whole:
+        return by_id[max(held, key=lambda key: (held[key], type(by_id[key]).__name__))]
+    outermost = [by_id[key] for key in whole
+                 if not any(id(parent) in whole for parent in parents.get(key, []))]
+    models = {id(model): model for model in (unwrapped(m, whole) for m in outermost)}
+    return min(models.values(), key=lambda model: (sum(1 for _ in model.parameters()),
+                                                   type(model).__name__))
+
+
+def unwrapped(module: nn.Module, whole: set[int]) -> nn.Module:
+    """``module``'s single child, and so on, for as long as that child holds them all."""
+    while True:
+        children = [child for child in module._modules.values() if child is not None]
+        if len(children) != 1 or id(children[0]) not in whole:
             return module
-        if count > best_count:
-            best, best_count = module, count
-        for parent in parents.get(id(module), []):
-            if id(parent) not in seen:
-                seen.add(id(parent))
-                queue.append(parent)
-    return best
+        module = children[0]
 
 
 def sample_rows(first: torch.Tensor, mask: torch.Tensor | None) -> Iterator[torch.Tensor]:

@@ -124,7 +124,10 @@ def check_deterministic(first: Captured, again: Captured) -> dict[tuple[int, str
         if first.samples(step) != again.samples(step):
             raise not_deterministic(label, f"fed other samples in step {step}", first.dropout)
         for point in POINTS:
-            comparison = compared(again, first, step, point, rtol)
+            try:
+                comparison = compared(again, first, step, point, rtol)
+            except Unmatched as unmatched:
+                raise not_deterministic(label, str(unmatched), first.dropout) from None
             if comparison.verdict is not Equivalence.MATCHES:
                 distance = noise(again, first, step, point, rtol)
                 raise not_deterministic(
