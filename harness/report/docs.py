@@ -69,17 +69,24 @@ def column_table(columns: Sequence[Column]) -> str:
 
 
 def schema_parts() -> dict[str, Callable[[Results], str]]:
-    """``columns:common``, ``columns:<study>`` for every study, ``columns:check``."""
+    """``columns:common``, ``columns:<study>`` for every study, ``columns:check``,
+    ``columns:script``."""
     parts: dict[str, Callable[[Results], str]] = {
         "columns:common": lambda _: column_table((*LEADING_COLUMNS, *TRAILING_COLUMNS))}
     for study in STUDY_PACKAGES:
         parts[f"columns:{study}"] = lambda _, study=study: column_table(study_columns(study))
     parts["columns:check"] = lambda _: column_table(_check_columns())
+    parts["columns:script"] = lambda _: column_table(_script_columns())
     return parts
 
 
 def _check_columns() -> tuple[Column, ...]:
     from harness.check.schema import COLUMNS
+    return COLUMNS
+
+
+def _script_columns() -> tuple[Column, ...]:
+    from harness.check.script.schema import COLUMNS
     return COLUMNS
 
 
