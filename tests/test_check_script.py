@@ -176,8 +176,9 @@ def gradients(step: int) -> dict[str, torch.Tensor]:
 
 
 def written_capture(folder: Path, split: Split, grads=gradients, samples=("s0", "s1"),
-                    counts=(), fingerprints=None, dtypes=("torch.float64",)) -> Captured:
-    """A capture as a run of ``split`` leaves it: SGD at lr 0.1 on ``grads(step)``, two
+                    counts=(), fingerprints=None, dtypes=("torch.float64",),
+                    lr=0.1) -> Captured:
+    """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``."""
     folder.mkdir(parents=True)
     params = {name: torch.zeros_like(tensor) for name, tensor in gradients(0).items()}
@@ -186,7 +187,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=("s0", 
     for step in range(2):
         grad = grads(step)
         torch.save(grad, capture.tensors_file(folder, step, "grad"))
-        params = {name: params[name] - 0.1 * grad[name] for name in NAMES}
+        params = {name: params[name] - lr * grad[name] for name in NAMES}
         torch.save(params, capture.tensors_file(folder, step, "params"))
         records.append({"samples": list(samples), "counts": list(counts),
                         "grad_fingerprint": 1.0, "params_fingerprint": 1.0, "losses": []})
@@ -253,6 +254,22 @@ def test_a_step_that_fed_other_samples_is_named_not_judged(tmp_path):
     assert "sampler" in rows[0]["fix"]
     assert exit_code(rows, "error", "check.py run") == 1
     assert DIFFERENT_SAMPLES in render(rows)
+
+
+def test_the_reference_gradient_with_another_update_names_the_learning_rate(tmp_path):
+    rows = rows_of(tmp_path, Split(2, 1), lr=0.2)  # a scheduler stepped once per rank
+    assert (rows[0]["verdict"], rows[1]["verdict"]) == ("matches", "scaled")
+    assert rows[1]["fix"].startswith("the gradient matches but the update is 2 = N times")
+    assert "scheduler" in rows[1]["fix"]
+
+
+def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
+    reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
+    twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"))
+    rows = SplitJudge(twice, reference, {}, 2).rows()
+    assert rows[0]["status"] == DIFFERENT_SAMPLES
+    assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
+    assert "not sharded" in rows[0]["fix"]
 
 
 def test_ranks_that_disagree_are_named(tmp_path):

@@ -11,8 +11,9 @@ names a folder; the user's code is not changed. Through torch's global hooks it 
   whole. Rank 0 writes the tensors, one file per step and point, so that at most one
   copy of the gradients is held at a time; every rank writes a fingerprint of them, so
   that ranks that disagree show;
-- every outermost module call with autograd on (``register_module_forward_pre_hook``
-  and a forward hook given the keyword arguments): a fingerprint of each sample, row
+- every outermost call of a module with parameters (a model, not a loss module) with
+  autograd on (``register_module_forward_pre_hook`` and a forward hook given the
+  keyword arguments): a fingerprint of each sample, row
   by row, of its first tensor argument (the tokens its ``attention_mask`` keeps, where
   it has one: padding differs between splits, samples do not), and the tokens its
   ``labels`` count (those not -100);
@@ -297,9 +298,12 @@ class Capture:
     def entering_module(self, _module: nn.Module, _args) -> None:
         self.forward_depth += 1
 
-    def leaving_module(self, _module: nn.Module, args: tuple, kwargs: dict, _result) -> None:
+    def leaving_module(self, module: nn.Module, args: tuple, kwargs: dict, _result) -> None:
         self.forward_depth -= 1
-        if self.forward_depth == 0 and self.recording and torch.is_grad_enabled():
+        # A model, not a loss module (nn.MSELoss holds no parameters): its first argument
+        # is the model's output, whose rounding depends on the batch it came from.
+        if (self.forward_depth == 0 and self.recording and torch.is_grad_enabled()
+                and next(module.parameters(), None) is not None):
             self.saw_batch(args, kwargs)
 
     def saw_batch(self, args: tuple, kwargs: dict) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from harness.check.compare import Comparison, Pair, compare, compare_each, worst_tensors
-from harness.check.fix import Facts, suggest
+from harness.check.fix import Facts, named_value, suggest
 from harness.check.precision import lowest
 from harness.check.precision import name as dtype_name
 from harness.check.script.records import Captured
@@ -93,13 +93,39 @@ def sample_difference(measured: collections.Counter, reference: collections.Coun
     return sum((measured - reference).values()), sum((reference - measured).values())
 
 
+def unsharded_fix(step: int, world_size: int, each: int) -> str:
+    return (f"in step {step} every one of the {world_size} ranks fed the same {each} "
+            "sample(s): the data is not sharded across the ranks (no DistributedSampler, or "
+            "a framework that did not take the run as distributed, e.g. Accelerate on a "
+            "machine without GPUs unless Accelerator(cpu=True)); shard it so that the ranks "
+            "together feed each step's G samples once")
+
+
 def sampler_fix(step: int, extra: int, missing: int, total: int) -> str:
     return (f"step {step} fed {extra} sample(s) the reference's step did not and left out "
             f"{missing} of its {total}: the sampler does not give every split the same global "
             "batch (a per-rank shuffle, a DistributedSampler with drop_last or padding, a "
-            "seed that depends on the rank or on N); give each step the same G samples at "
-            "every split, e.g. DistributedSampler(shuffle=True, seed=0) over a dataset whose "
-            "length N divides")
+            "seed that depends on the rank or on N, a shuffle drawn from the global random "
+            "state); give each step the same G samples at every split, e.g. a seeded "
+            "DataLoader(shuffle=True, generator=torch.Generator().manual_seed(0)) or "
+            "DistributedSampler(shuffle=True, seed=0), over a dataset whose length N divides")
+
+
+def learning_rate_fix(update: Comparison, facts: Facts) -> str:
+    """The optimizer got the reference's gradient, yet its update differs: the step itself
+    (its learning rate) is not the reference's."""
+    if update.verdict is Equivalence.MATCHES:
+        return ""
+    if update.verdict is Equivalence.SCALED:
+        scale = named_value(update.scale, facts.world_size, facts.accum_steps, facts.rtol)
+        return (f"the gradient matches but the update is {scale} times the reference's: the "
+                "learning rate of this step differs, e.g. a scheduler stepped another number "
+                "of times (once per micro-step, or once per rank as Accelerate steps a "
+                "prepared scheduler) or an lr scaled with N or k; step it once per optimizer "
+                "step")
+    return ("the gradient matches but the update does not: the optimizer's state or settings "
+            "differ from the reference's (a scheduler, an lr or weight decay set from N or k, "
+            "state carried from an earlier step)")
 
 
 def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
@@ -174,22 +200,32 @@ class SplitJudge:
     def step_rows(self, step: int, facts: Facts) -> list[dict[str, Any]]:
         ours, theirs = self.measured.samples(step), self.reference.samples(step)
         if ours != theirs:
-            extra, missing = sample_difference(ours, theirs)
-            fix = sampler_fix(step, extra, missing, sum(theirs.values()))
-            return [self.row(step, point, None, fix, DIFFERENT_SAMPLES) for point in POINTS]
+            return [self.row(step, point, None, self.samples_fix(step, ours, theirs),
+                             DIFFERENT_SAMPLES) for point in POINTS]
         dtype = precision(self.measured, self.reference)
         facts.rtol = rtol = tolerance(dtype)
         facts.piece_counts = self.measured.counts(step)
         rows = []
+        grads = None
         for point in POINTS:
             comparison = compared(self.measured, self.reference, step, point, rtol)
             agree = self.measured.ranks_agree(step, point)
-            rows.append(self.row(step, point, comparison, self.fix(point, comparison, facts,
-                                                                   agree), "ok", dtype=dtype,
-                                 agree=agree))
+            fix = (learning_rate_fix(comparison, facts) if point == "params" and grads
+                   is not None and grads.verdict is Equivalence.MATCHES else
+                   self.fix(point, comparison, facts, agree))
+            rows.append(self.row(step, point, comparison, fix, "ok", dtype=dtype, agree=agree))
+            grads = comparison if point == "grad" else grads
             if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
                 facts.gradient_scale = comparison.scale  # what the later rows follow from
         return rows
+
+    def samples_fix(self, step: int, ours: collections.Counter,
+                    theirs: collections.Counter) -> str:
+        each = [collections.Counter(record["samples"]) for record in self.measured.records(step)]
+        if len(each) > 1 and each[0] and all(rank == each[0] for rank in each):
+            return unsharded_fix(step, len(each), sum(each[0].values()))
+        extra, missing = sample_difference(ours, theirs)
+        return sampler_fix(step, extra, missing, sum(theirs.values()))
 
     def fix(self, point: str, comparison: Comparison, facts: Facts,
             agree: bool | None) -> str:
