@@ -6,7 +6,8 @@
 - ``per-rank-shuffle``: each rank shuffles the whole dataset with its own seed;
 - ``never-steps``: forward and backward, but no optimizer step;
 - ``fails-on-rank-1``: rank 1 raises in its first micro-step;
-- ``without-ddp``: N > 1 ranks that never all-reduce.
+- ``without-ddp``: N > 1 ranks that never all-reduce;
+- ``hangs-on-rank-1``: rank 1 waits forever before its first micro-step.
 
 ``--finished FILE`` writes FILE when the loop has run all ``--steps``.
 """
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 CASES = ("sound", "clock-seeded", "per-rank-shuffle", "never-steps", "fails-on-rank-1",
-         "without-ddp")
+         "without-ddp", "hangs-on-rank-1")
 
 
 def arguments() -> argparse.Namespace:
@@ -59,6 +60,8 @@ def main() -> None:
         for micro in range(args.grad_accum):
             if args.case == "fails-on-rank-1" and rank == 1:
                 raise RuntimeError("rank 1 lost its data shard")
+            while args.case == "hangs-on-rank-1" and rank == 1:
+                time.sleep(1)
             last = micro == args.grad_accum - 1
             sync = (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
                     else contextlib.nullcontext())

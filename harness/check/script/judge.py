@@ -191,7 +191,7 @@ class SplitJudge:
     def missing_step(self, step: int) -> str:
         failure = self.measured.run.failure
         if failure is not None:
-            return f"rank {failure.rank}: {failure.line}"
+            return str(failure)
         if not self.measured.stepped:
             return "the script ended without stepping an optimizer"
         return (f"the script ended after {step} optimizer step(s); the reference took "

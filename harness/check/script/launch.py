@@ -30,7 +30,7 @@ from typing import Protocol
 
 from harness.check.script import capture
 from harness.check.script.splits import Split
-from harness.errors import error_file
+from harness.errors import USAGE_EXIT, error_file
 from harness.launcher import STORE_HOST, rank_environment
 from harness.ranks import SETTLE_S, STOP_GRACE_S, describe_exit, error_line
 
@@ -72,9 +72,10 @@ def start_subprocess(command: list[str], environment: dict[str, str], log: Path)
 
 @dataclass(frozen=True)
 class Failure:
-    """The rank that failed first, its exit code (None: stopped at the timeout), its line."""
+    """The rank that failed first (None: the run as a whole, stopped at the timeout), its
+    exit code and its line."""
 
-    rank: int
+    rank: int | None
     exitcode: int | None
     line: str
 
@@ -82,9 +83,10 @@ class Failure:
     def refused(self) -> bool:
         """The command refused its input (exit code 2: an argparse error, the capture's
         refusal of a setup it cannot read)."""
-        from harness.errors import USAGE_EXIT
-
         return self.exitcode == USAGE_EXIT
+
+    def __str__(self) -> str:
+        return self.line if self.rank is None else f"rank {self.rank}: {self.line}"
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ class Launch:
         if all(code == 0 for code in codes):
             return None
         if all(code in (None, 0) for code in codes):  # nobody failed: the deadline passed
-            return Failure(0, None, f"timed out after {self.timeout:g} s (--timeout), still "
+            return Failure(None, None, f"timed out after {self.timeout:g} s (--timeout), still "
                                     "running: a rank waits for another, for input, or trains "
                                     "longer than --steps needs")
         return first_failure(codes, ended, folder)

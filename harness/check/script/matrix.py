@@ -62,9 +62,9 @@ class ScriptCheck:
         failure = captured.run.failure
         where = f"the reference {split.label}"
         if failure is not None and failure.refused:
-            raise UsageError(f"{where}: rank {failure.rank}: {failure.line}")
+            raise UsageError(f"{where}: {failure}")
         if failure is not None:
-            raise ReferenceFailed(f"{where} failed: rank {failure.rank}: {failure.line}")
+            raise ReferenceFailed(f"{where} failed: {failure}")
         if not captured.stepped:
             raise UsageError(f"{where}: the command ended without stepping an optimizer (no "
                              "torch.optim.Optimizer's step() ran in it); allowed: a command "
