@@ -7,7 +7,9 @@
 - ``never-steps``: forward and backward, but no optimizer step;
 - ``fails-on-rank-1``: rank 1 raises in its first micro-step;
 - ``without-ddp``: N > 1 ranks that never all-reduce;
-- ``hangs-on-rank-1``: rank 1 waits forever before its first micro-step.
+- ``hangs-on-rank-1``: rank 1 waits forever before its first micro-step;
+- ``fsdp2``: the sound loop with FSDP2's ``fully_shard`` (per layer, then the model)
+  instead of DDP: the optimizer steps DTensor shards.
 
 ``--finished FILE`` writes FILE when the loop has run all ``--steps``.
 """
@@ -25,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 CASES = ("sound", "clock-seeded", "per-rank-shuffle", "never-steps", "fails-on-rank-1",
-         "without-ddp", "hangs-on-rank-1")
+         "without-ddp", "hangs-on-rank-1", "fsdp2")
 
 
 def arguments() -> argparse.Namespace:
@@ -46,7 +48,14 @@ def main() -> None:
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(time.time_ns() if args.case == "clock-seeded" else 0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
-    if distributed and args.case != "without-ddp":
+    if distributed and args.case == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    elif distributed and args.case != "without-ddp":
         model = DistributedDataParallel(model)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(128, 4, generator=generator, dtype=torch.float64)

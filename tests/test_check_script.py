@@ -190,7 +190,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=("s0", 
         params = {name: params[name] - lr * grad[name] for name in NAMES}
         torch.save(params, capture.tensors_file(folder, step, "params"))
         records.append({"samples": list(samples), "counts": list(counts),
-                        "grad_fingerprint": 1.0, "params_fingerprint": 1.0, "losses": []})
+                        "grad_fingerprint": 1.0, "params_fingerprint": 1.0})
     for rank in range(split.world_size):
         own = [dict(record, samples=record["samples"][rank::split.world_size],
                     grad_fingerprint=(fingerprints or [1.0] * split.world_size)[rank])

@@ -17,7 +17,7 @@ names a folder; the user's code is not changed. Through torch's global hooks it 
   by row, of its first tensor argument (the tokens its ``attention_mask`` keeps, where
   it has one: padding differs between splits, samples do not), and the tokens its
   ``labels`` count (those not -100);
-- every ``backward``: the loss's type and value.
+- every ``backward``: the loss's type.
 
 After step S every rank writes its summary, waits for the others' (so that none is
 still inside a collective of step S), and the process ends with exit code 0
@@ -320,13 +320,13 @@ class Capture:
                 self.dtypes.add(str(torch.get_autocast_dtype(device)))
 
     def saw_backward(self, tensors) -> None:
+        """The type of each loss backpropagated: a float32 loss of a float64 model rounds
+        like float32, and its rows are judged at float32's tolerance."""
         if not self.recording:
             return
         for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors):
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 self.dtypes.add(str(tensor.dtype))
-                if tensor.numel() == 1:
-                    self.current["losses"].append(float(tensor.detach()))
 
     # ------------------------------------------------------------------ steps
     def _first_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -362,7 +362,7 @@ class Capture:
 
     @staticmethod
     def _fresh_record() -> dict[str, Any]:
-        return {"samples": [], "counts": [], "losses": [], "grad_fingerprint": None,
+        return {"samples": [], "counts": [], "grad_fingerprint": None,
                 "params_fingerprint": None}
 
     # ------------------------------------------------------------------ the end
