@@ -42,9 +42,10 @@
 7. script: ``grad-check run`` on a 4-split matrix (1x1,1x4,2x2,4x1 where the machine has
    4 cores, 1x1,1x2,2x1,2x2 where it has 2) of examples/scripts/ddp_loop.py training
    exactly ``--steps`` steps, against the same four commands run bare, one after the
-   other, with torchrun's environment but no capture: wall time of each, alternating,
-   ``--repeat`` times; medians. The check runs the reference twice and stops each run
-   after its steps. Target: at most 1.3x the bare runs.
+   other, with torchrun's environment but no capture: wall time and CPU time (of the
+   processes each starts) of each, alternating, ``--repeat`` times; medians. The check
+   runs the reference twice and stops each run after its steps. Target: at most 1.3x
+   the bare runs.
 
 Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -57,6 +58,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -274,23 +276,37 @@ def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
              "--quiet", "--out", str(scratch / "script"), "--", *command]
     bare = Launch(steps=SCRIPT_STEPS, keep_going=True, timeout=600, capture=False)
 
-    def bare_runs() -> float:
-        start = time.perf_counter()
+    def bare_runs() -> None:
         for split in parse_splits(splits):
             run = bare.run(split, substituted(command, split, SCRIPT_GLOBAL_BATCH),
                            scratch / f"bare-{split.label}")
             if run.failure is not None:
                 sys.exit(f"bench.py: error: the bare run {split.label} failed: "
                          f"{run.failure.line}")
-        return time.perf_counter() - start
 
     os.environ["OMP_NUM_THREADS"] = "1"  # as completed() gives the check's process
-    runs: dict[str, list[float]] = {"bare": [], "check": []}
+    runs: dict[str, list[tuple[float, float]]] = {"bare": [], "check": []}
     for _ in range(repeat):
-        runs["bare"].append(bare_runs())
-        runs["check"].append(timed(check))
-    results = {name: statistics.median(seconds) for name, seconds in runs.items()}
-    return {**results, "ratio": results["check"] / results["bare"], "splits": splits}
+        runs["bare"].append(wall_and_cpu(bare_runs))
+        runs["check"].append(wall_and_cpu(lambda: completed(check)))
+    results = {}
+    for name, measured in runs.items():
+        results[name] = statistics.median(wall for wall, _ in measured)
+        results[f"{name}_cpu"] = statistics.median(cpu for _, cpu in measured)
+    return {**results, "ratio": results["check"] / results["bare"],
+            "cpu_ratio": results["check_cpu"] / results["bare_cpu"], "splits": splits}
+
+
+def wall_and_cpu(work) -> tuple[float, float]:
+    """Seconds ``work()`` takes, and the CPU seconds of the processes it started and
+    waited for (theirs and their own children's): on a machine other work shares, the CPU
+    seconds move less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    work()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def machine() -> str:
@@ -378,12 +394,12 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
         script = timings["script"]
         lines += ["", f"script benchmark: `{SCRIPT_EXAMPLE}`, splits {script['splits']}, "
                   f"G = {SCRIPT_GLOBAL_BATCH}, {SCRIPT_STEPS} steps per run"]
-        lines += table(["run", "wall time", "ratio"], [
+        lines += table(["run", "wall time", "ratio", "CPU time", "CPU ratio"], [
             ["the four commands bare (torchrun's environment, no capture)",
-             f"{script['bare']:.1f} s", "1.00"],
+             f"{script['bare']:.1f} s", "1.00", f"{script['bare_cpu']:.1f} s", "1.00"],
             ["`grad-check run` (reference twice, captured, compared)",
-             f"{script['check']:.1f} s", f"{script['ratio']:.2f}x (target <= 1.3x)"]],
-            right=2)
+             f"{script['check']:.1f} s", f"{script['ratio']:.2f}x (target <= 1.3x)",
+             f"{script['check_cpu']:.1f} s", f"{script['cpu_ratio']:.2f}x"]], right=4)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",

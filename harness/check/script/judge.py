@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,7 +262,7 @@ class SplitJudge:
             "precision": dtype_name(dtype) if dtype is not None else "",
             "reference_noise": self.reference_noise.get((step, point), math.nan),
             "fix": fix, "status": status, "error": error,
-            "command": " ".join(self.measured.run.command),
+            "command": shlex.join(self.measured.run.command),
         }
 
     def error_rows(self, step: int, error: str) -> list[dict[str, Any]]:
