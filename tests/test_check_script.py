@@ -165,6 +165,27 @@ def test_a_model_whose_part_holds_every_parameter_keeps_its_own_names():
         assert capture.owner(list(model.parameters())) is model
 
 
+def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
+    """Lightning hands step() a closure that runs the last micro-step's backward (and the
+    clipping): the optimizer receives the gradient the closure leaves, not the one
+    before it."""
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+
+    def closure():
+        model(x).sum().backward()
+        return None
+
+    seen = capture.Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    args, kwargs = seen.before_step(optimizer, (optimizer, closure), {})
+    assert not list(tmp_path.glob("step0.grad.pt"))  # nothing read before the closure ran
+    args[1]()
+    written = torch.load(capture.tensors_file(tmp_path, 0, "grad"))
+    assert torch.equal(written["weight"], model.weight.grad)
+    assert written["weight"].abs().sum() > 0
+
+
 # ---------------------------------------------------------------- rows from captures
 NAMES = ("w", "b")
 
@@ -270,6 +291,14 @@ def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
     assert rows[0]["status"] == DIFFERENT_SAMPLES
     assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
     assert "not sharded" in rows[0]["fix"]
+
+
+def test_a_sample_fed_twice_is_another_set_of_samples(tmp_path):
+    """A sampler that pads a rank's share with a repeat feeds the same distinct samples
+    and one too many: counted with repeats, they are not the reference's."""
+    rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s1", "s1", "s1"))
+    assert rows[0]["status"] == DIFFERENT_SAMPLES
+    assert rows[0]["fix"].startswith("step 0 fed 2 sample(s) the reference's step did not")
 
 
 def test_ranks_that_disagree_are_named(tmp_path):
