@@ -343,9 +343,8 @@ class Capture:
         self.names = [by_id.get(id(p), f"param_groups.{g}.{i}")
                       for g, group in enumerate(optimizer.param_groups)
                       for i, p in enumerate(group["params"])]
+        # What a fix is read from besides the tensors (harness/check/fix.py: Facts).
         self.facts = {
-            "optimizer": type(optimizer).__name__,
-            "model": type(model).__name__ if model is not None else "",
             "batchnorm": sorted(stripped(n) for n in batchnorm_tensors(model)) if model else [],
             "dropout": [stripped(name) for name, module in (model.named_modules() if model
                                                             else ())
