@@ -39,7 +39,7 @@ DESCRIPTION = textwrap.dedent("""\
     Each split is compared with the reference split (run twice: it must repeat itself).
 
     placeholders, substituted in COMMAND at each split:
-    """) + "\n".join(f"  {{{name}}}  {meaning}" for name, meaning in PLACEHOLDERS.items())
+    """) + "\n".join(f"  {{{name}}}".ljust(18) + meaning for name, meaning in PLACEHOLDERS.items())
 EPILOG = textwrap.dedent("""\
     examples:
       python scripts/check.py run --global-batch 16 -- \\
