@@ -55,7 +55,7 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def _rank_environment(error_dir: str, nproc: int, port: int) -> dict[str, str]:
+def rank_environment(error_dir: str, nproc: int, port: int) -> dict[str, str]:
     """What every rank gets: the harness importable (by what the rank starts too), one
     thread each, the error folder, and torchrun's variables but the rank's own."""
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -86,7 +86,7 @@ class Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _stopped_by_sigterm() -> Iterator[None]:
+def stopped_by_sigterm() -> Iterator[None]:
     """SIGTERM raises :class:`Stopped` inside, so that the ranks are stopped before the
     launcher exits (from the main thread only, where Python runs signal handlers)."""
     if threading.current_thread() is not threading.main_thread():
@@ -115,13 +115,13 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
     ranks_argv = strip_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
-        environment = _rank_environment(error_dir, nproc, store.port)
+        environment = rank_environment(error_dir, nproc, store.port)
         # Here too, before the fork server starts: OpenMP reads its variable when torch
         # loads it, and the launcher's own checks ask whether a launcher speaks for them.
         os.environ.update({name: environment[name]
                            for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)})
         try:
-            with _stopped_by_sigterm():
+            with stopped_by_sigterm():
                 failure = run_ranks(nproc, _rank, lambda rank: (
                     module, ranks_argv, Surroundings({**os.environ, **environment,
                                                       "RANK": str(rank), "LOCAL_RANK": str(rank)},

@@ -2,7 +2,7 @@
 
     python scripts/bench.py                 # everything, 3 repetitions, N = 4
     python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm |
-                                            # check | frameworks
+                                            # check | frameworks | script
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
@@ -41,6 +41,14 @@
    untimed, then ``--repeat`` times timed (between barriers, rank 0's clock); medians.
    Target: each framework's case <= 1.5x the ddp case.
 
+7. script: ``grad-check run`` on a 4-split matrix (1x1,1x4,2x2,4x1 where the machine has
+   4 cores, 1x1,1x2,2x1,2x2 where it has 2) of examples/scripts/ddp_loop.py training
+   exactly ``--steps`` steps, against the same four commands run bare, one after the
+   other, with torchrun's environment but no capture: wall time and CPU time (of the
+   processes each starts) of each, alternating, ``--repeat`` times; medians. The check
+   runs the reference twice and stops each run after its steps. Target: at most 1.3x
+   the bare runs.
+
 Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
 ``--repeat`` runs; the machine is described in the output.
@@ -52,6 +60,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -256,6 +265,64 @@ def bench_frameworks(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
             for name, seconds in times.items()}
 
 
+#: The script benchmark: the example, its global batch and its steps.
+SCRIPT_EXAMPLE, SCRIPT_GLOBAL_BATCH, SCRIPT_STEPS = "examples/scripts/ddp_loop.py", 16, 2
+
+
+def script_splits() -> str:
+    """The issue's 4-split matrix where the machine has the cores for 4 ranks; else the
+    same shape at N <= 2."""
+    from harness.launcher import usable_cores
+
+    return "1x1,1x4,2x2,4x1" if usable_cores() >= 4 else "1x1,1x2,2x1,2x2"
+
+
+def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
+    """Seconds of ``grad-check run`` on the matrix and of its four commands run bare."""
+    from harness.check.script.launch import Launch
+    from harness.check.script.splits import parse_splits, substituted
+
+    splits = script_splits()
+    command = [sys.executable, str(ROOT / SCRIPT_EXAMPLE), "--batch-size", "{batch}",
+               "--grad-accum", "{accum}", "--steps", str(SCRIPT_STEPS)]
+    check = [sys.executable, str(ROOT / "scripts" / "check.py"), "run", "--global-batch",
+             str(SCRIPT_GLOBAL_BATCH), "--splits", splits, "--steps", str(SCRIPT_STEPS),
+             "--quiet", "--out", str(scratch / "script"), "--", *command]
+    bare = Launch(steps=SCRIPT_STEPS, keep_going=True, timeout=600, capture=False)
+
+    def bare_runs() -> None:
+        for split in parse_splits(splits):
+            run = bare.run(split, substituted(command, split, SCRIPT_GLOBAL_BATCH),
+                           scratch / f"bare-{split.label}")
+            if run.failure is not None:
+                sys.exit(f"bench.py: error: the bare run {split.label} failed: "
+                         f"{run.failure.line}")
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # as completed() gives the check's process
+    runs: dict[str, list[tuple[float, float]]] = {"bare": [], "check": []}
+    for _ in range(repeat):
+        runs["bare"].append(wall_and_cpu(bare_runs))
+        runs["check"].append(wall_and_cpu(lambda: completed(check)))
+    results = {}
+    for name, measured in runs.items():
+        results[name] = statistics.median(wall for wall, _ in measured)
+        results[f"{name}_cpu"] = statistics.median(cpu for _, cpu in measured)
+    return {**results, "ratio": results["check"] / results["bare"],
+            "cpu_ratio": results["check_cpu"] / results["bare_cpu"], "splits": splits}
+
+
+def wall_and_cpu(work) -> tuple[float, float]:
+    """Seconds ``work()`` takes, and the CPU seconds of the processes it started and
+    waited for (theirs and their own children's): on a machine other work shares, the CPU
+    seconds move less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    work()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def machine() -> str:
     cpus = os.cpu_count()
     import torch
@@ -340,6 +407,16 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
                        [[name if name == "ddp" else f"`--frameworks {name}`",
                          f"{entry['seconds']:.3f} s", f"{entry['ratio']:.2f}x"]
                         for name, entry in timings["frameworks"].items()], right=2)
+    if "script" in timings:
+        script = timings["script"]
+        lines += ["", f"script benchmark: `{SCRIPT_EXAMPLE}`, splits {script['splits']}, "
+                  f"G = {SCRIPT_GLOBAL_BATCH}, {SCRIPT_STEPS} steps per run"]
+        lines += table(["run", "wall time", "ratio", "CPU time", "CPU ratio"], [
+            ["the four commands bare (torchrun's environment, no capture)",
+             f"{script['bare']:.1f} s", "1.00", f"{script['bare_cpu']:.1f} s", "1.00"],
+            ["`grad-check run` (reference twice, captured, compared)",
+             f"{script['check']:.1f} s", f"{script['ratio']:.2f}x (target <= 1.3x)",
+             f"{script['check_cpu']:.1f} s", f"{script['cpu_ratio']:.2f}x"]], right=4)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
@@ -356,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per measurement; the median is reported (default: 3)")
     parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check",
-                                           "frameworks"),
-                        help="run one benchmark instead of all six")
+                                           "frameworks", "script"),
+                        help="run one benchmark instead of all seven")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1:
@@ -374,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             timings["check"] = bench_check(args.repeat, Path(scratch))
         if args.only in (None, "frameworks"):
             timings["frameworks"] = bench_frameworks(args.repeat, Path(scratch))
+        if args.only in (None, "script"):
+            timings["script"] = bench_script(args.repeat, Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.nproc, args.repeat, Path(scratch))
     print(markdown(args.nproc, args.repeat, timings))

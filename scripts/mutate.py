@@ -95,6 +95,14 @@ MUTATIONS = (
     Mutation("trainer-counts-unshifted", "harness/frameworks/fixes.py",
              "int(labels[..., 1:].ne(IGNORE).sum())", "int(labels.ne(IGNORE).sum())",
              ("tests/test_frameworks_fixes.py",)),
+    Mutation("script-samples-as-a-set", "harness/check/script/judge.py",
+             "if ours != theirs:", "if set(ours) != set(theirs):",
+             ("tests/test_check_script.py::test_a_sample_fed_twice_is_another_set_of_samples",)),
+    Mutation("script-gradients-before-closure", "harness/check/script/capture.py",
+             "        if closure is None:\n            self.read_gradients()",
+             "        self.read_gradients()\n        if closure is None:",
+             ("tests/test_check_script.py::test_a_step_given_a_closure_is_read_once_the_closure_"
+              "has_run",)),
 )
 
 

@@ -51,6 +51,10 @@ class Facts:
     #: of every later row of the case that this scale alone does not explain (an adaptive
     #: optimizer such as Adam turns it into updates no single scale describes).
     gradient_scale: float | None = None
+    #: What each of the window's N x k micro-batches counted, where a run saw it (e.g. its
+    #: labelled tokens): a loss that divides each micro-batch by its own count weighs
+    #: micro-batches of different counts unequally, which no single scale explains.
+    piece_counts: tuple[int, ...] = ()
 
 
 def batchnorm_tensors(model: nn.Module) -> set[str]:
@@ -110,6 +114,8 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
         return ("the ranks hold different values after DDP's all-reduce: something skips or "
                 "changes the reduction on some ranks (a comm hook, a parameter only some ranks "
                 "use, a gradient edited after backward); compare the ranks' gradients")
+    if len(set(facts.piece_counts)) > 1:
+        return window_count_fix(facts.piece_counts)
     if facts.loss_combination is not None:
         combination = facts.loss_combination()
         if combination is Combination.NEITHER:
@@ -119,6 +125,15 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
                     "(times N under DDP/FSDP)")
     return ("no single scale explains it: something in the worst tensors' computation "
             "depends on how the batch is split")
+
+
+def window_count_fix(counts: tuple[int, ...]) -> str:
+    """Micro-batches of different counts: divide by the window's count, named."""
+    shown = ", ".join(map(str, counts[:8])) + (", ..." if len(counts) > 8 else "")
+    return (f"normalize by the window's token count: its micro-batches hold {shown} tokens "
+            f"({sum(counts)} in all), and a loss that divides each by its own count weighs "
+            "them unequally; sum the per-token losses and divide by the count of the whole "
+            "window (times N under DDP/FSDP, which average the ranks)")
 
 
 def buffers_fix(comparison: Comparison, facts: Facts) -> str:

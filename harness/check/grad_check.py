@@ -141,6 +141,10 @@ def _launch_from_environment() -> Launch:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # grad-check run -- COMMAND: a script of the user's own
+        from harness.check.script.grad_check_run import main as run_main
+
+        return run_main(argv[1:])
     leader = leader_from_environment()
     try:
         args = build_parser().parse_args(argv)

@@ -13,13 +13,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.check.script.schema import DIFFERENT_SAMPLES
+
 #: ``--fail-on`` value -> the verdicts that fail the run. A case that errors (its step
-#: raised, or its loss went NaN) always fails: nothing was checked.
+#: raised, or its loss went NaN) always fails: nothing was checked; so does a row in
+#: :data:`UNJUDGED`.
 FAIL_ON = {
     "error": frozenset(),
     "differs": frozenset({"differs"}),
     "scaled": frozenset({"differs", "scaled"}),
 }
+#: Statuses of rows that could not be judged, which fail the run as an error does
+#: (script.csv: a split's step fed other samples than the reference's).
+UNJUDGED = frozenset({DIFFERENT_SAMPLES})
 #: A pure scale is sometimes meant (a summed loss with the learning rate divided to
 #: match), and the params rows then say whether it is compensated; a difference no
 #: scale explains never is.
@@ -29,6 +35,8 @@ SHOWN_CASES = 5
 
 
 def _case(row: dict[str, Any]) -> str:
+    if "split" in row:  # a script's row (``grad-check run``: script.csv)
+        return f"split {row['split']} (N={row['world_size']} k={row['accum_steps']})"
     # A strategy's row (check.csv), or a framework's (``--frameworks``: frameworks.csv).
     how = row.get("strategy") or f"{row['framework']} {row['setting']}"
     return f"{row['setup']} {how} N={row['world_size']} k={row['accum_steps']}"
@@ -49,6 +57,8 @@ def failing_cases(rows: Sequence[dict[str, Any]], fail_on: str) -> dict[str, str
         where = f"step {row['step']}" if "step" in row else "the step"
         if row["status"] == "error":
             why = f"{where}: {row['error']}"
+        elif row["status"] in UNJUDGED:
+            why = f"{where}: {row['status']}"
         elif _verdict(row) in verdicts:
             why = f"{where} {row['point']} {_verdict(row)}"
         else:

@@ -47,17 +47,24 @@ def tables_text(tables: Sequence[Table]) -> str:
 
 
 def schema_parts() -> dict[str, DocPart]:
-    """``columns:common``, ``columns:<study>`` for every study, ``columns:check``."""
+    """``columns:common``, ``columns:<study>`` for every study, ``columns:check``,
+    ``columns:script``."""
     parts: dict[str, DocPart] = {
         "columns:common": lambda _: column_table((*LEADING_COLUMNS, *TRAILING_COLUMNS))}
     for study in STUDY_PACKAGES:
         parts[f"columns:{study}"] = lambda _, study=study: tables_text(study_tables(study))
     parts["columns:check"] = lambda _: column_table(_check_columns())
+    parts["columns:script"] = lambda _: column_table(_script_columns())
     return parts
 
 
 def _check_columns() -> tuple[Column, ...]:
     from harness.check.schema import COLUMNS
+    return COLUMNS
+
+
+def _script_columns() -> tuple[Column, ...]:
+    from harness.check.script.schema import COLUMNS
     return COLUMNS
 
 

@@ -1,0 +1,17 @@
+"""``grad-check run -- COMMAND...``: check the training script you already have.
+
+The command runs once per split of one global batch G into N ranks x k micro-steps
+(``{batch}``, ``{accum}``, ``{nproc}`` and ``{global_batch}`` substituted in it), each
+rank a real process with torchrun's environment. A capture module, loaded before the
+script by a startup hook (``startup/sitecustomize.py``), records what every optimizer
+step receives and leaves behind; the launcher process compares the splits with a
+reference split using the check's engine (harness/check/compare.py, fix.py).
+
+- ``splits.py``: the splits and the command's placeholders;
+- ``config.py``: the run's settings, refusing bad values;
+- ``launch.py``: one run of the command on N ranks, and its first failure in one line;
+- ``capture.py``: what runs inside the user's processes;
+- ``records.py``: a run's capture, read back;
+- ``judge.py``: rows from the captures (same data, determinism, verdicts, fixes);
+- ``schema.py``: the columns of ``script.csv``; ``cli.py``: the command line.
+"""

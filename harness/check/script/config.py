@@ -1,0 +1,98 @@
+"""The settings of one ``grad-check run``, as a dataclass that refuses bad values itself.
+
+Everything that can be refused before the command first runs is refused here: the
+splits, the global batch, the placeholders, the command's program, the machine's cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
+from harness.check.script.splits import (
+    Split,
+    check_divides,
+    check_placeholders,
+    substituted,
+)
+from harness.errors import UsageError
+from harness.options import check_known, check_timeout
+
+CSV_NAME = "script.csv"
+#: Optimizer steps compared per split: enough for a second step to show what the first
+#: one's update did to the next gradient; more only costs time.
+DEFAULT_STEPS = 2
+#: Steps beyond this would only make a check slow: every step's tensors are kept on disk.
+MAX_STEPS = 100
+
+
+@dataclass(frozen=True)
+class ScriptConfig:
+    #: The user's command, with placeholders, as given after ``--``.
+    command: tuple[str, ...]
+    #: G: samples per optimizer step, the same at every split.
+    global_batch: int
+    splits: tuple[Split, ...]
+    reference: Split = Split(1, 1)
+    steps: int = DEFAULT_STEPS
+    #: Let the script run to its end after the captured steps, instead of stopping it.
+    keep_going: bool = False
+    out: Path = Path("check-results")
+    fail_on: str = DEFAULT_FAIL_ON
+    #: Seconds one run of the command may take before it is stopped as hung.
+    timeout: float = 300.0
+    quiet: bool = False
+    #: CPU cores this process may use (a rank per core at most).
+    cores: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError("no command after --; allowed: grad-check run [options] -- "
+                             "python train.py --batch-size {batch} --grad-accum {accum}")
+        if self.global_batch < 1:
+            raise UsageError(f"--global-batch {self.global_batch} is not allowed; allowed: "
+                             "integers >= 1")
+        for split in self.splits:
+            check_divides(split, self.global_batch, "--splits")
+        check_divides(self.reference, self.global_batch, "--reference")
+        for split in self.runs:
+            if split.world_size > self.cores:
+                raise UsageError(f"split {split.label} starts {split.world_size} ranks on this "
+                                 f"machine, which has {self.cores} CPU core(s) for them; "
+                                 f"allowed: N <= {self.cores}")
+        check_placeholders(self.command, self.runs)
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise UsageError(f"--steps {self.steps} is not allowed; allowed: 1..{MAX_STEPS}")
+        check_timeout(self.timeout)
+        check_known("--fail-on", [self.fail_on], tuple(FAIL_ON))
+        check_program(self.command)
+
+    @property
+    def runs(self) -> tuple[Split, ...]:
+        """The reference, then every other split, each once."""
+        return (self.reference, *(split for split in self.splits if split != self.reference))
+
+    def command_of(self, split: Split) -> list[str]:
+        return substituted(self.command, split, self.global_batch)
+
+
+def check_program(command: tuple[str, ...]) -> None:
+    """The program must exist; and where it is a Python interpreter given a script, the
+    script too: either would otherwise fail only once the reference runs, in a
+    traceback of the interpreter's rather than in one line."""
+    program = command[0]
+    if shutil.which(program) is None:
+        raise UsageError(f"the command {program!r} is not found (not on PATH, or not an "
+                         "executable file); allowed: a program such as python, e.g. -- "
+                         "python train.py --batch-size {batch}")
+    script = next((argument for argument in command[1:] if not argument.startswith("-")),
+                  None)
+    is_python = os.path.basename(program).startswith("python")
+    if (is_python and script is not None and script.endswith(".py")
+            and command[command.index(script) - 1] not in ("-m", "-c")
+            and not Path(script).is_file()):
+        raise UsageError(f"the script {script!r} is not found (from {os.getcwd()}); allowed: "
+                         "a path to the training script, from the current folder")

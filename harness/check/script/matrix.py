@@ -1,0 +1,72 @@
+"""Every run of one ``grad-check run``: the reference twice, then each other split once.
+
+The reference runs first, so that a command that fails, refuses its arguments, never
+steps an optimizer or is not deterministic is said in one line before any other split
+runs. A split that is the reference itself is judged from the reference's second run
+(its rows say how far two runs of the same split are apart). Captures live in a
+temporary folder, removed at the end.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.check.script.config import ScriptConfig
+from harness.check.script.judge import SplitJudge, check_deterministic
+from harness.check.script.launch import Launch
+from harness.check.script.records import Captured
+from harness.check.script.splits import Split
+from harness.errors import UsageError
+
+
+class ReferenceFailed(Exception):
+    """The reference's run failed: there is nothing to compare with (one line)."""
+
+
+class ScriptCheck:
+    def __init__(self, config: ScriptConfig, launch: Launch,
+                 say: Callable[[str], None] = lambda _: None) -> None:
+        self.config, self.launch, self.say = config, launch, say
+
+    def rows(self) -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory(prefix="grad-check-run-") as scratch:
+            return self._rows(Path(scratch))
+
+    def _rows(self, scratch: Path) -> list[dict[str, Any]]:
+        reference = self.config.reference
+        first = self.reference_run(scratch / "reference-1", 1)
+        again = self.reference_run(scratch / "reference-2", 2)
+        noise = check_deterministic(first, again)
+        rows: list[dict[str, Any]] = []
+        for split in self.config.splits:
+            measured = again if split == reference else self.run(split, scratch / split.label,
+                                                                 "split")
+            rows += SplitJudge(measured, first, noise, self.config.global_batch).rows()
+        return rows
+
+    def run(self, split: Split, folder: Path, what: str, attempt: str = "") -> Captured:
+        command = self.config.command_of(split)
+        self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
+                 f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
+                 f"{shlex.join(command)}")
+        return Captured.read(self.launch.run(split, command, folder))
+
+    def reference_run(self, folder: Path, attempt: int) -> Captured:
+        """One of the reference's two runs; its failure ends the check."""
+        split = self.config.reference
+        captured = self.run(split, folder, "reference", f", run {attempt} of 2")
+        failure = captured.run.failure
+        where = f"the reference {split.label}"
+        if failure is not None and failure.refused:
+            raise UsageError(f"{where}: {failure}")
+        if failure is not None:
+            raise ReferenceFailed(f"{where} failed: {failure}")
+        if not captured.stepped:
+            raise UsageError(f"{where}: the command ended without stepping an optimizer (no "
+                             "torch.optim.Optimizer's step() ran in it); allowed: a command "
+                             "that trains for at least one step, e.g. python train.py")
+        return captured
