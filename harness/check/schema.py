@@ -2,44 +2,34 @@
 
 from __future__ import annotations
 
-from harness.columns import (
-    ACCUM_STEPS,
-    ERROR,
-    FIX,
-    PRECISION,
-    RESIDUAL,
-    SCALE,
-    VERDICT,
-    WORLD_SIZE,
-    WORST_TENSORS,
-    Column,
-)
+from harness import columns as shared
+from harness.columns import Column
 
 COLUMNS: tuple[Column, ...] = (
     Column("setup", "", "the Setup's name (the factory's name when it gives none)"),
     Column("strategy", "`local`, `ddp`, `fsdp`",
            "one process playing the N ranks in turn, DistributedDataParallel, or FSDP2's "
            "`fully_shard`"),
-    WORLD_SIZE,
-    ACCUM_STEPS,
+    shared.WORLD_SIZE,
+    shared.ACCUM_STEPS,
     Column("step", "steps", "optimizer step compared, from 0 (each on its own global batch)"),
     Column("point", "`grad`, `params`, `buffers`",
            "what is compared: `param.grad` right before `optimizer.step()`, the parameters "
            "right after it, or the buffers (models with some), both as updates from where "
            "the reference started the step; buffers each on their own at scale 1, integer "
            "ones (counters) exactly"),
-    VERDICT,
-    SCALE,
-    RESIDUAL,
-    WORST_TENSORS,
+    shared.VERDICT,
+    shared.SCALE,
+    shared.RESIDUAL,
+    shared.WORST_TENSORS,
     Column("ranks_agree", "`True`, `False`, empty",
            "DDP: whether every rank held the same gradients (`grad`) or parameters "
            "(`params`), as DDP promises; where they differ, each rank's own tensors were "
            "compared. Empty for `local` and `fsdp`, whose ranks are not meant to, and for "
            "`buffers`"),
-    FIX,
+    shared.FIX,
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
-    PRECISION,
+    shared.PRECISION,
     Column("autocast_residual", "ratio",
            "setups with `Setup.autocast`: the residual of the step as run under autocast "
            "(the autocast precision's rounding, plus any difference of the split). Each such "
@@ -48,7 +38,7 @@ COLUMNS: tuple[Column, ...] = (
            "says so), since a low precision's tolerance must not hide a split that "
            "full precision shows; empty without autocast"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),
-    ERROR.described("the exception of a case that failed (`Type: first sentence`), "
+    shared.ERROR.described("the exception of a case that failed (`Type: first sentence`), "
                    "or where its loss or gradient first held a NaN or an infinity"),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.check.setup import make_optimizer
+from harness.frameworks import registry
 from harness.frameworks.capture import (
     StepCapture,
     parameter_grads,
@@ -34,21 +35,14 @@ from harness.frameworks.capture import (
     watch_step,
 )
 from harness.frameworks.data import rank_micro_batches
-from harness.frameworks.registry import (
-    DEFAULT,
-    Applied,
-    Framework,
-    Job,
-    Setting,
-    micro_loss,
-)
+from harness.frameworks.registry import Applied, Framework, Job, Setting
 
 #: The settings users change, each named for what it changes (``zero1``: the ZeRO stage).
 #: ZeRO 1 and 2 refuse an optimizer DeepSpeed has not tested (the setup's SGD) unless
 #: told to allow it: part of what those settings pass.
 UNTESTED = {"zero_allow_untested_optimizer": True}
 SETTINGS = (
-    Setting(DEFAULT, core=True),
+    Setting(registry.DEFAULT, core=True),
     Setting("gradient_clipping=0", {"gradient_clipping": 0.0}, core=True),
     Setting("zero1", {"zero_optimization": {"stage": 1}, **UNTESTED}, core=True),
     Setting("zero2", {"zero_optimization": {"stage": 2}, **UNTESTED}, core=True),
@@ -117,7 +111,7 @@ def train(job: Job) -> Applied:
                                       lr_scheduler=scheduler)
     _watch(engine, model, job.capture, _stage(config))
     for index, batch in enumerate(rank_micro_batches(job, dist.get_rank())):
-        engine.backward(micro_loss(job, engine, batch, index))
+        engine.backward(registry.micro_loss(job, engine, batch, index))
         engine.step()
     clip = engine.gradient_clipping()
     engine.destroy()

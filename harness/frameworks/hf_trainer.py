@@ -39,22 +39,14 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.setup import make_optimizer
+from harness.frameworks import registry
 from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
 from harness.frameworks.data import Samples, data_set
-from harness.frameworks.registry import (
-    DEFAULT,
-    Applied,
-    Framework,
-    Job,
-    Setting,
-    before_step,
-    call,
-    micro_loss,
-)
+from harness.frameworks.registry import Applied, Framework, Job, Setting
 from harness.tolerances import check_tolerance, close
 
 SETTINGS = (
-    Setting(DEFAULT, core=True),
+    Setting(registry.DEFAULT, core=True),
     Setting("max_grad_norm=0", {"max_grad_norm": 0.0}, core=True),
     Setting("average_tokens_across_devices=False", {"average_tokens_across_devices": False}),
 )
@@ -107,7 +99,7 @@ class SetupLoss(nn.Module):
     def forward(self, **inputs):
         batch = inputs["batch"] if set(inputs) == {"batch"} else inputs
         index, self.micro_steps = self.micro_steps, self.micro_steps + 1
-        return {"loss": micro_loss(self.job, self.model, batch, index)}
+        return {"loss": registry.micro_loss(self.job, self.model, batch, index)}
 
 
 class _Collate(Samples):
@@ -151,7 +143,7 @@ def _callback(job: Job):
         def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None,
                                   **kwargs):
             last_micro_step = (state.global_step + 1) * job.accum_steps - 1
-            before_step(job, model, optimizer, last_micro_step)
+            registry.before_step(job, model, optimizer, last_micro_step)
 
     return BeforeStep()
 
@@ -215,7 +207,7 @@ def train(job: Job) -> Applied:
                  else "a constant scheduler")
     how = ("" if as_is else ", the model wrapped to return {'loss': setup.loss(...)}")
     passed = tuple(counts[:job.accum_steps]) or None
-    return Applied(f"{call('TrainingArguments', shown)}, Trainer(optimizers=(optimizer, "
+    return Applied(f"{registry.call('TrainingArguments', shown)}, Trainer(optimizers=(optimizer, "
                    f"{scheduler}), data in order){how}", clip=args.max_grad_norm or None,
                    counts_passed=passed,
                    count_ignored=(count_ignored(job, job.model(), passed[0]) if passed

@@ -17,22 +17,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from harness.check.setup import make_optimizer
+from harness.frameworks import registry
 from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
 from harness.frameworks.data import Samples, data_set
-from harness.frameworks.registry import (
-    DEFAULT,
-    Applied,
-    Code,
-    Framework,
-    Job,
-    Setting,
-    before_step,
-    call,
-    micro_loss,
-)
+from harness.frameworks.registry import Applied, Code, Framework, Job, Setting
 
 #: Lightning clips only with ``gradient_clip_val``, which is None by default.
-SETTINGS = (Setting(DEFAULT, core=True),)
+SETTINGS = (Setting(registry.DEFAULT, core=True),)
 #: Lightning's loggers announce devices, strategies and hints on every fit.
 QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
@@ -100,12 +91,12 @@ def _module(job: Job):
 
         def training_step(self, batch, batch_idx):
             self.micro_steps = batch_idx
-            return micro_loss(job, self.model, batch, batch_idx)
+            return registry.micro_loss(job, self.model, batch, batch_idx)
 
         def on_before_optimizer_step(self, optimizer):
             # After the window's last backward, before Lightning's clip (none by default)
             # and the step: where the setup's before_step belongs.
-            before_step(job, self.trainer.strategy.model, optimizer, self.micro_steps)
+            registry.before_step(job, self.trainer.strategy.model, optimizer, self.micro_steps)
 
         def configure_optimizers(self):
             optimizer = make_optimizer(job.setup, self.model.parameters())
@@ -148,7 +139,7 @@ def train(job: Job) -> Applied:
     shown = {**arguments, "strategy": Code(f'DDPStrategy(cluster_environment=<the launch\'s '
                                            f'ranks>, process_group_backend='
                                            f'"{dist.get_backend()}")')}
-    return Applied(call("Trainer", shown) + ", DataLoader(sampler=DistributedSampler("
+    return Applied(registry.call("Trainer", shown) + ", DataLoader(sampler=DistributedSampler("
                    "shuffle=False))")
 
 

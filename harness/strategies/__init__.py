@@ -102,6 +102,19 @@ def _one_process_ms(world_size: int) -> float:
     return 1.0 + 0.75 * world_size
 
 
+def _on_a_subgroup(name: str) -> dict[str, Any]:
+    """The spec's fields of a strategy whose case of world size N runs collectively on the
+    subgroup of ranks 0..N-1, read from its module's ``measure_step``, ``Trainer`` and
+    ``CheckCase``: a case's step, a trainer and a user's step, each on that subgroup."""
+    return {"collective": True, "step_ms": _gloo_or_collective_ms,
+            "syncs": ("every-micro-step", "no_sync"),
+            "measure": lambda spec, n, run: _module(name).measure_step(spec, run.group(n),
+                                                                       run.device),
+            "trainer": lambda module, n, run: _module(name).Trainer(module, run.group(n),
+                                                                    run.device),
+            "check_case": lambda: _module(name).CheckCase}
+
+
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("local", "one process (local)",
              "one process, no reduction: the single-device reference",
@@ -113,25 +126,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
                                "accumulation without communication"),
     Strategy("ddp", "DDP",
              "torch.nn.parallel.DistributedDataParallel over a process subgroup",
-             collective=True, step_ms=_gloo_or_collective_ms,
-             syncs=("every-micro-step", "no_sync"),
-             measure=lambda spec, k, run: _module("ddp").measure_step(spec, run.group(k),
-                                                                      run.device),
-             trainer=lambda module, k, run: _module("ddp").DDPTrainer(module, run.group(k),
-                                                                      run.device),
-             check_case=lambda: _module("ddp").DDPCheckCase,
+             **_on_a_subgroup("ddp"),
              check_description="DistributedDataParallel on ranks 0..N-1, no_sync for the "
                                "first k-1 micro-steps"),
     Strategy("fsdp", "FSDP",
              "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
-             collective=True, step_ms=_gloo_or_collective_ms, sharded=True,
-             syncs=("every-micro-step", "no_sync"),
-             unavailable=lambda k, run: _module("fsdp").unavailable_reason(run.placement),
-             measure=lambda spec, k, run: _module("fsdp").measure_step(spec, run.group(k),
-                                                                       run.device),
-             trainer=lambda module, k, run: _module("fsdp").FSDPTrainer(module, run.group(k),
-                                                                        run.device),
-             check_case=lambda: _module("fsdp").FSDPCheckCase,
+             **_on_a_subgroup("fsdp"), sharded=True,
+             unavailable=lambda n, run: _module("fsdp").unavailable_reason(run.placement),
              check_description="FSDP2 fully_shard on ranks 0..N-1; each rank compares its "
                                "own shard"),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",

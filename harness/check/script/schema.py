@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-from harness.columns import (
-    ACCUM_STEPS,
-    ERROR,
-    FIX,
-    PRECISION,
-    RESIDUAL,
-    SCALE,
-    VERDICT,
-    WORLD_SIZE,
-    WORST_TENSORS,
-    Column,
-)
+from harness import columns as shared
+from harness.columns import Column
 
 #: A row's status where its step could not be judged: the split's step fed other samples.
 DIFFERENT_SAMPLES = "different samples"
 
 COLUMNS: tuple[Column, ...] = (
     Column("split", "`NxK`", "N ranks x k micro-steps per optimizer step"),
-    WORLD_SIZE.described("N: ranks the command ran on (processes with torchrun's variables; "
+    shared.WORLD_SIZE.described("N: ranks the command ran on (processes with torchrun's variables; "
                          "1: one plain process)"),
-    ACCUM_STEPS.described("k: micro-steps per optimizer step, the command's `{accum}`"),
+    shared.ACCUM_STEPS.described("k: micro-steps per optimizer step, the command's `{accum}`"),
     Column("micro_batch", "samples", "b = G / (N*k): samples per rank and micro-step, the "
            "command's `{batch}`"),
     Column("reference", "`NxK`", "the split every other is compared with (`--reference`); "
@@ -33,25 +23,25 @@ COLUMNS: tuple[Column, ...] = (
            "what is compared: the gradients the optimizer received (after the script's "
            "clipping or unscaling), or the parameters after its step, as updates from where "
            "the reference started the step"),
-    VERDICT.described("against the reference split's step: the same, a pure multiple s of "
+    shared.VERDICT.described("against the reference split's step: the same, a pure multiple s of "
                       "it, or no multiple; empty where the row could not be judged"),
-    SCALE,
-    RESIDUAL,
-    WORST_TENSORS,
+    shared.SCALE,
+    shared.RESIDUAL,
+    shared.WORST_TENSORS,
     Column("ranks_agree", "`True`, `False`, empty",
            "whether every rank held the same tensors at that point (sampled fingerprints); "
            "empty at N = 1"),
-    PRECISION.described("the lowest floating type the reference's and the split's runs "
+    shared.PRECISION.described("the lowest floating type the reference's and the split's runs "
                         "used (parameters, gradients, losses, autocast): the row's tolerance "
                         "is that type's"),
     Column("reference_noise", "ratio",
            "`||second - first|| / ||second||` of the reference's two runs at this step and "
            "point: what rerunning the same split moves"),
-    FIX,
+    shared.FIX,
     Column("status", "", f"`ok`, `{DIFFERENT_SAMPLES}` (the split's step fed other samples "
            "than the reference's: its fix names the sampler, and no verdict is given), or "
            "`error`"),
-    ERROR.described("why the split's run gave no capture of the step: the failing rank and "
+    shared.ERROR.described("why the split's run gave no capture of the step: the failing rank and "
                     "its line (`rank 1: Type: first sentence`), else empty"),
     Column("command", "text", "the command as run at this split, placeholders substituted"),
 )
