@@ -134,12 +134,18 @@ def make_cpu_scaler_setup() -> Setup:
                  grad_scaler=True)
 
 
+def make_bad_grad_scaler_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 grad_scaler=1)
+
+
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="refused on CPU only")
 
 
 @pytest.mark.parametrize(("factory", "words"), [
     ("make_bad_before_step_setup", ["Setup.before_step=3 is a int", "a function, or None"]),
     ("make_bad_autocast_setup", ["Setup.autocast='bf16' is not allowed", "torch.bfloat16"]),
+    ("make_bad_grad_scaler_setup", ["Setup.grad_scaler=1 is a int", "True or False"]),
     pytest.param("make_fp16_setup", ["Setup.autocast=torch.float16 cannot run on cpu"],
                  marks=needs_no_cuda),
     pytest.param("make_cpu_scaler_setup", ["Setup.grad_scaler=True needs CUDA"],
@@ -154,6 +160,7 @@ def test_bad_step_fields_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_
     assert f"test_check_step:{factory}" in err
     for word in words:
         assert word in err, err
+    assert err.count("; allowed") == 1, err  # what is allowed, said once
     assert not out.exists()
 
 

@@ -50,8 +50,11 @@ def called(function, what: str) -> Any:
     try:
         return function()
     except (Exception, SystemExit) as error:  # noqa: BLE001 -- the user's code failing
-        raise UsageError(f"{what} failed: {type(error).__name__}: {error}; allowed: code "
-                         "that runs on this machine as it is") from None
+        # An error that already names what is allowed (a Setup field of the wrong type)
+        # says it once.
+        allowed = "" if "allowed:" in str(error) else ("; allowed: code that runs on this "
+                                                        "machine as it is")
+        raise UsageError(f"{what} failed: {type(error).__name__}: {error}{allowed}") from None
 
 
 def load_setup(target: str) -> Setup:
