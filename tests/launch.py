@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,8 @@ def _environment(env: dict | None) -> dict[str, str]:
 
 
 class ForkedPython:
-    """``python <argv>`` (a script or ``-m module``) in a child forked from this process.
+    """``python <argv>`` (a script, ``-m module`` or ``-c code``) in a child forked from this
+    process.
 
     Behaves like the ``subprocess.Popen`` of that command for what the tests use:
     ``args``, ``poll``, ``wait``, ``terminate``, ``kill`` and ``returncode``.
@@ -92,10 +94,12 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         os.environ.update(env)
         _use_the_parents_fork_server()
         os.chdir(ROOT)
-        sys.argv = list(argv[2:] if argv[0] == "-m" else argv)
+        sys.argv = list(argv[2:] if argv[0] in ("-m", "-c") else argv)
         if argv[0] == "-m":
             sys.argv.insert(0, argv[1])
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            _run_code_as_main(argv[1])
         else:
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
@@ -110,6 +114,15 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr.flush()
         # Skip the test process's exit handlers (pytest's, xdist's): they belong to the parent.
         os._exit(code)
+
+
+def _run_code_as_main(code: str) -> None:
+    """``python -c code``: the code runs in a ``__main__`` of its own without a file (as a
+    notebook's or stdin's does), which no other process can import."""
+    sys.argv.insert(0, "-c")
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    exec(compile(code, "<string>", "exec"), main.__dict__)
 
 
 def _start_the_fork_server() -> None:

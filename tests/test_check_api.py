@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from examples import mlp
 from harness.check import Setup, assert_matches, check
 from harness.check.schema import COLUMN_NAMES
 from harness.errors import UsageError
+from tests.launch import run_python
 
 SUM_SETUP = "examples.mlp:make_sum_setup"
 
@@ -95,10 +98,132 @@ def test_bad_options_are_refused(options, words):
         check(mlp.make_setup, **options)
 
 
-def test_a_setup_the_ranks_cannot_receive_is_refused_before_any_rank_starts():
-    with pytest.raises(UsageError, match="cannot be sent to the ranks"):
-        check(lambda: mlp.make_setup(), strategies=["ddp"], world_sizes=(2,))
+def make_locked_setup(calls: list[str]) -> Setup:
+    """A Setup whose loss holds a lock: no pickler sends a lock to another process."""
+    lock = threading.Lock()
+
+    def loss(model, data):
+        calls.append("loss")
+        with lock:
+            return mlp.mean_loss(model, data)
+
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=loss, name="locked")
+
+
+def test_a_setup_the_ranks_cannot_receive_is_refused_before_anything_runs():
+    calls: list[str] = []
+    with pytest.raises(UsageError, match=r"^setup examples.mlp:make_model cannot be sent "
+                                         r"to the ranks \(TypeError: cannot pickle "
+                                         r"'_thread.lock' object\); allowed: "):
+        check(make_locked_setup(calls), strategies=["local", "ddp"], world_sizes=(2,),
+              accum_steps=(1,))
+    assert calls == []  # not even the local cases ran
     assert multiprocessing.active_children() == []
+
+
+#: ``python -c``: a setup of lambdas and functions of a ``__main__`` that has no file, as
+#: in a notebook; plain pickle would send them by a name no rank can look up.
+FILELESS_MAIN = """
+import torch
+from torch import nn
+from harness.check import Setup, check
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 1)
+
+def batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+
+rows = check(Setup(make_model=make_model, batch=batch,
+                   loss=lambda model, data: nn.functional.mse_loss(model(data[0]), data[1])),
+             strategies=["ddp"], world_sizes=(2,), accum_steps=(2,))
+print(rows["verdict"].tolist(), rows["setup"].tolist())
+"""
+
+
+@pytest.mark.launches(seconds=6)
+def test_a_setup_of_a_main_without_a_file_runs_on_the_ranks():
+    done = run_python([sys.executable, "-c", FILELESS_MAIN])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == ("['matches', 'matches'] "
+                                                    "['make_model', 'make_model']")
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+UNGUARDED_SCRIPT = """from examples import mlp
+from harness.check import check
+
+rows = check(mlp.make_setup, strategies=["local", "ddp"], world_sizes=(2,), accum_steps=(1,))
+print(rows)
+"""
+
+
+@pytest.mark.launches(seconds=2)
+def test_an_unguarded_script_is_refused_naming_the_guard_before_anything_runs(tmp_path):
+    script = tmp_path / "my_check.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = run_python([sys.executable, str(script)], timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback") == 1, done.stderr  # the script's own, no rank's
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"harness.errors.UsageError: {script}:4 calls check() with ddp outside "
+        "'if __name__ == \"__main__\":', and each rank imports the calling script again (as "
+        "multiprocessing does), which would call it again; allowed: a script whose top-level "
+        "code is under 'if __name__ == \"__main__\":'")
+    assert done.stdout == ""  # not even the local cases ran
+
+
+def test_a_call_while_a_rank_imports_the_calling_script_is_refused_naming_the_guard(
+        monkeypatch):
+    # What each rank sees where the calling script could not be read to find its guard.
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True,
+                        raising=False)
+    with pytest.raises(UsageError, match="outside 'if __name__ == \"__main__\":'"):
+        check(mlp.make_setup, strategies=["ddp"], world_sizes=(2,))
+
+
+def _rebuilt_elsewhere() -> None:
+    raise RuntimeError("this object lives only in the process that made it")
+
+
+class OnlyHere:
+    """Pickles, but cannot be unpickled: as a module a rank cannot import."""
+
+    def __reduce__(self):
+        return _rebuilt_elsewhere, ()
+
+
+def make_model_holding(_held: object):
+    return mlp.make_model()
+
+
+@pytest.mark.launches(seconds=4)
+def test_a_rank_that_fails_before_its_first_case_says_why():
+    setup = Setup(make_model=functools.partial(make_model_holding, OnlyHere()), batch=mlp.batch,
+                  loss=mlp.mean_loss, name="only-here")
+    with pytest.raises(RuntimeError, match=r"^grad-check rank [01] failed: RuntimeError: this "
+                                           r"object lives only in the process that made it$"):
+        check(setup, strategies=["ddp"], world_sizes=(2,), accum_steps=(1,))
+    assert multiprocessing.active_children() == []
+
+
+def test_a_scheduler_that_needs_a_metric_is_refused_before_anything_runs():
+    calls: list[str] = []
+
+    def loss(model, data):
+        calls.append("loss")
+        return mlp.mean_loss(model, data)
+
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=loss,
+                  make_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, name="plateau")
+    with pytest.raises(UsageError, match=r"^examples.mlp:make_model: make_scheduler\(\) "
+                                         r"returned a ReduceLROnPlateau, whose step\(\) needs "
+                                         r"'metrics', .*; allowed: a scheduler whose step\(\) "
+                                         r"takes no argument"):
+        check(setup, strategies=["local"], world_sizes=(2,), accum_steps=(2,))
+    assert calls == []
 
 
 @pytest.mark.launches(seconds=15)

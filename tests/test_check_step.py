@@ -135,6 +135,11 @@ def make_cpu_scaler_setup() -> Setup:
                  grad_scaler=True)
 
 
+def make_plateau_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 make_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 def make_bad_grad_scaler_setup() -> Setup:
     return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
                  grad_scaler=1)
@@ -147,6 +152,8 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="refused on
     ("make_bad_before_step_setup", ["Setup.before_step=3 is a int", "a function, or None"]),
     ("make_bad_autocast_setup", ["Setup.autocast='bf16' is not allowed", "torch.bfloat16"]),
     ("make_bad_grad_scaler_setup", ["Setup.grad_scaler=1 is a int", "True or False"]),
+    ("make_plateau_setup", ["make_scheduler() returned a ReduceLROnPlateau, whose step() "
+                            "needs 'metrics'", "a scheduler whose step() takes no argument"]),
 ])
 def test_bad_step_fields_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_path,
                                                                     factory, words):
