@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, INTERRUPTED_LINE, USAGE_EXIT
+from harness.errors import (
+    ERROR_DIR_VARIABLE,
+    INTERRUPTED_EXIT,
+    INTERRUPTED_LINE,
+    USAGE_EXIT,
+    record_error,
+)
 from harness.failure import STOPPED_EXIT, killed_in_case
 from harness.ranks import Failure, Surroundings, describe_exit, detach_from_launcher, run_ranks
 
@@ -78,7 +84,13 @@ def _rank(module: str, argv: list[str], surroundings) -> None:
     # The fork server's OpenMP read its variable when it loaded torch, maybe another value.
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except Exception as error:  # noqa: BLE001 -- what the command did not say itself
+        # Its line, not a traceback: the launcher names every rank's failure in one line
+        # (a line the command recorded already is kept).
+        record_error(int(os.environ["RANK"]), f"{type(error).__name__}: {error}")
+        sys.exit(1)
 
 
 class Stopped(Exception):

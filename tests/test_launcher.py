@@ -1,5 +1,6 @@
 """``study.py --nproc N``: the harness starts its own ranks, and a failure is one line."""
 
+import os
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pandas as pd
 import pytest
 
 import harness.launcher as launcher
+from harness.errors import ERROR_DIR_VARIABLE
 from harness.launcher import strip_nproc
 from tests.launch import ROOT, run_python
 
@@ -89,3 +91,22 @@ def test_bad_nproc(nproc, message, tmp_path):
 def test_strip_nproc_leaves_every_other_flag():
     assert strip_nproc(["--nproc", "4", "--studies", "x", "--nproc=2", "--quiet"]) == [
         "--studies", "x", "--quiet"]
+
+
+@pytest.fixture
+def launcher_environment(monkeypatch):
+    """What launch_ranks sets in the launcher's environment, restored afterwards."""
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.launches(seconds=2)
+def test_a_rank_that_fails_before_its_command_runs_says_why(launcher_environment, capfd):
+    code = launcher.launch_ranks(1, [], "x.py", module="tests.no_such_module")
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err.strip().splitlines() == [
+        "x.py: error: rank 0 failed: ImportError: No module named tests.no_such_module"], err
