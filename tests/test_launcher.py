@@ -94,13 +94,17 @@ def test_strip_nproc_leaves_every_other_flag():
 
 
 @pytest.fixture
-def launcher_environment(monkeypatch):
-    """What launch_ranks sets in the launcher's environment, restored afterwards."""
-    for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE):
-        if name in os.environ:
-            monkeypatch.setenv(name, os.environ[name])
+def launcher_environment():
+    """What launch_ranks sets in the launcher's environment, restored afterwards (set or
+    not: with the error folder set, every later command here would think itself a rank)."""
+    saved = {name: os.environ.get(name)
+             for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
         else:
-            monkeypatch.delenv(name, raising=False)
+            os.environ[name] = value
 
 
 @pytest.mark.launches(seconds=2)
