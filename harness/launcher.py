@@ -37,7 +37,14 @@ from harness.errors import (
     record_error,
 )
 from harness.failure import STOPPED_EXIT, killed_in_case
-from harness.ranks import Failure, Surroundings, describe_exit, detach_from_launcher, run_ranks
+from harness.ranks import (
+    Failure,
+    Surroundings,
+    describe_exit,
+    describe_hang,
+    detach_from_launcher,
+    run_ranks,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the fork server imports before it forks the ranks: torch, what DDP imports on first
@@ -116,13 +123,15 @@ def _stopped_by_sigterm() -> Iterator[None]:
 
 
 def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
-                 name_rank_of_bad_input: bool = True) -> int:
+                 name_rank_of_bad_input: bool = True, timeout: float | None = None) -> int:
     """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2,
     130 (interrupted) or 143 (SIGTERM).
 
     ``name_rank_of_bad_input=False``: bad input that only the ranks can find (e.g. the
     check's randomness in a user's loss) is reported as the launcher-side checks report
     theirs, without a rank number: it is the input's fault, not the rank's.
+    ``timeout``: the ranks' ``--timeout``, after which a rank that makes no progress hung
+    (harness/ranks.py).
     """
     store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
     ranks_argv = strip_nproc(argv)
@@ -137,7 +146,8 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
                 failure = run_ranks(nproc, _rank, lambda rank: (
                     module, ranks_argv, Surroundings({**os.environ, **environment,
                                                       "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                                     os.getcwd())), Path(error_dir), PRELOADED)
+                                                     os.getcwd())),
+                    Path(error_dir), PRELOADED, timeout)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
@@ -145,16 +155,21 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
             print(f"{prog}: stopped by SIGTERM", file=sys.stderr)
             return STOPPED_EXIT
         return 0 if failure is None else _said(failure, prog, Path(error_dir),
-                                               name_rank_of_bad_input)
+                                               name_rank_of_bad_input, timeout)
 
 
-def _said(failure: Failure, prog: str, error_dir: Path, name_rank_of_bad_input: bool) -> int:
+def _said(failure: Failure, prog: str, error_dir: Path, name_rank_of_bad_input: bool,
+          timeout: float | None = None) -> int:
     """The one line a failed launch ends with; its exit code."""
     # By its code, or by its line: a rank stopped while it was exiting has neither its own
     # code nor any other.
     if INTERRUPTED_EXIT in failure.exitcodes or failure.line == INTERRUPTED_LINE:
         print(f"{prog}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    if failure.hung:
+        hung_in = killed_in_case(error_dir, failure.hung[0])
+        print(f"{prog}: error: {describe_hang(failure, timeout, hung_in)}", file=sys.stderr)
+        return 1
     usage = failure.exitcode == USAGE_EXIT
     if usage and failure.line and not name_rank_of_bad_input:
         print(f"{prog}: error: {failure.line}", file=sys.stderr)

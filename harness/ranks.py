@@ -12,6 +12,12 @@ is the one that came first: the rank whose line is the oldest, or a rank that ha
 without a line before anyone was stopped (a signal: SIGKILL, the out-of-memory killer).
 The ranks a failure brings down (a collective that lost its peer) fail after it, so
 their lines are younger, whichever of them exits first.
+
+A rank that hangs (in the user's code, say) fails nothing itself: the ranks waiting for
+it in a collective time out and fail, and are its victims, not the cause. When the first
+failure is such a timeout, the ranks still running once the other victims have given up
+too are the ones named: they hung. So are ranks still running ``timeout`` seconds after
+another finished (each rank ends right after the launch's last collective).
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from harness.errors import error_file
+from harness.errors import error_file, timed_out_in_collective
 from harness.failure import case_file
 
 #: Seconds the other ranks get to end by themselves once one has failed (a rank that lost
@@ -80,6 +86,9 @@ class Failure:
     exitcode: int
     line: str
     exitcodes: tuple[int, ...] = ()
+    #: The ranks that hung: made no progress while ``rank`` timed out waiting for them in
+    #: a collective (its line says so), or once the others had finished (``line`` empty).
+    hung: tuple[int, ...] = ()
 
 
 def error_line(folder: Path, rank: int) -> str:
@@ -91,9 +100,12 @@ def error_line(folder: Path, rank: int) -> str:
 
 
 def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
-              folder: Path, preload: Sequence[str]) -> Failure | None:
+              folder: Path, preload: Sequence[str],
+              timeout: float | None = None) -> Failure | None:
     """``target(*args_of(rank))`` on ranks 0..nproc-1, each a process forked from the fork
     server; None once all of them exit with 0, else the first failure (the others stopped).
+    ``timeout``: the seconds the ranks' collectives wait, after which a rank still running
+    while the others have given up on it, or have finished, hung (None: not known).
 
     A KeyboardInterrupt here (Ctrl-C) stops the ranks and goes on to the caller.
     """
@@ -105,24 +117,56 @@ def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], 
     try:
         for process in ranks:
             process.start()
-        return _watch(ranks, folder)
+        return _watch(ranks, folder, timeout)
     finally:
         stop(ranks)
 
 
-def _watch(ranks: list, folder: Path) -> Failure | None:
+def _watch(ranks: list, folder: Path, timeout: float | None) -> Failure | None:
     running = list(ranks)
+    finished_at: float | None = None  # when the first rank ended with 0
     while running:
-        wait([process.sentinel for process in running])
+        wait([process.sentinel for process in running],
+             timeout=None if finished_at is None or timeout is None
+             else max(0.0, finished_at + timeout - time.monotonic()))
         running = [process for process in running if process.exitcode is None]
         if any(process.exitcode for process in ranks):
-            _settle(running)
-            # Ended by themselves, before anyone was stopped (whenever their ends were
-            # seen: a rank's end reaches the fork server's parent a moment after it).
-            died = {rank for rank, process in enumerate(ranks) if process.exitcode}
+            return _failed(ranks, running, folder, timeout)
+        if running and finished_at is None:
+            finished_at = time.monotonic()
+        elif running and timeout is not None and time.monotonic() >= finished_at + timeout:
+            hung = tuple(rank for rank, process in enumerate(ranks) if process.exitcode is None)
             stop(ranks)
-            return _first_failure(ranks, died, folder)
+            return Failure(hung[0], ranks[hung[0]].exitcode, "",
+                           tuple(process.exitcode for process in ranks), hung)
     return None
+
+
+def _failed(ranks: list, running: list, folder: Path, timeout: float | None) -> Failure:
+    """The first failure, once a rank has failed; every rank stopped."""
+    _settle(running)
+    # Ended by themselves, before anyone was stopped (whenever their ends were seen: a
+    # rank's end reaches the fork server's parent a moment after it).
+    died = {rank for rank, process in enumerate(ranks) if process.exitcode}
+    hung = _hung(ranks, _first_failure(ranks, died, folder), timeout)
+    stop(ranks)
+    return replace(_first_failure(ranks, died, folder), hung=hung)
+
+
+def _hung(ranks: list, first: Failure, timeout: float | None) -> tuple[int, ...]:
+    """The ranks that hung, when ``first`` timed out waiting in a collective: those still
+    running once every other rank waiting has given up too, each within ``timeout`` of
+    now, its wait having begun before. A rank left running alone waits for nobody (a
+    collective fails at once on a peer that is gone): it hung. () when ``first`` failed
+    for a reason of its own."""
+    if not timed_out_in_collective(first.line):
+        return ()
+    running = [process for process in ranks if process.exitcode is None]
+    deadline = time.monotonic() + (timeout or 0.0)
+    while len(running) > 1 and (left := deadline - time.monotonic()) > 0:
+        wait([process.sentinel for process in running], timeout=left)
+        running = [process for process in running if process.exitcode is None]
+    return tuple(rank for rank, process in enumerate(ranks) if process.exitcode is None)
 
 
 def _settle(running: list) -> None:
@@ -175,6 +219,20 @@ def detach_from_launcher() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def describe_hang(failure: Failure, timeout: float | None, case_id: str = "") -> str:
+    """``rank 1 hung: no progress for 10 s (rank 0 timed out waiting for it in a
+    collective)``: the hung ranks, the wait and who gave up on them (and the case the
+    first hung rank was in, where known)."""
+    many = len(failure.hung) > 1
+    who = (f"ranks {', '.join(map(str, failure.hung))}" if many
+           else f"rank {failure.hung[0]}")
+    where = f" in case {case_id}" if case_id else ""
+    waited = f": no progress for {timeout:g} s" if timeout is not None else ""
+    why = (f"rank {failure.rank} timed out waiting for {'them' if many else 'it'} in a "
+           "collective" if failure.line else "the other ranks had finished")
+    return f"{who} hung{where}{waited} ({why})"
 
 
 def describe_exit(exitcode: int, case_id: str = "") -> str:

@@ -22,6 +22,8 @@ from examples import mlp
 from harness.check import Setup, assert_matches, check
 from harness.check.schema import COLUMN_NAMES
 from harness.errors import UsageError
+from tests import check_setups
+from tests.distributed import returning_within
 from tests.launch import run_python
 
 SUM_SETUP = "examples.mlp:make_sum_setup"
@@ -245,3 +247,24 @@ def test_a_rank_that_dies_is_named_and_the_others_are_stopped(tmp_path):
     pid = int((tmp_path / "rank0.pid").read_text())
     with pytest.raises(ProcessLookupError):  # rank 0 was waiting for rank 1: stopped
         os.kill(pid, 0)
+
+
+#: --timeout of the hang tests: each waits this long for the rank that hangs.
+HANG_TIMEOUT_S = 3
+#: What a hang may cost beyond the timeout: the rank that gave up exits, the others get
+#: a second to end by themselves, the rank that hung is stopped.
+HANG_GRACE_S = 6
+
+
+@pytest.mark.launches(seconds=10)
+def test_a_rank_that_hangs_is_named_and_every_rank_stopped_soon_after_the_timeout(tmp_path):
+    with returning_within(60), pytest.raises(RuntimeError) as raised:
+        check(functools.partial(check_setups.make_hanging_setup, str(tmp_path)),
+              strategies=["ddp"], world_sizes=(2,), accum_steps=(1,), timeout=HANG_TIMEOUT_S)
+    hung_for = time.time() - (tmp_path / "hung.pid").stat().st_mtime
+    assert str(raised.value) == ("grad-check rank 1 hung: no progress for 3 s (rank 0 timed "
+                                 "out waiting for it in a collective)")
+    assert hung_for < HANG_TIMEOUT_S + HANG_GRACE_S, hung_for
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ProcessLookupError):  # the rank that hung was stopped too
+        os.kill(int((tmp_path / "hung.pid").read_text()), 0)

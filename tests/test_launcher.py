@@ -114,3 +114,15 @@ def test_a_rank_that_fails_before_its_command_runs_says_why(launcher_environment
     assert code == 1
     assert err.strip().splitlines() == [
         "x.py: error: rank 0 failed: ImportError: No module named tests.no_such_module"], err
+
+
+@pytest.mark.launches(seconds=8)
+def test_a_rank_that_hangs_is_named_with_its_case_not_the_rank_that_waited_for_it(tmp_path):
+    case = "reduction/strategy=ddp/world_size=2/model=mlp/loss_reduction=sum"
+    done = study("--nproc", "2", "--studies", "seed001,reduction", "--strategies", "ddp",
+                 "--out", str(tmp_path / "out"), "--quiet", "--no-report", "--timeout", "3",
+                 env={"HARNESS_FAULT": f"rank=1,case={case},mode=hang"})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"study.py: error: rank 1 hung in case {case}: no progress for 3 s (rank 0 timed out "
+        "waiting for it in a collective)"), done.stderr

@@ -48,7 +48,7 @@ from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError, error_file
 from harness.launch import Launch, choose_placement
-from harness.ranks import Failure, describe_exit, run_ranks
+from harness.ranks import Failure, describe_exit, describe_hang, run_ranks
 from harness.strategies import STRATEGIES
 
 #: What ``setup`` may be: see the module's docstring.
@@ -188,14 +188,16 @@ def _on_ranks(data: bytes, config: CheckConfig,
     with tempfile.TemporaryDirectory(prefix="grad-check-") as folder:
         failure = run_ranks(nproc, _rank_main,
                             lambda rank: (rank, nproc, folder, data, config, sizes),
-                            Path(folder), PRELOADED)
+                            Path(folder), PRELOADED, config.timeout)
         if failure is not None:
-            raise _failure(failure, Path(folder))
+            raise _failure(failure, Path(folder), config.timeout)
         with open(Path(folder) / ROWS_FILE, "rb") as rows:
             return pickle.load(rows)
 
 
-def _failure(failure: Failure, folder: Path) -> Exception:
+def _failure(failure: Failure, folder: Path, timeout: float) -> Exception:
+    if failure.hung:
+        return RuntimeError(f"grad-check {describe_hang(failure, timeout)}")
     if failure.exitcode == USAGE_EXIT and failure.line.startswith(BAD_INPUT):
         return UsageError(failure.line.removeprefix(BAD_INPUT))
     if not failure.line and not _started(folder, failure.rank):

@@ -166,7 +166,7 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     if not config.quiet:
         print(f"{PROG}: starting {nproc} rank(s)", flush=True)
     code = launch_ranks(nproc, argv, PROG, module="harness.check",
-                        name_rank_of_bad_input=False)
+                        name_rank_of_bad_input=False, timeout=config.timeout)
     if code != 0:
         return code
     return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG)

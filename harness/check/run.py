@@ -44,7 +44,7 @@ from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.check.strategies import CaseModel, case_model, merged, not_finite_message
-from harness.errors import UsageError, first_sentence
+from harness.errors import UsageError, first_sentence, timed_out_in_collective
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.strategies import STRATEGIES
@@ -205,6 +205,8 @@ class SetupCheck:
             return self._rows(case, [(error.step, point, None, None, "", "error", str(error))
                                      for point in self.points])
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
+            if timed_out_in_collective(f"{type(error).__name__}: {error}"):
+                raise  # another rank hung: no later case can run, the launch names it
             return self._rows(case, [(0, point, None, None, "", "error", first_sentence(error))
                                      for point in self.points])
         return self._rows(case, measured)
