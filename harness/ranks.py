@@ -18,6 +18,13 @@ it in a collective time out and fail, and are its victims, not the cause. When t
 failure is such a timeout, the ranks still running once the other victims have given up
 too are the ones named: they hung. So are ranks still running ``timeout`` seconds after
 another finished (each rank ends right after the launch's last collective).
+
+A launcher killed outright (SIGKILL, the out-of-memory killer) can stop nobody, so every
+rank watches it: each holds the read end of a pipe whose write end only the launcher
+holds, and exits at once, writing nothing more, when the pipe says the launcher is gone.
+(The fork server alone would not do: every rank it forks holds the descriptor whose end
+would tell the server that its launcher is gone, so the server outlives the launcher as
+long as one rank does; each rank lets go of it.)
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +53,9 @@ SETTLE_S = 1.0
 STOP_GRACE_S = 2.0
 #: ``prctl`` option: the signal a process gets when its parent dies (Linux).
 _PR_SET_PDEATHSIG = 1
+#: Exit code of a rank whose launcher is gone (nobody reads it: 128 + SIGKILL, as if the
+#: launcher's death had taken the rank along).
+LAUNCHER_GONE_EXIT = 128 + signal.SIGKILL
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,57 @@ class _ReceivedSurroundings:
         os.chdir(self.cwd)
         for fd, received in zip((1, 2), self.streams, strict=True):
             os.dup2(received.detach(), fd)
+
+
+class LauncherWatch:
+    """The read end of the pipe by which a rank sees its launcher go: nothing is ever
+    written to it, and it reads end-of-file once no process holds the write end, which
+    only the launcher does (the kernel closes it however the launcher ends)."""
+
+    def __init__(self, read_fd: int) -> None:
+        self.read_fd = read_fd
+
+    def __reduce__(self):
+        # Sent to the rank as a descriptor, as Surroundings sends its streams.
+        return (_ReceivedWatch, (reduction.DupFd(self.read_fd),))
+
+
+class _ReceivedWatch:
+    def __init__(self, received) -> None:
+        self.received = received
+
+    def start(self) -> None:
+        """In the rank: exit at once when the launcher is gone, whatever the rank does then
+        (a thread of its own reads the pipe while the main thread computes or waits)."""
+        threading.Thread(target=_exit_when_closed, args=(self.received.detach(),),
+                         name="launcher-watch", daemon=True).start()
+
+
+def _exit_when_closed(read_fd: int) -> None:
+    while os.read(read_fd, 1):
+        pass
+    os._exit(LAUNCHER_GONE_EXIT)  # no cleanup, no result: the launcher cannot read it
+
+
+def _rank_entry(watch: _ReceivedWatch, target: Callable[..., None], *args: object) -> None:
+    """A rank, in the process the fork server forked: watch the launcher, let go of the
+    fork server's liveness descriptor, then ``target(*args)``."""
+    watch.start()
+    _release_the_fork_server()
+    target(*args)
+
+
+def _release_the_fork_server() -> None:
+    """Close the rank's copy of the descriptor by which the fork server sees its launcher
+    alive: with it, the server would wait for this rank rather than end with the launcher.
+    (A fork server this rank asks for later is one of its own.)"""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 @dataclass(frozen=True)
@@ -111,15 +173,23 @@ def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], 
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
+    read_fd, write_fd = os.pipe()  # not inherited by what this process execs
+    watch = LauncherWatch(read_fd)
     # Not daemons: a rank may start processes of its own (a DataLoader's workers).
-    ranks = [context.Process(target=target, args=args_of(rank), name=f"rank {rank}")
+    ranks = [context.Process(target=_rank_entry, args=(watch, target, *args_of(rank)),
+                             name=f"rank {rank}")
              for rank in range(nproc)]
     try:
         for process in ranks:
             process.start()
+        os.close(read_fd)  # every rank has its own copy now
+        read_fd = -1
         return _watch(ranks, folder, timeout)
     finally:
         stop(ranks)
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _watch(ranks: list, folder: Path, timeout: float | None) -> Failure | None:
@@ -214,7 +284,8 @@ def stop(ranks: list) -> None:
 def detach_from_launcher() -> None:
     """In a rank: a session of its own, as torchrun gives its ranks (Ctrl-C at the terminal
     reaches the launcher alone, which stops the ranks), and death with the fork server,
-    which ends with the launcher (a launcher killed outright leaves no rank behind)."""
+    which ends with the launcher (the rank watches the launcher itself too:
+    :class:`LauncherWatch`)."""
     os.setsid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):

@@ -89,3 +89,21 @@ def make_hanging_setup(pid_folder: str | None = None) -> Setup:
         return _mse(model, data)
 
     return Setup(make_model=_linear, batch=_samples(8), loss=loss, name="hangs-on-rank-1")
+
+
+#: Where each rank of :func:`make_sleeping_setup` leaves its pid.
+SLEEP_PID_DIR = "HARNESS_TEST_SLEEP_PID_DIR"
+
+
+def make_sleeping_setup() -> Setup:
+    """The loss, except on the ranks (where a process group exists), which leave their pid
+    in $HARNESS_TEST_SLEEP_PID_DIR and sleep for a minute first: a launch caught mid-run."""
+    def loss(model: nn.Module, data) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            Path(os.environ[SLEEP_PID_DIR], f"{os.getpid()}.pid").touch()
+            time.sleep(60)
+        return _mse(model, data)
+
+    return Setup(make_model=_linear, batch=_samples(8), loss=loss, name="sleeps-on-the-ranks")

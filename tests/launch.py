@@ -92,6 +92,7 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # read from TMPDIR again, as a fresh interpreter does
         _use_the_parents_fork_server()
         os.chdir(ROOT)
         sys.argv = list(argv[2:] if argv[0] in ("-m", "-c") else argv)
