@@ -123,7 +123,8 @@ def _stopped_by_sigterm() -> Iterator[None]:
 
 
 def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
-                 name_rank_of_bad_input: bool = True, timeout: float | None = None) -> int:
+                 name_rank_of_bad_input: bool = True, timeout: float | None = None,
+                 cwd: str | None = None) -> int:
     """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2,
     130 (interrupted) or 143 (SIGTERM).
 
@@ -131,7 +132,9 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     check's randomness in a user's loss) is reported as the launcher-side checks report
     theirs, without a rank number: it is the input's fault, not the rank's.
     ``timeout``: the ranks' ``--timeout``, after which a rank that makes no progress hung
-    (harness/ranks.py).
+    (harness/ranks.py). ``cwd``: the folder the ranks start in (default: this process's):
+    the one the command started in, whatever folder the launcher's own checks of the
+    user's code moved it to.
     """
     store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
     ranks_argv = strip_nproc(argv)
@@ -147,7 +150,7 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
                     module, ranks_argv, Surroundings({**os.environ, **environment,
                                                       "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                                      os.getcwd())),
-                    Path(error_dir), PRELOADED, timeout)
+                    Path(error_dir), PRELOADED, timeout, cwd)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT

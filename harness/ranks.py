@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import reduction
 from multiprocessing.connection import wait
@@ -51,6 +51,9 @@ from harness.failure import case_file
 SETTLE_S = 1.0
 #: Seconds a rank told to stop (SIGTERM) gets before it is killed.
 STOP_GRACE_S = 2.0
+#: The folder holding this harness: the fork server imports the harness from there, the
+#: one this process runs, not whichever its own path would find first.
+HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
 #: ``prctl`` option: the signal a process gets when its parent dies (Linux).
 _PR_SET_PDEATHSIG = 1
 #: Exit code of a rank whose launcher is gone (nobody reads it: 128 + SIGKILL, as if the
@@ -162,15 +165,54 @@ def error_line(folder: Path, rank: int) -> str:
 
 
 def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
-              folder: Path, preload: Sequence[str],
-              timeout: float | None = None) -> Failure | None:
+              folder: Path, preload: Sequence[str], timeout: float | None = None,
+              cwd: str | None = None) -> Failure | None:
     """``target(*args_of(rank))`` on ranks 0..nproc-1, each a process forked from the fork
     server; None once all of them exit with 0, else the first failure (the others stopped).
     ``timeout``: the seconds the ranks' collectives wait, after which a rank still running
     while the others have given up on it, or have finished, hung (None: not known).
+    ``cwd``: the folder the ranks start in, and the fork server if this call starts it
+    (default: this process's); this process works there until they end.
 
     A KeyboardInterrupt here (Ctrl-C) stops the ranks and goes on to the caller.
     """
+    with working_in(cwd or os.getcwd()), _importing_this_harness():
+        return _run_ranks(nproc, target, args_of, folder, preload, timeout)
+
+
+@contextlib.contextmanager
+def working_in(folder: str) -> Iterator[None]:
+    """This process in ``folder`` inside, back where it was after: multiprocessing starts a
+    process where its parent works (a rank: in its preparation; the fork server: with its
+    relative entries of ``sys.path``)."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
+def _importing_this_harness() -> Iterator[None]:
+    """PYTHONPATH led by :data:`HARNESS_ROOT` inside: a fork server started now takes this
+    process's environment, not its ``sys.path``, so that it imports the same harness
+    whatever folder it starts in (a checkout that is not installed, or installed from
+    elsewhere)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HARNESS_ROOT, *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
+               folder: Path, preload: Sequence[str],
+               timeout: float | None) -> Failure | None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
     read_fd, write_fd = os.pipe()  # not inherited by what this process execs

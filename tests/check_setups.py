@@ -107,3 +107,14 @@ def make_sleeping_setup() -> Setup:
         return _mse(model, data)
 
     return Setup(make_model=_linear, batch=_samples(8), loss=loss, name="sleeps-on-the-ranks")
+
+
+#: The folder :func:`make_wandering_setup` moves into.
+WANDER_DIR = "HARNESS_TEST_WANDER_DIR"
+
+
+def make_wandering_setup() -> Setup:
+    """A factory that moves the process into $HARNESS_TEST_WANDER_DIR, as one that goes
+    where its data lies does."""
+    os.chdir(os.environ[WANDER_DIR])
+    return Setup(make_model=_linear, batch=_samples(8), loss=_mse, name="wandering")

@@ -46,12 +46,12 @@ class ForkedPython:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
-                 stderr: Path) -> None:
+                 stderr: Path, cwd: Path = ROOT) -> None:
         self.args, self.returncode = command, None
         _start_the_fork_server()
         self.pid = os.fork()
         if self.pid == 0:
-            _run_python_here(command[1:], env, stdout, stderr)
+            _run_python_here(command[1:], env, stdout, stderr, cwd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -79,7 +79,8 @@ class ForkedPython:
             os.kill(self.pid, number)
 
 
-def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
+def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path,
+                     cwd: Path) -> None:
     """In the forked child: become ``python argv``, then exit with its code (never returns)."""
     code = 1
     try:
@@ -94,7 +95,7 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         os.environ.update(env)
         tempfile.tempdir = None  # read from TMPDIR again, as a fresh interpreter does
         _use_the_parents_fork_server()
-        os.chdir(ROOT)
+        os.chdir(cwd)
         sys.argv = list(argv[2:] if argv[0] in ("-m", "-c") else argv)
         if argv[0] == "-m":
             sys.argv.insert(0, argv[1])
@@ -159,13 +160,14 @@ def _exit_code(done: SystemExit) -> int:
     return 1
 
 
-def run_python(command: list[str], timeout: float = 240,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_python(command: list[str], timeout: float = 240, env: dict | None = None,
+               cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``command`` (``[sys.executable, ...]``) run to completion as :class:`ForkedPython`,
-    in the repository root; its exit code and output, as ``subprocess.run`` gives them."""
+    in ``cwd`` (the repository root); its exit code and output, as ``subprocess.run``
+    gives them."""
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs) / "stdout", Path(logs) / "stderr"
-        process = ForkedPython(command, _environment(env), out, err)
+        process = ForkedPython(command, _environment(env), out, err, cwd)
         try:
             process.wait(timeout)
         finally:

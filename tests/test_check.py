@@ -257,3 +257,17 @@ def test_a_rank_that_hangs_is_named_not_the_rank_that_timed_out_waiting_for_it(t
     assert not out.exists()
     with pytest.raises(ProcessLookupError):  # the rank that hung was stopped
         os.kill(int((tmp_path / "hung.pid").read_text()), 0)
+
+
+@pytest.mark.launches(seconds=6)
+def test_out_is_where_the_command_started_whichever_folder_the_factory_moves_to(tmp_path):
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+                       f"{HERE}:make_wandering_setup", "--strategies", "local,ddp",
+                       "--world-sizes", "2", "--accum-steps", "1", "--out", "out", "--quiet"],
+                      env={check_setups.WANDER_DIR: str(elsewhere)}, cwd=start)
+    assert done.returncode == 0, done.stderr
+    assert len(pd.read_csv(start / "out" / CSV_NAME)) == 2 * 2  # strategies x points
+    assert not (elsewhere / "out").exists()

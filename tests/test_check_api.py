@@ -268,3 +268,18 @@ def test_a_rank_that_hangs_is_named_and_every_rank_stopped_soon_after_the_timeou
     assert multiprocessing.active_children() == []
     with pytest.raises(ProcessLookupError):  # the rank that hung was stopped too
         os.kill(int((tmp_path / "hung.pid").read_text()), 0)
+
+
+def make_setup_in_data() -> Setup:
+    """A factory that moves into ./data: it expects the folder it is called from."""
+    os.chdir("data")
+    return mlp.make_setup()
+
+
+@pytest.mark.launches(seconds=4)
+def test_each_rank_starts_in_the_folder_check_was_called_from(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rows = check(make_setup_in_data, strategies=["local", "ddp"], world_sizes=(2,),
+                 accum_steps=(1,))
+    assert set(rows["verdict"]) == {"matches"}, rows

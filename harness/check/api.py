@@ -24,6 +24,7 @@ script that called it as ``multiprocessing`` does: a script (not a test) calling
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import sys
@@ -72,6 +73,7 @@ def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
     Bad input raises :class:`harness.errors.UsageError` (a ValueError) before anything
     runs; a rank that fails raises RuntimeError naming the rank and its error.
     """
+    started_in = os.getcwd()  # where the ranks start, whatever folder a factory moves to
     config = CheckConfig(targets=(_target(setup),), accum_steps=tuple(accum_steps),
                          strategies=tuple(strategies), world_sizes=tuple(world_sizes),
                          dtype=dtype, drop_last=drop_last, quiet=True, timeout=timeout)
@@ -95,7 +97,8 @@ def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
         rows += _in_this_process(replace(config, strategies=in_process), target, resolved,
                                  sizes)
     if launched:
-        rows += _on_ranks(data, replace(config, strategies=tuple(launched)), sizes)
+        rows += _on_ranks(data, replace(config, strategies=tuple(launched)), sizes,
+                          started_in)
     order = {strategy: i for i, strategy in enumerate(config.strategies)}
     rows.sort(key=lambda row: order[row["strategy"]])  # stable: each part is in order
     return pd.DataFrame(rows, columns=list(COLUMN_NAMES))
@@ -178,17 +181,17 @@ def _in_this_process(config: CheckConfig, target: str, setup: Setup,
                    process_group=False).measured_rows()
 
 
-def _on_ranks(data: bytes, config: CheckConfig,
-              sizes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Start max(sizes) ranks on the setup ``data`` (:func:`sent`), wait for all of them,
-    and return rank 0's rows."""
+def _on_ranks(data: bytes, config: CheckConfig, sizes: tuple[int, ...],
+              started_in: str) -> list[dict[str, Any]]:
+    """Start max(sizes) ranks in ``started_in`` on the setup ``data`` (:func:`sent`), wait
+    for all of them, and return rank 0's rows."""
     nproc = max(sizes)
     # Forked from a server process that holds nothing of the caller's (no CUDA context,
     # no process group, no OpenMP threads), which a plain fork of the caller could hold.
     with tempfile.TemporaryDirectory(prefix="grad-check-") as folder:
         failure = run_ranks(nproc, _rank_main,
                             lambda rank: (rank, nproc, folder, data, config, sizes),
-                            Path(folder), PRELOADED, config.timeout)
+                            Path(folder), PRELOADED, config.timeout, started_in)
         if failure is not None:
             raise _failure(failure, Path(folder), config.timeout)
         with open(Path(folder) / ROWS_FILE, "rb") as rows:
