@@ -84,6 +84,22 @@ def test_assert_matches_raises_with_the_table_of_the_rows_that_do_not_match():
     assert not any(line.startswith("local     1  1") for line in message.splitlines())
 
 
+def _breaks_at_two_micro_steps(model, data, where):
+    if where.accum_steps == 2:
+        raise RuntimeError("this recipe breaks at k = 2")
+    return mlp.mean_loss(model, data) / where.accum_steps
+
+
+def test_assert_matches_raises_on_rows_that_errored():
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  micro_step=_breaks_at_two_micro_steps, name="breaks-at-k-2")
+    with pytest.raises(AssertionError) as raised:
+        assert_matches(setup, strategies=["local"], world_sizes=(1,), accum_steps=(1, 2))
+    message = str(raised.value)
+    assert message.startswith("breaks-at-k-2: 2 of 4 rows do not match"), message
+    assert "RuntimeError: this recipe breaks at k = 2" in message
+
+
 def test_assert_matches_returns_the_rows_of_a_matching_setup():
     rows = assert_matches(mlp.make_setup, strategies=["local"], world_sizes=(2,),
                           accum_steps=(2,))

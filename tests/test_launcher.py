@@ -14,6 +14,7 @@ import pytest
 import harness.launcher as launcher
 from harness.errors import ERROR_DIR_VARIABLE
 from harness.launcher import strip_nproc
+from harness.ranks import Failure
 from tests import check_setups
 from tests.launch import ROOT, ForkedPython, run_python
 
@@ -91,6 +92,14 @@ def test_a_rank_failing_outside_any_case_still_says_why(tmp_path):
 def test_bad_nproc(nproc, message, tmp_path):
     done = study("--nproc", nproc, "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and done.stderr.strip() == f"study.py: error: {message}"
+
+
+def test_a_rank_stopped_after_it_wrote_its_line_is_named_by_its_line(capsys, tmp_path):
+    # Its line is the cause; SIGTERM is only how the launcher stopped it afterwards.
+    failure = Failure(rank=1, exitcode=-15, line="RuntimeError: the cause",
+                      exitcodes=(-15, -15))
+    assert launcher._said(failure, "x.py", tmp_path, True) == 1
+    assert capsys.readouterr().err.strip() == "x.py: error: rank 1 failed: RuntimeError: the cause"
 
 
 def test_strip_nproc_leaves_every_other_flag():
