@@ -191,7 +191,7 @@ SERVER_GONE_S = 30
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
-@pytest.mark.launches(seconds=15)
+@pytest.mark.launches(seconds=20)
 def test_a_launcher_killed_outright_leaves_no_rank_or_fork_server_behind(tmp_path):
     """A fresh interpreter (its own fork server): ``grad-check --nproc 2`` killed by
     SIGKILL while its ranks run, as the out-of-memory killer or ``kill -9`` does."""
