@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,20 @@ QUIET_RANK_EXIT_DELAY_S = 2.0
 #: Set by ``study.py --nproc`` for the ranks it starts: a folder where each rank writes
 #: its error line, which the launcher prints once (harness/launcher.py).
 ERROR_DIR_VARIABLE = "HARNESS_ERROR_DIR"
+
+
+#: How torch words a collective, or the rendezvous store, that waited too long for a rank:
+#: gloo's "Timed out waiting 10000ms for recv operation", nccl's "... ran for 10000
+#: milliseconds before timing out", the store's "Timed out after 11 seconds waiting for
+#: clients" (RuntimeError or one of torch.distributed's Dist*Error).
+_COLLECTIVE_TIMEOUT = re.compile(r"\b(RuntimeError|Dist\w*Error)\b.*\b(timed out|timing out|"
+                                 r"timeout)\b", re.IGNORECASE)
+
+
+def timed_out_in_collective(line: str) -> bool:
+    """Whether the error ``line`` (``Type: message``) is a collective that timed out
+    waiting for another rank: then that rank hung, not this one."""
+    return bool(_COLLECTIVE_TIMEOUT.search(line))
 
 
 class UsageError(ValueError):

@@ -211,7 +211,7 @@ def _launch(config: RunConfig, nproc_flag: str, argv: list[str]) -> int:
     config.resolved_world_sizes(planned)
     choose_placement(config.backend, config.device, planned)
     say_if_oversubscribed(nproc, PROG)
-    return launch_ranks(nproc, argv, PROG)
+    return launch_ranks(nproc, argv, PROG, timeout=config.timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,9 +29,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, INTERRUPTED_LINE, USAGE_EXIT
+from harness.errors import (
+    ERROR_DIR_VARIABLE,
+    INTERRUPTED_EXIT,
+    INTERRUPTED_LINE,
+    USAGE_EXIT,
+    record_error,
+)
 from harness.failure import STOPPED_EXIT, killed_in_case
-from harness.ranks import Failure, Surroundings, describe_exit, detach_from_launcher, run_ranks
+from harness.ranks import (
+    Failure,
+    Surroundings,
+    describe_exit,
+    describe_hang,
+    detach_from_launcher,
+    run_ranks,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What the fork server imports before it forks the ranks: torch, what DDP imports on first
@@ -78,7 +91,13 @@ def _rank(module: str, argv: list[str], surroundings) -> None:
     # The fork server's OpenMP read its variable when it loaded torch, maybe another value.
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except Exception as error:  # noqa: BLE001 -- what the command did not say itself
+        # Its line, not a traceback: the launcher names every rank's failure in one line
+        # (a line the command recorded already is kept).
+        record_error(int(os.environ["RANK"]), f"{type(error).__name__}: {error}")
+        sys.exit(1)
 
 
 class Stopped(Exception):
@@ -104,13 +123,18 @@ def stopped_by_sigterm() -> Iterator[None]:
 
 
 def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harness",
-                 name_rank_of_bad_input: bool = True) -> int:
+                 name_rank_of_bad_input: bool = True, timeout: float | None = None,
+                 cwd: str | None = None) -> int:
     """Run ``python -m <module> argv`` on ``nproc`` local ranks; 0, 1 (a rank failed), 2,
     130 (interrupted) or 143 (SIGTERM).
 
     ``name_rank_of_bad_input=False``: bad input that only the ranks can find (e.g. the
     check's randomness in a user's loss) is reported as the launcher-side checks report
     theirs, without a rank number: it is the input's fault, not the rank's.
+    ``timeout``: the ranks' ``--timeout``, after which a rank that makes no progress hung
+    (harness/ranks.py). ``cwd``: the folder the ranks start in (default: this process's):
+    the one the command started in, whatever folder the launcher's own checks of the
+    user's code moved it to.
     """
     store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
     ranks_argv = strip_nproc(argv)
@@ -125,7 +149,8 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
                 failure = run_ranks(nproc, _rank, lambda rank: (
                     module, ranks_argv, Surroundings({**os.environ, **environment,
                                                       "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                                     os.getcwd())), Path(error_dir), PRELOADED)
+                                                     os.getcwd())),
+                    Path(error_dir), PRELOADED, timeout, cwd)
         except KeyboardInterrupt:
             print(f"{prog}: interrupted", file=sys.stderr)
             return INTERRUPTED_EXIT
@@ -133,16 +158,21 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
             print(f"{prog}: stopped by SIGTERM", file=sys.stderr)
             return STOPPED_EXIT
         return 0 if failure is None else _said(failure, prog, Path(error_dir),
-                                               name_rank_of_bad_input)
+                                               name_rank_of_bad_input, timeout)
 
 
-def _said(failure: Failure, prog: str, error_dir: Path, name_rank_of_bad_input: bool) -> int:
+def _said(failure: Failure, prog: str, error_dir: Path, name_rank_of_bad_input: bool,
+          timeout: float | None = None) -> int:
     """The one line a failed launch ends with; its exit code."""
     # By its code, or by its line: a rank stopped while it was exiting has neither its own
     # code nor any other.
     if INTERRUPTED_EXIT in failure.exitcodes or failure.line == INTERRUPTED_LINE:
         print(f"{prog}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    if failure.hung:
+        hung_in = killed_in_case(error_dir, failure.hung[0])
+        print(f"{prog}: error: {describe_hang(failure, timeout, hung_in)}", file=sys.stderr)
+        return 1
     usage = failure.exitcode == USAGE_EXIT
     if usage and failure.line and not name_rank_of_bad_input:
         print(f"{prog}: error: {failure.line}", file=sys.stderr)

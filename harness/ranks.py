@@ -12,6 +12,19 @@ is the one that came first: the rank whose line is the oldest, or a rank that ha
 without a line before anyone was stopped (a signal: SIGKILL, the out-of-memory killer).
 The ranks a failure brings down (a collective that lost its peer) fail after it, so
 their lines are younger, whichever of them exits first.
+
+A rank that hangs (in the user's code, say) fails nothing itself: the ranks waiting for
+it in a collective time out and fail, and are its victims, not the cause. When the first
+failure is such a timeout, the ranks still running once the other victims have given up
+too are the ones named: they hung. So are ranks still running ``timeout`` seconds after
+another finished (each rank ends right after the launch's last collective).
+
+A launcher killed outright (SIGKILL, the out-of-memory killer) can stop nobody, so every
+rank watches it: each holds the read end of a pipe whose write end only the launcher
+holds, and exits at once, writing nothing more, when the pipe says the launcher is gone.
+(The fork server alone would not do: every rank it forks holds the descriptor whose end
+would tell the server that its launcher is gone, so the server outlives the launcher as
+long as one rank does; each rank lets go of it.)
 """
 
 from __future__ import annotations
@@ -22,14 +35,15 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from harness.errors import error_file
+from harness.errors import error_file, timed_out_in_collective
 from harness.failure import case_file
 
 #: Seconds the other ranks get to end by themselves once one has failed (a rank that lost
@@ -37,8 +51,14 @@ from harness.failure import case_file
 SETTLE_S = 1.0
 #: Seconds a rank told to stop (SIGTERM) gets before it is killed.
 STOP_GRACE_S = 2.0
+#: The folder holding this harness: the fork server imports the harness from there, the
+#: one this process runs, not whichever its own path would find first.
+HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)
 #: ``prctl`` option: the signal a process gets when its parent dies (Linux).
 _PR_SET_PDEATHSIG = 1
+#: Exit code of a rank whose launcher is gone (nobody reads it: 128 + SIGKILL, as if the
+#: launcher's death had taken the rank along).
+LAUNCHER_GONE_EXIT = 128 + signal.SIGKILL
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,57 @@ class _ReceivedSurroundings:
             os.dup2(received.detach(), fd)
 
 
+class LauncherWatch:
+    """The read end of the pipe by which a rank sees its launcher go: nothing is ever
+    written to it, and it reads end-of-file once no process holds the write end, which
+    only the launcher does (the kernel closes it however the launcher ends)."""
+
+    def __init__(self, read_fd: int) -> None:
+        self.read_fd = read_fd
+
+    def __reduce__(self):
+        # Sent to the rank as a descriptor, as Surroundings sends its streams.
+        return (_ReceivedWatch, (reduction.DupFd(self.read_fd),))
+
+
+class _ReceivedWatch:
+    def __init__(self, received) -> None:
+        self.received = received
+
+    def start(self) -> None:
+        """In the rank: exit at once when the launcher is gone, whatever the rank does then
+        (a thread of its own reads the pipe while the main thread computes or waits)."""
+        threading.Thread(target=_exit_when_closed, args=(self.received.detach(),),
+                         name="launcher-watch", daemon=True).start()
+
+
+def _exit_when_closed(read_fd: int) -> None:
+    while os.read(read_fd, 1):
+        pass
+    os._exit(LAUNCHER_GONE_EXIT)  # no cleanup, no result: the launcher cannot read it
+
+
+def _rank_entry(watch: _ReceivedWatch, target: Callable[..., None], *args: object) -> None:
+    """A rank, in the process the fork server forked: watch the launcher, let go of the
+    fork server's liveness descriptor, then ``target(*args)``."""
+    watch.start()
+    _release_the_fork_server()
+    target(*args)
+
+
+def _release_the_fork_server() -> None:
+    """Close the rank's copy of the descriptor by which the fork server sees its launcher
+    alive: with it, the server would wait for this rank rather than end with the launcher.
+    (A fork server this rank asks for later is one of its own.)"""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 @dataclass(frozen=True)
 class Failure:
     """The rank that failed first: its exit code and its error line ('' if it wrote none);
@@ -80,6 +151,9 @@ class Failure:
     exitcode: int
     line: str
     exitcodes: tuple[int, ...] = ()
+    #: The ranks that hung: made no progress while ``rank`` timed out waiting for them in
+    #: a collective (its line says so), or once the others had finished (``line`` empty).
+    hung: tuple[int, ...] = ()
 
 
 def error_line(folder: Path, rank: int) -> str:
@@ -91,38 +165,120 @@ def error_line(folder: Path, rank: int) -> str:
 
 
 def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
-              folder: Path, preload: Sequence[str]) -> Failure | None:
+              folder: Path, preload: Sequence[str], timeout: float | None = None,
+              cwd: str | None = None) -> Failure | None:
     """``target(*args_of(rank))`` on ranks 0..nproc-1, each a process forked from the fork
     server; None once all of them exit with 0, else the first failure (the others stopped).
+    ``timeout``: the seconds the ranks' collectives wait, after which a rank still running
+    while the others have given up on it, or have finished, hung (None: not known).
+    ``cwd``: the folder the ranks start in, and the fork server if this call starts it
+    (default: this process's); this process works there until they end.
 
     A KeyboardInterrupt here (Ctrl-C) stops the ranks and goes on to the caller.
     """
+    with working_in(cwd or os.getcwd()), _importing_this_harness():
+        return _run_ranks(nproc, target, args_of, folder, preload, timeout)
+
+
+@contextlib.contextmanager
+def working_in(folder: str) -> Iterator[None]:
+    """This process in ``folder`` inside, back where it was after: multiprocessing starts a
+    process where its parent works (a rank: in its preparation; the fork server: with its
+    relative entries of ``sys.path``)."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
+def _importing_this_harness() -> Iterator[None]:
+    """PYTHONPATH led by :data:`HARNESS_ROOT` inside: a fork server started now takes this
+    process's environment, not its ``sys.path``, so that it imports the same harness
+    whatever folder it starts in (a checkout that is not installed, or installed from
+    elsewhere)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HARNESS_ROOT, *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def _run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
+               folder: Path, preload: Sequence[str],
+               timeout: float | None) -> Failure | None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))
+    read_fd, write_fd = os.pipe()  # not inherited by what this process execs
+    watch = LauncherWatch(read_fd)
     # Not daemons: a rank may start processes of its own (a DataLoader's workers).
-    ranks = [context.Process(target=target, args=args_of(rank), name=f"rank {rank}")
+    ranks = [context.Process(target=_rank_entry, args=(watch, target, *args_of(rank)),
+                             name=f"rank {rank}")
              for rank in range(nproc)]
     try:
         for process in ranks:
             process.start()
-        return _watch(ranks, folder)
+        os.close(read_fd)  # every rank has its own copy now
+        read_fd = -1
+        return _watch(ranks, folder, timeout)
     finally:
         stop(ranks)
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
 
 
-def _watch(ranks: list, folder: Path) -> Failure | None:
+def _watch(ranks: list, folder: Path, timeout: float | None) -> Failure | None:
     running = list(ranks)
+    finished_at: float | None = None  # when the first rank ended with 0
     while running:
-        wait([process.sentinel for process in running])
+        wait([process.sentinel for process in running],
+             timeout=None if finished_at is None or timeout is None
+             else max(0.0, finished_at + timeout - time.monotonic()))
         running = [process for process in running if process.exitcode is None]
         if any(process.exitcode for process in ranks):
-            _settle(running)
-            # Ended by themselves, before anyone was stopped (whenever their ends were
-            # seen: a rank's end reaches the fork server's parent a moment after it).
-            died = {rank for rank, process in enumerate(ranks) if process.exitcode}
+            return _failed(ranks, running, folder, timeout)
+        if running and finished_at is None:
+            finished_at = time.monotonic()
+        elif running and timeout is not None and time.monotonic() >= finished_at + timeout:
+            hung = tuple(rank for rank, process in enumerate(ranks) if process.exitcode is None)
             stop(ranks)
-            return _first_failure(ranks, died, folder)
+            return Failure(hung[0], ranks[hung[0]].exitcode, "",
+                           tuple(process.exitcode for process in ranks), hung)
     return None
+
+
+def _failed(ranks: list, running: list, folder: Path, timeout: float | None) -> Failure:
+    """The first failure, once a rank has failed; every rank stopped."""
+    _settle(running)
+    # Ended by themselves, before anyone was stopped (whenever their ends were seen: a
+    # rank's end reaches the fork server's parent a moment after it).
+    died = {rank for rank, process in enumerate(ranks) if process.exitcode}
+    hung = _hung(ranks, _first_failure(ranks, died, folder), timeout)
+    stop(ranks)
+    return replace(_first_failure(ranks, died, folder), hung=hung)
+
+
+def _hung(ranks: list, first: Failure, timeout: float | None) -> tuple[int, ...]:
+    """The ranks that hung, when ``first`` timed out waiting in a collective: those still
+    running once every other rank waiting has given up too, each within ``timeout`` of
+    now, its wait having begun before. A rank left running alone waits for nobody (a
+    collective fails at once on a peer that is gone): it hung. () when ``first`` failed
+    for a reason of its own."""
+    if not timed_out_in_collective(first.line):
+        return ()
+    running = [process for process in ranks if process.exitcode is None]
+    deadline = time.monotonic() + (timeout or 0.0)
+    while len(running) > 1 and (left := deadline - time.monotonic()) > 0:
+        wait([process.sentinel for process in running], timeout=left)
+        running = [process for process in running if process.exitcode is None]
+    return tuple(rank for rank, process in enumerate(ranks) if process.exitcode is None)
 
 
 def _settle(running: list) -> None:
@@ -170,11 +326,26 @@ def stop(ranks: list) -> None:
 def detach_from_launcher() -> None:
     """In a rank: a session of its own, as torchrun gives its ranks (Ctrl-C at the terminal
     reaches the launcher alone, which stops the ranks), and death with the fork server,
-    which ends with the launcher (a launcher killed outright leaves no rank behind)."""
+    which ends with the launcher (the rank watches the launcher itself too:
+    :class:`LauncherWatch`)."""
     os.setsid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def describe_hang(failure: Failure, timeout: float | None, case_id: str = "") -> str:
+    """``rank 1 hung: no progress for 10 s (rank 0 timed out waiting for it in a
+    collective)``: the hung ranks, the wait and who gave up on them (and the case the
+    first hung rank was in, where known)."""
+    many = len(failure.hung) > 1
+    who = (f"ranks {', '.join(map(str, failure.hung))}" if many
+           else f"rank {failure.hung[0]}")
+    where = f" in case {case_id}" if case_id else ""
+    waited = f": no progress for {timeout:g} s" if timeout is not None else ""
+    why = (f"rank {failure.rank} timed out waiting for {'them' if many else 'it'} in a "
+           "collective" if failure.line else "the other ranks had finished")
+    return f"{who} hung{where}{waited} ({why})"
 
 
 def describe_exit(exitcode: int, case_id: str = "") -> str:

@@ -103,6 +103,32 @@ MUTATIONS = (
              "        self.read_gradients()\n        if closure is None:",
              ("tests/test_check_script.py::test_a_step_given_a_closure_is_read_once_the_closure_"
               "has_run",)),
+    Mutation("scaler-skips-all-overflowed", "harness/check/step.py",
+             "return self.scaler is not None and any(map(not_finite, grads))",
+             "return self.scaler is not None and all(map(not_finite, grads))",
+             ("tests/test_mutation_targets.py::test_the_scaler_skips_the_step_where_a_single_"
+              "gradient_overflowed",)),
+    Mutation("not-finite-all-elements", "harness/check/step.py",
+             "not bool(torch.isfinite(tensor.detach()).all())",
+             "not bool(torch.isfinite(tensor.detach()).any())",
+             ("tests/test_mutation_targets.py::test_a_gradient_partly_nan_or_infinite_is_not_"
+              "finite",)),
+    Mutation("compare-zero-norm-either", "harness/check/compare.py",
+             "if rr <= ZERO_NORM**2 and mm <= ZERO_NORM**2:",
+             "if rr <= ZERO_NORM**2 or mm <= ZERO_NORM**2:",
+             ("tests/test_check_compare.py::test_an_all_zero_gradient_against_a_nonzero_"
+              "reference_does_not_match",)),
+    Mutation("assert-matches-ok-rows-only", "harness/check/api.py",
+             '& ~rows["status"].str.startswith("skipped")]',
+             '& (rows["status"] == "ok")]',
+             ("tests/test_check_api.py::test_assert_matches_raises_on_rows_that_errored",)),
+    Mutation("said-signal-over-line", "harness/launcher.py",
+             "what = failure.line or describe_exit(failure.exitcode,\n"
+             "                                          killed_in_case(error_dir, failure.rank))",
+             "what = describe_exit(failure.exitcode,\n"
+             "                     killed_in_case(error_dir, failure.rank)) or failure.line",
+             ("tests/test_launcher.py::test_a_rank_stopped_after_it_wrote_its_line_is_named_by_"
+              "its_line",)),
 )
 
 

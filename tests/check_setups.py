@@ -7,6 +7,10 @@ the test module's pandas and pytest.
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -60,3 +64,57 @@ def make_not_a_setup() -> dict:
 
 
 not_callable = 42
+
+
+
+#: Where the rank that hangs leaves its pid, for a launch through the command line (the
+#: ranks of ``--nproc`` take the launcher's environment).
+HANG_PID_DIR = "HARNESS_TEST_HANG_PID_DIR"
+
+
+def make_hanging_setup(pid_folder: str | None = None) -> Setup:
+    """The loss, except on rank 1 under DDP, where it never returns, once it has left its
+    pid in ``pid_folder`` (default: $HARNESS_TEST_HANG_PID_DIR, if set): rank 0 then waits
+    for rank 1 in DDP's all-reduce."""
+    folder = os.environ.get(HANG_PID_DIR, "") if pid_folder is None else pid_folder
+
+    def loss(model: nn.Module, data) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if type(model).__name__ == "DistributedDataParallel" and dist.get_rank() == 1:
+            if folder:
+                Path(folder, "hung.pid").write_text(str(os.getpid()))
+            while True:
+                time.sleep(60)
+        return _mse(model, data)
+
+    return Setup(make_model=_linear, batch=_samples(8), loss=loss, name="hangs-on-rank-1")
+
+
+#: Where each rank of :func:`make_sleeping_setup` leaves its pid.
+SLEEP_PID_DIR = "HARNESS_TEST_SLEEP_PID_DIR"
+
+
+def make_sleeping_setup() -> Setup:
+    """The loss, except on the ranks (where a process group exists), which leave their pid
+    in $HARNESS_TEST_SLEEP_PID_DIR and sleep for a minute first: a launch caught mid-run."""
+    def loss(model: nn.Module, data) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            Path(os.environ[SLEEP_PID_DIR], f"{os.getpid()}.pid").touch()
+            time.sleep(60)
+        return _mse(model, data)
+
+    return Setup(make_model=_linear, batch=_samples(8), loss=loss, name="sleeps-on-the-ranks")
+
+
+#: The folder :func:`make_wandering_setup` moves into.
+WANDER_DIR = "HARNESS_TEST_WANDER_DIR"
+
+
+def make_wandering_setup() -> Setup:
+    """A factory that moves the process into $HARNESS_TEST_WANDER_DIR, as one that goes
+    where its data lies does."""
+    os.chdir(os.environ[WANDER_DIR])
+    return Setup(make_model=_linear, batch=_samples(8), loss=_mse, name="wandering")

@@ -8,9 +8,11 @@ torch single-threaded (see conftest.py), which is what makes forking safe.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,6 +29,22 @@ from filelock import FileLock
 from harness import errors
 
 RANK_TIMEOUT_S = 120
+
+
+@contextlib.contextmanager
+def returning_within(seconds: float):
+    """Raise TimeoutError inside where the code has not returned after ``seconds``: a test
+    of a hang must not hang itself (SIGALRM: in the main thread only)."""
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _as_forked_rank(rank: int, world_size: int, env: dict[str, str]) -> None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,8 @@ def _environment(env: dict | None) -> dict[str, str]:
 
 
 class ForkedPython:
-    """``python <argv>`` (a script or ``-m module``) in a child forked from this process.
+    """``python <argv>`` (a script, ``-m module`` or ``-c code``) in a child forked from this
+    process.
 
     Behaves like the ``subprocess.Popen`` of that command for what the tests use:
     ``args``, ``poll``, ``wait``, ``terminate``, ``kill`` and ``returncode``.
@@ -44,12 +46,12 @@ class ForkedPython:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
-                 stderr: Path) -> None:
+                 stderr: Path, cwd: Path = ROOT) -> None:
         self.args, self.returncode = command, None
         _start_the_fork_server()
         self.pid = os.fork()
         if self.pid == 0:
-            _run_python_here(command[1:], env, stdout, stderr)
+            _run_python_here(command[1:], env, stdout, stderr, cwd)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -77,7 +79,8 @@ class ForkedPython:
             os.kill(self.pid, number)
 
 
-def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> None:
+def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path,
+                     cwd: Path) -> None:
     """In the forked child: become ``python argv``, then exit with its code (never returns)."""
     code = 1
     try:
@@ -90,12 +93,15 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # read from TMPDIR again, as a fresh interpreter does
         _use_the_parents_fork_server()
-        os.chdir(ROOT)
-        sys.argv = list(argv[2:] if argv[0] == "-m" else argv)
+        os.chdir(cwd)
+        sys.argv = list(argv[2:] if argv[0] in ("-m", "-c") else argv)
         if argv[0] == "-m":
             sys.argv.insert(0, argv[1])
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            _run_code_as_main(argv[1])
         else:
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
@@ -110,6 +116,15 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
         sys.stderr.flush()
         # Skip the test process's exit handlers (pytest's, xdist's): they belong to the parent.
         os._exit(code)
+
+
+def _run_code_as_main(code: str) -> None:
+    """``python -c code``: the code runs in a ``__main__`` of its own without a file (as a
+    notebook's or stdin's does), which no other process can import."""
+    sys.argv.insert(0, "-c")
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    exec(compile(code, "<string>", "exec"), main.__dict__)
 
 
 def _start_the_fork_server() -> None:
@@ -145,13 +160,14 @@ def _exit_code(done: SystemExit) -> int:
     return 1
 
 
-def run_python(command: list[str], timeout: float = 240,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_python(command: list[str], timeout: float = 240, env: dict | None = None,
+               cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``command`` (``[sys.executable, ...]``) run to completion as :class:`ForkedPython`,
-    in the repository root; its exit code and output, as ``subprocess.run`` gives them."""
+    in ``cwd`` (the repository root); its exit code and output, as ``subprocess.run``
+    gives them."""
     with tempfile.TemporaryDirectory() as logs:
         out, err = Path(logs) / "stdout", Path(logs) / "stderr"
-        process = ForkedPython(command, _environment(env), out, err)
+        process = ForkedPython(command, _environment(env), out, err, cwd)
         try:
             process.wait(timeout)
         finally:

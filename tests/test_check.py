@@ -10,6 +10,7 @@ in-process.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from harness.check.config import CSV_NAME
 from harness.check.grad_check import main
 from harness.check.schema import COLUMN_NAMES
-from tests import refusing_ranks
+from tests import check_setups, refusing_ranks
 from tests.distributed import run_cli
 from tests.launch import run_python
 from tests.scheduling import launching
@@ -240,3 +241,33 @@ def test_bad_input_the_ranks_find_is_one_line_from_the_launcher_without_a_rank(t
     assert done.stderr.strip() == f"check.py: error: {refusing_ranks.MESSAGE}"
     assert "starting 2 rank(s)" in done.stdout
     assert not out.exists()
+
+
+@pytest.mark.launches(seconds=10)
+def test_a_rank_that_hangs_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path):
+    out = tmp_path / "out"
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+                       f"{HERE}:make_hanging_setup", "--strategies", "ddp", "--world-sizes", "2",
+                       "--accum-steps", "1", "--timeout", "3", "--out", str(out), "--quiet"],
+                      timeout=120, env={check_setups.HANG_PID_DIR: str(tmp_path)})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "check.py: error: rank 1 hung: no progress for 3 s (rank 0 timed out waiting for it "
+        "in a collective)"), done.stderr
+    assert not out.exists()
+    with pytest.raises(ProcessLookupError):  # the rank that hung was stopped
+        os.kill(int((tmp_path / "hung.pid").read_text()), 0)
+
+
+@pytest.mark.launches(seconds=6)
+def test_out_is_where_the_command_started_whichever_folder_the_factory_moves_to(tmp_path):
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    done = run_python([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+                       f"{HERE}:make_wandering_setup", "--strategies", "local,ddp",
+                       "--world-sizes", "2", "--accum-steps", "1", "--out", "out", "--quiet"],
+                      env={check_setups.WANDER_DIR: str(elsewhere)}, cwd=start)
+    assert done.returncode == 0, done.stderr
+    assert len(pd.read_csv(start / "out" / CSV_NAME)) == 2 * 2  # strategies x points
+    assert not (elsewhere / "out").exists()

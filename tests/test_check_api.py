@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,9 @@ from examples import mlp
 from harness.check import Setup, assert_matches, check
 from harness.check.schema import COLUMN_NAMES
 from harness.errors import UsageError
+from tests import check_setups
+from tests.distributed import returning_within
+from tests.launch import run_python
 
 SUM_SETUP = "examples.mlp:make_sum_setup"
 
@@ -79,6 +84,22 @@ def test_assert_matches_raises_with_the_table_of_the_rows_that_do_not_match():
     assert not any(line.startswith("local     1  1") for line in message.splitlines())
 
 
+def _breaks_at_two_micro_steps(model, data, where):
+    if where.accum_steps == 2:
+        raise RuntimeError("this recipe breaks at k = 2")
+    return mlp.mean_loss(model, data) / where.accum_steps
+
+
+def test_assert_matches_raises_on_rows_that_errored():
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                  micro_step=_breaks_at_two_micro_steps, name="breaks-at-k-2")
+    with pytest.raises(AssertionError) as raised:
+        assert_matches(setup, strategies=["local"], world_sizes=(1,), accum_steps=(1, 2))
+    message = str(raised.value)
+    assert message.startswith("breaks-at-k-2: 2 of 4 rows do not match"), message
+    assert "RuntimeError: this recipe breaks at k = 2" in message
+
+
 def test_assert_matches_returns_the_rows_of_a_matching_setup():
     rows = assert_matches(mlp.make_setup, strategies=["local"], world_sizes=(2,),
                           accum_steps=(2,))
@@ -95,10 +116,132 @@ def test_bad_options_are_refused(options, words):
         check(mlp.make_setup, **options)
 
 
-def test_a_setup_the_ranks_cannot_receive_is_refused_before_any_rank_starts():
-    with pytest.raises(UsageError, match="cannot be sent to the ranks"):
-        check(lambda: mlp.make_setup(), strategies=["ddp"], world_sizes=(2,))
+def make_locked_setup(calls: list[str]) -> Setup:
+    """A Setup whose loss holds a lock: no pickler sends a lock to another process."""
+    lock = threading.Lock()
+
+    def loss(model, data):
+        calls.append("loss")
+        with lock:
+            return mlp.mean_loss(model, data)
+
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=loss, name="locked")
+
+
+def test_a_setup_the_ranks_cannot_receive_is_refused_before_anything_runs():
+    calls: list[str] = []
+    with pytest.raises(UsageError, match=r"^setup examples.mlp:make_model cannot be sent "
+                                         r"to the ranks \(TypeError: cannot pickle "
+                                         r"'_thread.lock' object\); allowed: "):
+        check(make_locked_setup(calls), strategies=["local", "ddp"], world_sizes=(2,),
+              accum_steps=(1,))
+    assert calls == []  # not even the local cases ran
     assert multiprocessing.active_children() == []
+
+
+#: ``python -c``: a setup of lambdas and functions of a ``__main__`` that has no file, as
+#: in a notebook; plain pickle would send them by a name no rank can look up.
+FILELESS_MAIN = """
+import torch
+from torch import nn
+from harness.check import Setup, check
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Linear(4, 1)
+
+def batch(step):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+
+rows = check(Setup(make_model=make_model, batch=batch,
+                   loss=lambda model, data: nn.functional.mse_loss(model(data[0]), data[1])),
+             strategies=["ddp"], world_sizes=(2,), accum_steps=(2,))
+print(rows["verdict"].tolist(), rows["setup"].tolist())
+"""
+
+
+@pytest.mark.launches(seconds=6)
+def test_a_setup_of_a_main_without_a_file_runs_on_the_ranks():
+    done = run_python([sys.executable, "-c", FILELESS_MAIN])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == ("['matches', 'matches'] "
+                                                    "['make_model', 'make_model']")
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+UNGUARDED_SCRIPT = """from examples import mlp
+from harness.check import check
+
+rows = check(mlp.make_setup, strategies=["local", "ddp"], world_sizes=(2,), accum_steps=(1,))
+print(rows)
+"""
+
+
+@pytest.mark.launches(seconds=2)
+def test_an_unguarded_script_is_refused_naming_the_guard_before_anything_runs(tmp_path):
+    script = tmp_path / "my_check.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = run_python([sys.executable, str(script)], timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback") == 1, done.stderr  # the script's own, no rank's
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"harness.errors.UsageError: {script}:4 calls check() with ddp outside "
+        "'if __name__ == \"__main__\":', and each rank imports the calling script again (as "
+        "multiprocessing does), which would call it again; allowed: a script whose top-level "
+        "code is under 'if __name__ == \"__main__\":'")
+    assert done.stdout == ""  # not even the local cases ran
+
+
+def test_a_call_while_a_rank_imports_the_calling_script_is_refused_naming_the_guard(
+        monkeypatch):
+    # What each rank sees where the calling script could not be read to find its guard.
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True,
+                        raising=False)
+    with pytest.raises(UsageError, match="outside 'if __name__ == \"__main__\":'"):
+        check(mlp.make_setup, strategies=["ddp"], world_sizes=(2,))
+
+
+def _rebuilt_elsewhere() -> None:
+    raise RuntimeError("this object lives only in the process that made it")
+
+
+class OnlyHere:
+    """Pickles, but cannot be unpickled: as a module a rank cannot import."""
+
+    def __reduce__(self):
+        return _rebuilt_elsewhere, ()
+
+
+def make_model_holding(_held: object):
+    return mlp.make_model()
+
+
+@pytest.mark.launches(seconds=4)
+def test_a_rank_that_fails_before_its_first_case_says_why():
+    setup = Setup(make_model=functools.partial(make_model_holding, OnlyHere()), batch=mlp.batch,
+                  loss=mlp.mean_loss, name="only-here")
+    with pytest.raises(RuntimeError, match=r"^grad-check rank [01] failed: RuntimeError: this "
+                                           r"object lives only in the process that made it$"):
+        check(setup, strategies=["ddp"], world_sizes=(2,), accum_steps=(1,))
+    assert multiprocessing.active_children() == []
+
+
+def test_a_scheduler_that_needs_a_metric_is_refused_before_anything_runs():
+    calls: list[str] = []
+
+    def loss(model, data):
+        calls.append("loss")
+        return mlp.mean_loss(model, data)
+
+    setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=loss,
+                  make_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, name="plateau")
+    with pytest.raises(UsageError, match=r"^examples.mlp:make_model: make_scheduler\(\) "
+                                         r"returned a ReduceLROnPlateau, whose step\(\) needs "
+                                         r"'metrics', .*; allowed: a scheduler whose step\(\) "
+                                         r"takes no argument"):
+        check(setup, strategies=["local"], world_sizes=(2,), accum_steps=(2,))
+    assert calls == []
 
 
 @pytest.mark.launches(seconds=15)
@@ -120,3 +263,39 @@ def test_a_rank_that_dies_is_named_and_the_others_are_stopped(tmp_path):
     pid = int((tmp_path / "rank0.pid").read_text())
     with pytest.raises(ProcessLookupError):  # rank 0 was waiting for rank 1: stopped
         os.kill(pid, 0)
+
+
+#: --timeout of the hang tests: each waits this long for the rank that hangs.
+HANG_TIMEOUT_S = 3
+#: What a hang may cost beyond the timeout: the rank that gave up exits, the others get
+#: a second to end by themselves, the rank that hung is stopped.
+HANG_GRACE_S = 6
+
+
+@pytest.mark.launches(seconds=10)
+def test_a_rank_that_hangs_is_named_and_every_rank_stopped_soon_after_the_timeout(tmp_path):
+    with returning_within(60), pytest.raises(RuntimeError) as raised:
+        check(functools.partial(check_setups.make_hanging_setup, str(tmp_path)),
+              strategies=["ddp"], world_sizes=(2,), accum_steps=(1,), timeout=HANG_TIMEOUT_S)
+    hung_for = time.time() - (tmp_path / "hung.pid").stat().st_mtime
+    assert str(raised.value) == ("grad-check rank 1 hung: no progress for 3 s (rank 0 timed "
+                                 "out waiting for it in a collective)")
+    assert hung_for < HANG_TIMEOUT_S + HANG_GRACE_S, hung_for
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ProcessLookupError):  # the rank that hung was stopped too
+        os.kill(int((tmp_path / "hung.pid").read_text()), 0)
+
+
+def make_setup_in_data() -> Setup:
+    """A factory that moves into ./data: it expects the folder it is called from."""
+    os.chdir("data")
+    return mlp.make_setup()
+
+
+@pytest.mark.launches(seconds=4)
+def test_each_rank_starts_in_the_folder_check_was_called_from(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    rows = check(make_setup_in_data, strategies=["local", "ddp"], world_sizes=(2,),
+                 accum_steps=(1,))
+    assert set(rows["verdict"]) == {"matches"}, rows

@@ -272,3 +272,12 @@ def test_the_case_that_trains_the_initial_model_measures_its_update_from_the_ini
     # big batch's gradient, and so (plain SGD) of its update.
     assert set(summed.verdict) == {"scaled"}, summed[["point", "verdict", "scale"]]
     assert summed.scale.tolist() == pytest.approx([0.25, 0.25], rel=1e-9)
+
+
+def test_an_all_zero_gradient_against_a_nonzero_reference_does_not_match():
+    # Both zero is the same (a warm-up from lr 0); one of them zero is not, whichever.
+    reference = tensors(5, *SHAPES)
+    zeros = {name: torch.zeros_like(tensor) for name, tensor in reference.items()}
+    assert judged(zeros, reference).verdict is not Equivalence.MATCHES
+    assert judged(reference, zeros).verdict is not Equivalence.MATCHES
+    assert judged(zeros, zeros).verdict is Equivalence.MATCHES

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 from examples import mlp, real_step
 from harness.check import MicroStep, Setup, check
 from harness.check.grad_check import main
-from harness.check.step import WholeStep
+from harness.check.step import WholeStep, check_step_device
 from harness.errors import UsageError
 
 CLIP_RTOL = 1e-12
@@ -134,16 +135,25 @@ def make_cpu_scaler_setup() -> Setup:
                  grad_scaler=True)
 
 
+def make_plateau_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 make_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def make_bad_grad_scaler_setup() -> Setup:
+    return Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
+                 grad_scaler=1)
+
+
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="refused on CPU only")
 
 
 @pytest.mark.parametrize(("factory", "words"), [
     ("make_bad_before_step_setup", ["Setup.before_step=3 is a int", "a function, or None"]),
     ("make_bad_autocast_setup", ["Setup.autocast='bf16' is not allowed", "torch.bfloat16"]),
-    pytest.param("make_fp16_setup", ["Setup.autocast=torch.float16 cannot run on cpu"],
-                 marks=needs_no_cuda),
-    pytest.param("make_cpu_scaler_setup", ["Setup.grad_scaler=True needs CUDA"],
-                 marks=needs_no_cuda),
+    ("make_bad_grad_scaler_setup", ["Setup.grad_scaler=1 is a int", "True or False"]),
+    ("make_plateau_setup", ["make_scheduler() returned a ReduceLROnPlateau, whose step() "
+                            "needs 'metrics'", "a scheduler whose step() takes no argument"]),
 ])
 def test_bad_step_fields_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_path,
                                                                     factory, words):
@@ -154,21 +164,36 @@ def test_bad_step_fields_are_one_line_exit_2_before_any_rank_starts(capsys, tmp_
     assert f"test_check_step:{factory}" in err
     for word in words:
         assert word in err, err
+    assert err.count("; allowed") == 1, err  # what is allowed, said once
     assert not out.exists()
 
 
-@needs_no_cuda
-def test_the_api_refuses_float16_autocast_on_cpu_before_any_rank_starts():
-    with pytest.raises(UsageError, match="float16 cannot run on cpu"):
-        check(make_fp16_setup, strategies=["ddp"], world_sizes=(2,))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_float16_autocast_with_a_grad_scaler_matches_on_cuda():
-    rows = check(make_fp16_setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))
-    assert set(rows["precision"]) == {"float16"}
+@pytest.mark.launches(seconds=6)
+def test_float16_autocast_with_a_grad_scaler_runs_and_matches_where_the_check_runs():
+    # float16 autocast and the GradScaler run on the CPU too (torch 2.13), on the ranks
+    # as in this process.
+    rows = check(make_fp16_setup, strategies=["local", "ddp"], world_sizes=(1, 2),
+                 accum_steps=(1, 2))
+    assert set(rows["precision"]) == {"float16"} and set(rows["dtype"]) == {"float32"}
     assert set(rows["verdict"]) == {"matches"}, rows
+    # float16 rounding, above float32's: the forward really ran under autocast.
+    split = rows[(rows["world_size"] * rows["accum_steps"]) > 1]
+    assert (split["residual"] > 1e-5).all(), split
+
+
+def test_a_step_the_device_cannot_run_is_refused_naming_what_runs_there():
+    fp16 = make_fp16_setup()
+    with pytest.raises(UsageError, match=r"^t: Setup.autocast=torch.float16 does not run on "
+                                         r"meta with torch .*; allowed there: torch.bfloat16 "
+                                         r"or None$"):
+        check_step_device(replace(fp16, grad_scaler=False), "t", torch.device("meta"))
+    check_step_device(fp16, "t", torch.device("cpu"))  # runs here: not refused
+
+
+@needs_no_cuda
+def test_a_grad_scaler_for_cuda_without_cuda_is_refused():
+    with pytest.raises(UsageError, match="Setup.grad_scaler=True does not run on cuda"):
+        check_step_device(make_cpu_scaler_setup(), "t", torch.device("cuda"))
 
 
 def make_cuda_model_setup() -> Setup:
@@ -189,7 +214,7 @@ def test_a_model_built_on_cuda_is_accepted():
 
 
 def test_the_scaler_path_unscales_before_before_step_and_skips_a_non_finite_step():
-    """The GradScaler code path, on the CPU (the check itself asks CUDA for it)."""
+    """The GradScaler code path: unscaled before before_step, skipped when not finite."""
     seen = []
     setup = Setup(make_model=mlp.make_model, batch=mlp.batch, loss=mlp.mean_loss,
                   grad_scaler=True, make_scheduler=real_step.linear_warmup,
@@ -262,12 +287,7 @@ def _poisoned_loss(model: nn.Module, data) -> torch.Tensor:
     return nn.functional.mse_loss(_InfiniteGradientOnStep0.apply(model(x), poisoned), y)
 
 
-def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not_fitted(
-        monkeypatch):
-    # The GradScaler runs on the CPU too; the check asks CUDA for it only because float16
-    # autocast, its use, needs CUDA: the guard is lifted here to drive the rows' path.
-    monkeypatch.setattr("harness.check.api.check_step_device", lambda *args: None)
-    monkeypatch.setattr("harness.check.matrix.check_step_device", lambda *args: None)
+def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not_fitted():
     setup = Setup(make_model=mlp.make_model, batch=_poisoned_batch, loss=_poisoned_loss,
                   grad_scaler=True, steps=2, name="scaler-skips-step-0")
     rows = check(lambda: setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))

@@ -17,6 +17,7 @@ come from first principles, never from the harness's code:
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pandas as pd
@@ -169,8 +170,10 @@ def test_nproc_checks_the_setups_then_starts_the_check_on_its_ranks(monkeypatch,
     argv = ["--nproc", "2", "--frameworks", "accelerate", f"{__name__}:steep_setup",
             "--out", str(tmp_path / "out")]
     assert main(argv) == 0
+    # The ranks start where the command started, and a hang ends after --timeout.
     assert started == [((WORLD, argv, "check.py"), {"module": "harness.check",
-                                                    "name_rank_of_bad_input": False})]
+                                                    "name_rank_of_bad_input": False,
+                                                    "timeout": 300.0, "cwd": os.getcwd()})]
     bad_setup = ["--nproc", "2", "--frameworks", "accelerate", "examples.mlp:no_such_setup",
                  "--out", str(tmp_path / "out")]
     assert main(bad_setup) == 2 and len(started) == 1

@@ -1,14 +1,22 @@
 """``study.py --nproc N``: the harness starts its own ranks, and a failure is one line."""
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import harness.launcher as launcher
+from harness.errors import ERROR_DIR_VARIABLE
 from harness.launcher import strip_nproc
-from tests.launch import ROOT, run_python
+from harness.ranks import Failure
+from tests import check_setups
+from tests.launch import ROOT, ForkedPython, run_python
 
 # Each launch is a test of its own.
 pytestmark = pytest.mark.spread
@@ -86,6 +94,171 @@ def test_bad_nproc(nproc, message, tmp_path):
     assert done.returncode == 2 and done.stderr.strip() == f"study.py: error: {message}"
 
 
+def test_a_rank_stopped_after_it_wrote_its_line_is_named_by_its_line(capsys, tmp_path):
+    # Its line is the cause; SIGTERM is only how the launcher stopped it afterwards.
+    failure = Failure(rank=1, exitcode=-15, line="RuntimeError: the cause",
+                      exitcodes=(-15, -15))
+    assert launcher._said(failure, "x.py", tmp_path, True) == 1
+    assert capsys.readouterr().err.strip() == "x.py: error: rank 1 failed: RuntimeError: the cause"
+
+
 def test_strip_nproc_leaves_every_other_flag():
     assert strip_nproc(["--nproc", "4", "--studies", "x", "--nproc=2", "--quiet"]) == [
         "--studies", "x", "--quiet"]
+
+
+@pytest.fixture
+def launcher_environment():
+    """What launch_ranks sets in the launcher's environment, restored afterwards (set or
+    not: with the error folder set, every later command here would think itself a rank)."""
+    saved = {name: os.environ.get(name)
+             for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.mark.launches(seconds=2)
+def test_a_rank_that_fails_before_its_command_runs_says_why(launcher_environment, capfd):
+    code = launcher.launch_ranks(1, [], "x.py", module="tests.no_such_module")
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err.strip().splitlines() == [
+        "x.py: error: rank 0 failed: ImportError: No module named tests.no_such_module"], err
+
+
+@pytest.mark.launches(seconds=8)
+def test_a_rank_that_hangs_is_named_with_its_case_not_the_rank_that_waited_for_it(tmp_path):
+    case = "reduction/strategy=ddp/world_size=2/model=mlp/loss_reduction=sum"
+    done = study("--nproc", "2", "--studies", "seed001,reduction", "--strategies", "ddp",
+                 "--out", str(tmp_path / "out"), "--quiet", "--no-report", "--timeout", "3",
+                 env={"HARNESS_FAULT": f"rank=1,case={case},mode=hang"})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"study.py: error: rank 1 hung in case {case}: no progress for 3 s (rank 0 timed out "
+        "waiting for it in a collective)"), done.stderr
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc (Linux)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (name) state ppid ...": the name may hold spaces and parentheses.
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def _descendants(pid: int) -> set[int]:
+    parents, found, frontier = _parents(), set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process reparented to an init that does not reap stays
+    one)."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    return False
+
+
+def _wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} after {seconds:g} s"
+        time.sleep(0.05)
+
+
+def _kill_left(pids: set[int]) -> None:
+    """This test's own processes that outlived it (SIGKILL by pid)."""
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+#: How soon after its launcher is killed no rank may be running (measured: at once).
+RANKS_GONE_S = 5
+#: ... and no process it started (measured: its fork server ends 3.5 to 16 s after it on a
+#: 2-core machine with a load average of 15 to 20).
+SERVER_GONE_S = 30
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.launches(seconds=20)
+def test_a_launcher_killed_outright_leaves_no_rank_or_fork_server_behind(tmp_path):
+    """A fresh interpreter (its own fork server): ``grad-check --nproc 2`` killed by
+    SIGKILL while its ranks run, as the out-of-memory killer or ``kill -9`` does."""
+    out = tmp_path / "out"
+    with open(tmp_path / "stderr", "w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc", "2",
+             "tests.check_setups:make_sleeping_setup", "--strategies", "ddp", "--world-sizes",
+             "2", "--accum-steps", "1", "--out", str(out), "--quiet"],
+            cwd=ROOT, env={**os.environ, check_setups.SLEEP_PID_DIR: str(tmp_path)},
+            stdout=subprocess.DEVNULL, stderr=stderr)
+    left: set[int] = set()
+    try:
+        _wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 2 or launcher.poll() is not None,
+                    120, "the ranks did not start")
+        assert launcher.poll() is None, (tmp_path / "stderr").read_text()
+        ranks = {int(path.stem) for path in tmp_path.glob("*.pid")}
+        left = _descendants(launcher.pid)  # the fork server, its resource tracker, the ranks
+        assert ranks < left
+        launcher.kill()
+        launcher.wait()
+        _wait_until(lambda: not any(map(_running, ranks)), RANKS_GONE_S,
+                    f"ranks still running: {sorted(filter(_running, ranks))}")
+        # The fork server ends once no process holds its launcher's end of their pipe;
+        # it writes nothing, but ends as an interpreter with torch loaded does (seconds
+        # on a loaded machine), and its resource tracker with it.
+        _wait_until(lambda: not any(map(_running, left)), SERVER_GONE_S,
+                    f"still running: {sorted(filter(_running, left))}")
+    finally:
+        launcher.kill()
+        _kill_left(left)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.launches(seconds=8)
+def test_a_study_launcher_killed_outright_leaves_no_rank_behind(tmp_path):
+    """``grad-study --nproc 2`` (forked: its ranks come from this process's fork server,
+    which outlives it) killed by SIGKILL while rank 1 hangs in a case and rank 0 waits for
+    it there."""
+    from multiprocessing import forkserver
+
+    out, case = tmp_path / "out", "reduction/strategy=ddp/world_size=2/model=mlp/loss_reduction=sum"
+    # The launcher's error folder (harness-errors-*) then lies here, with each rank's case.
+    launcher = ForkedPython([sys.executable, str(ROOT / "scripts" / "study.py"), "--nproc", "2",
+                             "--studies", "seed001,reduction", "--strategies", "ddp", "--out",
+                             str(out), "--quiet", "--no-report"],
+                            {**os.environ, "TMPDIR": str(tmp_path),
+                             "HARNESS_FAULT": f"rank=1,case={case},mode=hang"},
+                            tmp_path / "stdout", tmp_path / "stderr")
+
+    def hanging() -> bool:
+        return any(path.read_text().strip() == case
+                   for path in tmp_path.glob("harness-errors-*/rank1.case"))
+
+    ranks: set[int] = set()
+    try:
+        _wait_until(lambda: hanging() or launcher.poll() is not None, 120,
+                    "rank 1 did not reach the case it hangs in")
+        assert launcher.poll() is None, (tmp_path / "stderr").read_text()
+        ranks = _descendants(forkserver._forkserver._forkserver_pid)
+        assert len(ranks) == 2, ranks
+        launcher.kill()
+        launcher.wait()
+        _wait_until(lambda: not any(map(_running, ranks)), RANKS_GONE_S,
+                    f"still running: {sorted(filter(_running, ranks))}")
+    finally:
+        launcher.kill()
+        _kill_left(ranks)
+    assert not (out / "reduction.csv").exists()

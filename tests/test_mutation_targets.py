@@ -6,9 +6,12 @@ scale asks for.
 """
 
 import torch
+from torch import nn
 
 from harness.check.batches import piece
 from harness.check.fix import Facts, scale_fix
+from harness.check.setup import Setup
+from harness.check.step import WholeStep, not_finite
 from harness.studies.update.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
 
 DDP_3X2 = Facts(reduces_in_buckets=True, world_size=3, accum_steps=2)
@@ -36,3 +39,24 @@ def test_the_lr_factor_of_a_gradient_scaled_by_s_is_one_over_s():
     assert candidate_factor(INVERSE_SCALE, 4.0) == 0.25
     assert candidate_factor(SAME_LR, 4.0) == 1.0
     assert candidate_factor(INVERSE_SCALE, float("nan")) == 1.0
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+def test_a_gradient_partly_nan_or_infinite_is_not_finite():
+    assert not_finite(torch.tensor([1.0, NAN, 2.0]))
+    assert not_finite(torch.tensor([[INF, 0.0], [0.0, 0.0]]))
+    assert not not_finite(torch.tensor([1.0, 2.0]))
+    assert not not_finite(None)  # a parameter without a gradient
+
+
+def test_the_scaler_skips_the_step_where_a_single_gradient_overflowed():
+    model = nn.Linear(2, 1)
+    setup = Setup(make_model=lambda: model, batch=lambda step: torch.zeros(1, 2),
+                  loss=lambda m, x: m(x).sum(), grad_scaler=True)
+    whole = WholeStep(setup, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.device("cpu"))
+    finite = torch.ones(3)
+    assert whole.skips([finite, torch.tensor([1.0, INF]), finite])
+    assert not whole.skips([finite, None, finite])

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.ranks import Surroundings, _first_failure, run_ranks
+from harness.errors import timed_out_in_collective
+from harness.ranks import Surroundings, _first_failure, describe_hang, run_ranks
 
 
 def _ranks(*exitcodes: int | None) -> list:
@@ -83,3 +84,35 @@ def test_a_rank_takes_the_environment_folder_and_stdout_of_its_launch(tmp_path, 
         assert (value, cwd) == ("set after the fork server started", str(tmp_path))
     assert sorted(stdout.read_text().splitlines()) == ["rank 0 says hello",
                                                        "rank 1 says hello"]
+
+
+@pytest.mark.parametrize(("line", "timed_out"), [
+    ("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for "
+     "recv operation to complete", True),
+    ("in case reduction/x: DistBackendError: [Rank 0] Watchdog caught collective operation "
+     "timeout: WorkNCCL(SeqNum=4, OpType=ALLREDUCE) ran for 3000 milliseconds before timing "
+     "out.", True),
+    ("DistStoreError: Timed out after 4 seconds waiting for clients. 1/2 clients joined.", True),
+    ("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer", False),
+    ("ValueError: the user's own error", False),
+    ("TimeoutError: the user's own data server timed out", False),
+])
+def test_a_collective_that_timed_out_is_told_from_other_failures(line, timed_out):
+    assert timed_out_in_collective(line) is timed_out
+
+
+def _finishes_or_sleeps(rank: int, folder: str) -> None:
+    if rank == 1:
+        Path(folder, "sleeping.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+
+
+@pytest.mark.launches(seconds=3)
+def test_a_rank_still_running_a_timeout_after_the_others_finished_hung(tmp_path):
+    failure = run_ranks(2, _finishes_or_sleeps, lambda rank: (rank, str(tmp_path)), tmp_path,
+                        [], timeout=1)
+    assert failure is not None and failure.hung == (1,)
+    assert describe_hang(failure, 1) == ("rank 1 hung: no progress for 1 s (the other ranks "
+                                         "had finished)")
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "sleeping.pid").read_text()), 0)

@@ -315,10 +315,10 @@ BRACKETS: dict[str, dict[str | None, tuple[float, float]]] = {
     "LINEAR_SCALING_TOLERANCE": {None: (1e-2, 1.0)},
     # check.py's: rounding on a 1e8-parameter model (float32: 2.9e-5 measured on updates)
     # against the smallest effect the examples show (BatchNorm's residual 0.043); under
-    # bfloat16 autocast, 3.1e-3 measured against a factor 2 (0.5); float16's rounding
-    # expected 8x finer, against BatchNorm's 0.043.
+    # bfloat16 autocast, 3.1e-3 measured against a factor 2 (0.5); under float16 autocast,
+    # 3.4e-4 measured (on the CPU), against BatchNorm's 0.043.
     "CHECK_TOLERANCE": {"float64": (1e-12, 1e-3), "float32": (2.9e-5, 0.043),
-                        "bfloat16": (3.1e-3, 0.5), "float16": (3.9e-4, 0.043)},
+                        "bfloat16": (3.1e-3, 0.5), "float16": (3.4e-4, 0.043)},
 }
 
 

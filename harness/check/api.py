@@ -10,19 +10,21 @@ raises ``AssertionError`` with the console table of the rows that do not match.
 
 ``setup`` is what the ranks build the setup from, so it must reach processes of their
 own: ``"module.path:function"`` (imported as ``grad-check`` imports it), a function
-returning a :class:`Setup` that pickle can send (defined at a module's top level, not a
-lambda or a function nested in a test), or a :class:`Setup` whose functions pickle can
-send. ``local`` runs in the calling process, on no process group (one the caller has is
-left alone); ``ddp`` and ``fsdp`` start ``max(world_sizes)`` ranks themselves, which meet
-through a file in a temporary folder (gloo on CPU, nccl where every rank has a GPU), and
-are stopped as soon as one of them fails. The ranks are forked from a server process
-started at the first such call, which imports the script that called it as
-``multiprocessing`` does: a script (not a test) calling :func:`check` with ``ddp`` or
-``fsdp`` keeps its top-level code under ``if __name__ == "__main__":``.
+returning a :class:`Setup`, or a :class:`Setup`; functions a rank cannot import (those
+of a notebook or ``python -c``, lambdas, nested functions) are sent by value
+(harness/check/sending.py). ``local`` runs in the calling process, on no process group
+(one the caller has is left alone); ``ddp`` and ``fsdp`` start ``max(world_sizes)`` ranks
+themselves, which meet through a file in a temporary folder (gloo on CPU, nccl where
+every rank has a GPU), and are stopped as soon as one of them fails. The ranks are
+forked from a server process started at the first such call, and each imports the
+script that called it as ``multiprocessing`` does: a script (not a test) calling
+:func:`check` with ``ddp`` or ``fsdp`` keeps its top-level code under ``if __name__ ==
+"__main__":`` (refused otherwise, before anything runs).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import sys
@@ -38,15 +40,16 @@ import torch
 import torch.distributed as dist
 
 from harness.check.config import CHECK_STRATEGIES, CheckConfig
-from harness.check.load import check_batches, check_model, load_setup
+from harness.check.load import check_batches, check_model, check_scheduler, load_setup
 from harness.check.matrix import CheckRun
 from harness.check.schema import COLUMN_NAMES
+from harness.check.sending import received, refuse_unguarded_caller, sent
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError, error_file
 from harness.launch import Launch, choose_placement
-from harness.ranks import Failure, describe_exit, run_ranks
+from harness.ranks import Failure, describe_exit, describe_hang, run_ranks
 from harness.strategies import STRATEGIES
 
 #: What ``setup`` may be: see the module's docstring.
@@ -67,27 +70,35 @@ def check(setup: SetupSource, *, world_sizes: Sequence[int] = (1, 2),
     """Every strategy x world size x micro-steps against the big-batch step: the rows
     ``grad-check`` writes to check.csv, same columns, same order.
 
-    Bad input raises :class:`harness.errors.UsageError` (a ValueError) before any rank
-    starts; a rank that fails raises RuntimeError naming the rank and its error.
+    Bad input raises :class:`harness.errors.UsageError` (a ValueError) before anything
+    runs; a rank that fails raises RuntimeError naming the rank and its error.
     """
+    started_in = os.getcwd()  # where the ranks start, whatever folder a factory moves to
     config = CheckConfig(targets=(_target(setup),), accum_steps=tuple(accum_steps),
                          strategies=tuple(strategies), world_sizes=tuple(world_sizes),
                          dtype=dtype, drop_last=drop_last, quiet=True, timeout=timeout)
     sizes = config.resolved_world_sizes(max(config.world_sizes))
+    launched = [s for s in config.strategies if STRATEGIES[s].collective]
+    in_process = tuple(s for s in config.strategies if not STRATEGIES[s].collective)
+    if launched:  # before the user's code runs here, as it would again in every rank
+        refuse_unguarded_caller(",".join(launched))
     target, resolved = resolve(setup)
     check_batches(resolved, target, [(n, k) for n in sizes for k in config.accum_steps],
                   drop_last)
-    check_model(resolved.make_model(), target)
+    model = resolved.make_model()
+    check_model(model, target)
+    check_scheduler(resolved, [p for p in model.parameters() if p.requires_grad], target)
     check_step_device(resolved, target,
                       choose_placement("auto", "auto", Launch.planned(max(sizes))).device)
-    launched = [s for s in config.strategies if STRATEGIES[s].collective]
-    in_process = tuple(s for s in config.strategies if not STRATEGIES[s].collective)
+    # Sendable or refused before the local cases spend their time.
+    data = sent(setup, target) if launched else b""
     rows = []
     if in_process:
         rows += _in_this_process(replace(config, strategies=in_process), target, resolved,
                                  sizes)
     if launched:
-        rows += _on_ranks(setup, replace(config, strategies=tuple(launched)), sizes)
+        rows += _on_ranks(data, replace(config, strategies=tuple(launched)), sizes,
+                          started_in)
     order = {strategy: i for i, strategy in enumerate(config.strategies)}
     rows.sort(key=lambda row: order[row["strategy"]])  # stable: each part is in order
     return pd.DataFrame(rows, columns=list(COLUMN_NAMES))
@@ -138,16 +149,6 @@ def resolve(source: SetupSource) -> tuple[str, Setup]:
     return target, made if made.name else replace(made, name=target.split(":")[1])
 
 
-def _sendable(source: SetupSource) -> None:
-    """The ranks are processes of their own: ``source`` must pickle."""
-    try:
-        pickle.dumps(source)
-    except Exception as error:  # noqa: BLE001 -- whatever pickle refuses
-        raise UsageError(f"setup {_target(source)} cannot be sent to the ranks ({error}); "
-                         "allowed: 'module.path:function', or a function defined at the top "
-                         "level of a module (not a lambda or a nested function)") from None
-
-
 # ------------------------------------------------------------------ running
 class RowsRun(CheckRun):
     """The matrix of one setup, its rows handed back instead of written to check.csv."""
@@ -174,36 +175,56 @@ def _in_this_process(config: CheckConfig, target: str, setup: Setup,
                    process_group=False).measured_rows()
 
 
-def _on_ranks(source: SetupSource, config: CheckConfig,
-              sizes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Start max(sizes) ranks, wait for all of them, and return rank 0's rows."""
-    _sendable(source)
+def _on_ranks(data: bytes, config: CheckConfig, sizes: tuple[int, ...],
+              started_in: str) -> list[dict[str, Any]]:
+    """Start max(sizes) ranks in ``started_in`` on the setup ``data`` (:func:`sent`), wait
+    for all of them, and return rank 0's rows."""
     nproc = max(sizes)
     # Forked from a server process that holds nothing of the caller's (no CUDA context,
     # no process group, no OpenMP threads), which a plain fork of the caller could hold.
     with tempfile.TemporaryDirectory(prefix="grad-check-") as folder:
         failure = run_ranks(nproc, _rank_main,
-                            lambda rank: (rank, nproc, folder, source, config, sizes),
-                            Path(folder), PRELOADED)
+                            lambda rank: (rank, nproc, folder, data, config, sizes),
+                            Path(folder), PRELOADED, config.timeout, started_in)
         if failure is not None:
-            raise _failure(failure)
+            raise _failure(failure, Path(folder), config.timeout)
         with open(Path(folder) / ROWS_FILE, "rb") as rows:
             return pickle.load(rows)
 
 
-def _failure(failure: Failure) -> Exception:
+def _failure(failure: Failure, folder: Path, timeout: float) -> Exception:
+    if failure.hung:
+        return RuntimeError(f"grad-check {describe_hang(failure, timeout)}")
     if failure.exitcode == USAGE_EXIT and failure.line.startswith(BAD_INPUT):
         return UsageError(failure.line.removeprefix(BAD_INPUT))
+    if not failure.line and not _started(folder, failure.rank):
+        return RuntimeError(f"grad-check rank {failure.rank} failed before it started: "
+                            f"{describe_exit(failure.exitcode)}, while multiprocessing "
+                            f"prepared it{_importing_the_script()}")
     return RuntimeError(f"grad-check rank {failure.rank} failed: "
                         f"{failure.line or describe_exit(failure.exitcode)}")
 
 
-def _rank_main(rank: int, nproc: int, folder: str, source: SetupSource, config: CheckConfig,
+def _started(folder: Path, rank: int) -> bool:
+    """Whether rank ``rank`` came as far as :func:`_rank_main`, which says why it fails."""
+    return (folder / f"rank{rank}.started").exists()
+
+
+def _importing_the_script() -> str:
+    """What multiprocessing runs of the caller's in a rank before the rank starts."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    return (f" (it imports the calling script, {script}, again: its output above says why)"
+            if script else "")
+
+
+def _rank_main(rank: int, nproc: int, folder: str, data: bytes, config: CheckConfig,
                sizes: tuple[int, ...]) -> None:
-    """One rank: join the others through a file in ``folder``, run the matrix, and leave
-    rank 0's rows (or this rank's error line) there."""
+    """One rank: join the others through a file in ``folder``, run the matrix on the setup
+    ``data`` holds, and leave rank 0's rows (or this rank's error line) there."""
+    (Path(folder) / f"rank{rank}.started").touch()
     torch.set_num_threads(1)  # ranks share the machine's cores, as torchrun's default
     try:
+        source = received(data)  # here, so that a setup a rank cannot rebuild says why
         launch = Launch(rank=rank, world_size=nproc, local_rank=rank, local_world_size=nproc,
                         hostname=socket.gethostname(), slurm_job_id="")
         placement = choose_placement("auto", "auto", launch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class CheckConfig:
     fail_on: str = DEFAULT_FAIL_ON
 
     def __post_init__(self) -> None:
+        # Absolute before any user code runs: a factory may change the working folder.
+        object.__setattr__(self, "out", Path(os.path.abspath(self.out)))
         for target in self.targets:
             if ":" not in target:
                 raise UsageError(f"{target!r} names no factory; allowed: module.path:factory, "

@@ -19,6 +19,7 @@ refused by name before any rank starts. Rank 0 prints the table and writes
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -128,6 +129,7 @@ def _world_size(args: argparse.Namespace, prog: str) -> int:
 def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str) -> int:
     """Every check of the input first (before any rank starts with ``--nproc``), then the
     run on every rank."""
+    started_in = os.getcwd()  # the ranks start here, whatever folder a factory moves to
     try:
         chosen = selections(args.frameworks)
         accum_steps = parse_int_list(args.accum_steps, "--accum-steps")
@@ -149,7 +151,8 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
             from harness.launcher import launch_ranks
 
             code = launch_ranks(world_size, list(argv), prog, module="harness.check",
-                                name_rank_of_bad_input=False)
+                                name_rank_of_bad_input=False, timeout=timeout,
+                                cwd=started_in)
             # The launcher judges the rows the ranks wrote, as grad-check's own does.
             return code or exit_code(rows_of(out / CSV_NAME), args.fail_on, prog)
     except UsageError as error:

@@ -8,6 +8,7 @@ line naming the bad value and what is allowed, exit code 2, nothing written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -176,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     """Check the setups here, once, then start the ranks; the exit code from the rows the
     ranks wrote (see outcome.py)."""
+    started_in = os.getcwd()  # the ranks start here, whatever folder a factory moves to
     nproc = parse_nproc(nproc_flag)
     planned = Launch.planned(nproc)
     world_sizes = config.resolved_world_sizes(nproc)
@@ -189,7 +191,8 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     if not config.quiet:
         print(f"{PROG}: starting {nproc} rank(s)", flush=True)
     code = launch_ranks(nproc, argv, PROG, module="harness.check",
-                        name_rank_of_bad_input=False)
+                        name_rank_of_bad_input=False, timeout=config.timeout,
+                        cwd=started_in)
     if code != 0:
         return code
     return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG)

@@ -50,8 +50,11 @@ def called(function, what: str) -> Any:
     try:
         return function()
     except (Exception, SystemExit) as error:  # noqa: BLE001 -- the user's code failing
-        raise UsageError(f"{what} failed: {type(error).__name__}: {error}; allowed: code "
-                         "that runs on this machine as it is") from None
+        # An error that already names what is allowed (a Setup field of the wrong type)
+        # says it once.
+        allowed = "" if "allowed:" in str(error) else ("; allowed: code that runs on this "
+                                                        "machine as it is")
+        raise UsageError(f"{what} failed: {type(error).__name__}: {error}{allowed}") from None
 
 
 def load_setup(target: str) -> Setup:
@@ -133,6 +136,7 @@ def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
     check_optimizer(optimizer, trainable, target)
+    check_scheduler(setup, trainable, target)
 
 
 def _say_casts(model: nn.Module, piece: Any, dtype: torch.dtype, target: str,
@@ -217,6 +221,31 @@ def check_optimizer(optimizer: Any, trainable: list[nn.Parameter], target: str) 
                          f"{len(given)} trainable parameter(s) (an optimizer over another "
                          "model's parameters?); allowed: an optimizer over the params it is "
                          "given")
+
+
+def check_scheduler(setup: Setup, trainable: list[nn.Parameter], target: str) -> None:
+    """A scheduler whose step() takes no argument: the check steps it after every
+    optimizer step, as a loop does, and has no metric to give it (a loss would differ from
+    case to case, and from the big batch's)."""
+    if setup.make_scheduler is None:
+        return
+    optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
+    scheduler = called(lambda: setup.make_scheduler(optimizer), f"{target}: make_scheduler()")
+    allowed = ("allowed: a scheduler whose step() takes no argument (LambdaLR, StepLR, "
+               "CosineAnnealingLR, OneCycleLR, ...), or make_scheduler=None")
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise UsageError(f"{target}: make_scheduler() returned a {type(scheduler).__name__}, "
+                         f"which has no step(); {allowed}")
+    needed = [name for name, parameter in inspect.signature(step).parameters.items()
+              if parameter.default is inspect.Parameter.empty
+              and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                         inspect.Parameter.VAR_KEYWORD)]
+    if needed:
+        raise UsageError(f"{target}: make_scheduler() returned a {type(scheduler).__name__}, "
+                         f"whose step() needs {', '.join(map(repr, needed))}, which the check "
+                         f"cannot give (it steps the scheduler after every optimizer step); "
+                         f"{allowed}")
 
 
 def validated_setup(target: str, splits: list[tuple[int, int]], drop_last: bool,

@@ -39,7 +39,7 @@ from harness.check.reference import ReferenceStep, state_names, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
-from harness.errors import UsageError, first_sentence
+from harness.errors import UsageError, first_sentence, timed_out_in_collective
 from harness.launch import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.strategies import STRATEGIES
@@ -236,6 +236,8 @@ class SetupCheck:
             return [Measured(error.step, point, status="error", error=str(error))
                     for point in self.points]
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
+            if timed_out_in_collective(f"{type(error).__name__}: {error}"):
+                raise  # another rank hung: no later case can run, the launch names it
             return [Measured(0, point, status="error", error=first_sentence(error))
                     for point in self.points]
 

@@ -59,8 +59,8 @@ MicroStepFn = Callable[[nn.Module, Batch, MicroStep], torch.Tensor]
 BeforeStepFn = Callable[[nn.Module, torch.optim.Optimizer, MicroStep], None]
 #: ``make_scheduler(optimizer) -> LR scheduler``, stepped right after every optimizer step.
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-#: Floating types ``Setup.autocast`` accepts: bfloat16 runs on CPU and CUDA, float16 on
-#: CUDA only.
+#: Floating types ``Setup.autocast`` accepts (both run on CPU and CUDA; the check asks the
+#: device before any rank starts: harness/check/step.py).
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -104,11 +104,11 @@ class Setup:
     before_step: BeforeStepFn | None = None
     #: optimizer -> LR scheduler, stepped after each optimizer step; None: constant lr.
     make_scheduler: SchedulerFactory | None = None
-    #: ``torch.autocast`` dtype of every forward (the loss or micro_step): torch.bfloat16,
-    #: or torch.float16 (CUDA only); None: no autocast. The model then runs in float32
+    #: ``torch.autocast`` dtype of every forward (the loss or micro_step): torch.bfloat16
+    #: or torch.float16; None: no autocast. The model then runs in float32
     #: (autocast leaves float64 alone), and rows are judged at the autocast's precision.
     autocast: torch.dtype | None = None
-    #: Scale the loss with a ``torch.amp.GradScaler`` (CUDA only, for float16 autocast):
+    #: Scale the loss with a ``torch.amp.GradScaler`` (on the check's device, for float16):
     #: unscaled before ``before_step``, its step skipped on a non-finite gradient.
     grad_scaler: bool = False
 
@@ -139,7 +139,7 @@ def _check_whole_step(setup: Setup) -> None:
                             "function, or None")
     if setup.autocast is not None and setup.autocast not in AUTOCAST_DTYPES:
         raise TypeError(f"Setup.autocast={setup.autocast!r} is not allowed; allowed: "
-                        "torch.bfloat16, torch.float16 (CUDA only), or None")
+                        "torch.bfloat16, torch.float16, or None")
     if not isinstance(setup.grad_scaler, bool):
         raise TypeError(f"Setup.grad_scaler={setup.grad_scaler!r} is a "
                         f"{type(setup.grad_scaler).__name__}; allowed: True or False")

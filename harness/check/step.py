@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,13 +34,37 @@ def not_finite(tensor: torch.Tensor | None) -> bool:
 
 
 def check_step_device(setup: Setup, target: str, device: torch.device) -> None:
-    """Refuse what the device cannot run, before any rank starts."""
-    if setup.autocast == torch.float16 and device.type != "cuda":
-        raise UsageError(f"{target}: Setup.autocast=torch.float16 cannot run on {device}; "
-                         "allowed there: torch.bfloat16 or None (float16 autocast needs CUDA)")
-    if setup.grad_scaler and device.type != "cuda":
-        raise UsageError(f"{target}: Setup.grad_scaler=True needs CUDA, and the check runs "
-                         f"on {device}; allowed there: grad_scaler=False")
+    """Refuse what the device cannot run, before any rank starts. Asked of the device
+    itself: a torch that cannot autocast to a type on a device, or scale there, warns
+    and runs without it, which would check a step other than the one described."""
+    if setup.autocast is not None and not _autocasts(device, setup.autocast):
+        name = str(setup.autocast).removeprefix("torch.")
+        raise UsageError(f"{target}: Setup.autocast=torch.{name} does not run on {device} "
+                         f"with torch {torch.__version__}; allowed there: torch.bfloat16 or "
+                         "None")
+    if setup.grad_scaler and not _scales(device):
+        raise UsageError(f"{target}: Setup.grad_scaler=True does not run on {device} with "
+                         f"torch {torch.__version__}; allowed there: grad_scaler=False")
+
+
+def _autocasts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a matmul under ``torch.autocast(device, dtype)`` computes in ``dtype``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the refusal says it instead
+            with torch.autocast(device.type, dtype=dtype):
+                ones = torch.ones(2, 2, device=device)
+                return (ones @ ones).dtype == dtype
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _scales(device: torch.device) -> bool:
+    """Whether a GradScaler on ``device`` is enabled (it disables itself, with a warning,
+    where it cannot run)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.amp.GradScaler(device.type).is_enabled()
 
 
 #: Functions that edit gradients, which a loop calls once per window: (module, attribute,
