@@ -11,7 +11,10 @@ principles (the ranks import this light module by name):
 - ``batchnorm_setup``: BatchNorm between two layers: no multiple of the big batch, the
   fix names SyncBatchNorm/GroupNorm;
 - ``scheduled_setup``: two steps with a StepLR that halves the rate after each step;
-- ``bf16_setup``: the plain MLP under bfloat16 autocast.
+- ``bf16_setup``: the plain MLP under bfloat16 autocast;
+- ``bf16_token_mean_setup``: a per-micro-batch token mean over micro-batches of 29 and 30
+  tokens (N = 2, k = 2) under bfloat16 autocast: 3 % apart, below bfloat16's tolerance,
+  so only the run without autocast shows the split.
 """
 
 from __future__ import annotations
@@ -134,3 +137,25 @@ def scheduled_setup() -> Setup:
 def bf16_setup() -> Setup:
     return Setup(make_model=_mlp, batch=_pairs, loss=_cross_entropy, autocast=torch.bfloat16,
                  name="bf16")
+
+
+def nearly_full_batch(step: int) -> torch.Tensor:
+    """examples/tiny_lm.py's token rows, each padded after LENGTH or LENGTH + 1 tokens: the
+    micro-batches of N = 2, k = 2 hold 29 and 30 tokens, which a per-micro-batch token mean
+    weighs 3 % apart (residual ~1e-2), below bfloat16's tolerance but not float64's."""
+    from examples import tiny_lm
+
+    generator = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(1, tiny_lm.VOCAB, (tiny_lm.SEQUENCES, tiny_lm.LENGTH + 1),
+                           generator=generator)
+    lengths = torch.randint(tiny_lm.LENGTH, tiny_lm.LENGTH + 2, (tiny_lm.SEQUENCES,),
+                            generator=generator)
+    tokens[torch.arange(tiny_lm.LENGTH + 1)[None, :] >= lengths[:, None]] = tiny_lm.PAD
+    return tokens
+
+
+def bf16_token_mean_setup() -> Setup:
+    from examples import tiny_lm
+
+    return Setup(make_model=tiny_lm.make_model, batch=nearly_full_batch,
+                 loss=tiny_lm.token_mean_loss, autocast=torch.bfloat16, name="bf16-token-mean")

@@ -75,27 +75,11 @@ def test_a_hugging_face_llama_with_window_token_normalization_matches():
                                                       "verdict", "residual", "fix"]]
 
 
-def nearly_full_batch(step: int) -> torch.Tensor:
-    """tiny_lm's token rows, each padded after LENGTH or LENGTH + 1 tokens: the micro-batches
-    of N = 2, k = 2 hold 29 and 30 tokens, a per-micro-batch token mean weighs them
-    3 % apart (residual ~1e-2), below bfloat16's tolerance but not float64's."""
-    from examples import tiny_lm
-
-    generator = torch.Generator().manual_seed(300 + step)
-    tokens = torch.randint(1, tiny_lm.VOCAB, (tiny_lm.SEQUENCES, tiny_lm.LENGTH + 1),
-                           generator=generator)
-    lengths = torch.randint(tiny_lm.LENGTH, tiny_lm.LENGTH + 2, (tiny_lm.SEQUENCES,),
-                            generator=generator)
-    tokens[torch.arange(tiny_lm.LENGTH + 1)[None, :] >= lengths[:, None]] = tiny_lm.PAD
-    return tokens
-
-
 def test_bfloat16_rounding_never_hides_a_split_that_full_precision_shows():
-    from examples import tiny_lm
+    from tests.frameworks_setups import bf16_token_mean_setup
 
-    setup = Setup(make_model=tiny_lm.make_model, batch=nearly_full_batch,
-                  loss=tiny_lm.token_mean_loss, autocast=torch.bfloat16, name="bf16-token-mean")
-    rows = check(setup, strategies=["local"], world_sizes=(1, 2), accum_steps=(1, 2))
+    rows = check(bf16_token_mean_setup(), strategies=["local"], world_sizes=(1, 2),
+                 accum_steps=(1, 2))
     split = rows[(rows.world_size == 2) & (rows.accum_steps == 2)]
     # Under bfloat16 alone this read `matches`: its residual is below bfloat16's tolerance.
     assert (split.autocast_residual < 3e-2).all() and (split.autocast_residual > 1e-3).all()

@@ -219,7 +219,7 @@ def test_a_frameworks_row_fails_by_its_verdict_against_the_frameworks_recipe():
 
 # ---------------------------------------------------------------- the whole step, judged alike
 SETUPS = ("half_loss_setup", "l2_term_setup", "logits_setup", "raising_before_step_setup",
-          "batchnorm_setup", "scheduled_setup", "bf16_setup")
+          "batchnorm_setup", "scheduled_setup", "bf16_setup", "bf16_token_mean_setup")
 WHOLE_STEP_FRAMEWORKS = "accelerate,lightning,transformers:max_grad_norm=0"
 
 
@@ -318,6 +318,18 @@ def test_bfloat16_autocast_runs_as_the_frameworks_mixed_precision(whole_step):
     assert (bf16.verdict == "matches").all()
     assert frame[(frame.setup == "bf16") & (frame.framework == "accelerate")].code.str.contains(
         "mixed_precision='bf16'").all()
+
+
+def test_bfloat16_rounding_never_hides_a_split_under_a_framework_either(whole_step):
+    """The frameworks train the setup without autocast too; where that step differs from
+    the big batch, the row is its own, as grad-check judges."""
+    frame, _ = whole_step
+    split = rows_of(frame, "bf16-token-mean")
+    assert (split.verdict == "differs").all(), split[["framework", "verdict", "residual"]]
+    assert (split.precision == "float64").all()
+    autocast = pd.to_numeric(split.autocast_residual)
+    assert ((autocast > 1e-3) & (autocast < 3e-2)).all()
+    assert split.fix.str.contains("window's token count").all()
 
 
 def test_the_console_says_what_loads_and_not_what_ddp_hints(whole_step):

@@ -33,7 +33,7 @@ from harness.check.compare import (
 from harness.check.config import CSV_NAME, CheckConfig
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import prepared_model
-from harness.check.precision import case_precision, unsplit_fix
+from harness.check.precision import case_precision, full_precision_decides, unsplit_fix
 from harness.check.precision import name as dtype_name
 from harness.check.reference import ReferenceStep, state_names, window_of
 from harness.check.schema import COLUMN_NAMES
@@ -90,18 +90,15 @@ class Measured:
 
 def at_full_precision(low: list[Measured], full: list[Measured]) -> list[Measured]:
     """A case run under autocast (``low``) judged with its twin run without autocast at the
-    run's precision (``full``): where the twin shows a difference from the big batch, the
-    split differs whatever the autocast rounding, so the twin's verdict stands (a bfloat16
-    tolerance, ~10x bfloat16's rounding, would hide a token-count weighting off by a few
-    per cent); elsewhere the autocast run's (its rounding within its tolerance, or what
-    only autocast does). Every row keeps the autocast run's residual beside it."""
+    run's precision (``full``), by :func:`~harness.check.precision.full_precision_decides`.
+    Every row keeps the autocast run's residual beside it."""
     twins = {(m.step, m.point): m for m in full}
     judged = []
     for measured in low:
         twin = twins.get((measured.step, measured.point))
         residual = measured.comparison.residual if measured.comparison else None
-        if (measured.status == "ok" and twin is not None and twin.comparison is not None
-                and twin.comparison.verdict is not Equivalence.MATCHES):
+        if twin is not None and twin.comparison is not None and full_precision_decides(
+                measured.status, twin.comparison.verdict):
             measured = twin
         judged.append(dataclasses.replace(measured, autocast_residual=residual))
     return judged

@@ -49,3 +49,13 @@ def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
     return (f"nothing is split at N = 1, k = 1, yet the {what} differs from the big "
             f"batch's (scale {comparison.scale:.6g}, residual {comparison.residual:.3g}): "
             f"{cause}")
+
+
+def full_precision_decides(status: str, twin_verdict: Equivalence | str | None) -> bool:
+    """A case run under ``Setup.autocast`` (its row's ``status``) and its twin run without
+    autocast at the run's precision: the twin's verdict stands where the twin differs from
+    the big batch, since the autocast precision's tolerance (ten times bfloat16's rounding)
+    would hide a split a few per cent off; the autocast run's stands elsewhere (its
+    rounding within its tolerance, or what only autocast does)."""
+    return (status == "ok" and twin_verdict is not None
+            and str(twin_verdict) not in ("", str(Equivalence.MATCHES)))

@@ -33,7 +33,7 @@ from harness.check import batches
 from harness.check.compare import Comparison, Pair, compare, worst_tensors
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
 from harness.check.load import prepared_model
-from harness.check.precision import case_precision
+from harness.check.precision import case_precision, full_precision_decides
 from harness.check.precision import name as dtype_name
 from harness.check.reference import ReferenceStep, compute_reference, state_names
 from harness.check.setup import Setup
@@ -124,7 +124,35 @@ def training_dtype(framework: Framework, setup: Setup, wanted: torch.dtype) -> t
 def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
             dtype: torch.dtype) -> list[dict[str, Any]] | None:
     """Train on every rank (a collective); rank 0 returns one row per step and point, the
-    others None. A framework that raises gives one ``error`` row with its exception."""
+    others None. A framework that raises gives one ``error`` row with its exception.
+
+    Under ``Setup.autocast`` the framework trains the setup again without it, and rows are
+    judged as the check judges them (:func:`at_full_precision`)."""
+    rows = measured_once(framework, setting, setup, accum_steps, dtype)
+    if setup.autocast is None:
+        return rows
+    twin = measured_once(framework, setting, replace(setup, autocast=None), accum_steps, dtype)
+    return at_full_precision(rows, twin) if rows is not None else None
+
+
+def at_full_precision(low: list[dict[str, Any]], full: list[dict[str, Any]]
+                      ) -> list[dict[str, Any]]:
+    """The framework's rows under autocast, each replaced by its twin's without autocast
+    where :func:`~harness.check.precision.full_precision_decides` says so; every row keeps
+    the autocast run's residual."""
+    twins = {(row["step"], row["point"]): row for row in full}
+    judged = []
+    for row in low:
+        twin = twins.get((row["step"], row["point"]))
+        decided = (twin if twin is not None and twin["status"] == "ok"
+                   and full_precision_decides(row["status"], twin["verdict"]) else row)
+        judged.append({**decided, "autocast_residual": row["residual"]})
+    return judged
+
+
+def measured_once(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
+                  dtype: torch.dtype) -> list[dict[str, Any]] | None:
+    """:func:`measure`'s rows of one training, as the setup says (autocast or not)."""
     job = Job(setup, setting, accum_steps, training_dtype(framework, setup, dtype),
               StepCapture(), world_size=dist.get_world_size())
     applied, error = Applied(""), ""
@@ -145,6 +173,7 @@ def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: i
         captures, setup.steps, accum_steps)
     if failure:
         return [{**identity, **dict.fromkeys(NUMBERS, math.nan), "step": 0, "point": "",
+                 "autocast_residual": math.nan,
                  "precision": "", "verdict": "", "recipe_verdict": "", "worst_tensors": "",
                  "fix": "", "error": failure, "status": "error"}]
     return FrameworkJudge(framework, job, applied, captures).rows(identity)
@@ -223,7 +252,7 @@ class FrameworkJudge:
             for point in POINTS:
                 row, scale = self._row(step, point, rtol, gradient_scale)
                 rows.append({**identity, "step": step, "precision": dtype_name(precision),
-                             **row})
+                             "autocast_residual": math.nan, **row})
                 if step == 0 and point == "grad" and scale is not None:
                     gradient_scale = scale
         return rows

@@ -123,6 +123,7 @@ def _unmeasured_row(framework: Framework, status: str) -> dict[str, Any]:
             "setting": "", "code": "", "setup": "", "setup_code": "", "loss": "",
             "world_size": WORLD_SIZE, "accum_steps": math.nan, "step": math.nan,
             "model_dtype": "", "precision": "", "recipe": "", "point": "", "verdict": "",
-            "recipe_verdict": "", **dict.fromkeys(NUMBERS, math.nan), "worst_tensors": "",
+            "recipe_verdict": "", **dict.fromkeys(NUMBERS, math.nan),
+            "autocast_residual": math.nan, "worst_tensors": "",
             "fix": "", "optimizer_steps": math.nan, "tokens_per_rank": "", "error": "",
             "status": status}
