@@ -1,0 +1,449 @@
+"""The big-batch reference spread over the ranks in chunks, for a setup that says how its
+loss normalizes (``Setup.loss_terms``).
+
+The big batch's loss is the sum of its terms over their count, so its gradient is the
+sum over any chunks of ``grad(chunk's summed terms)``, divided once by the total count.
+Each rank of the launch takes its contiguous 1/W of the global batch and cuts it into
+chunks no larger than the smallest micro-batch of the matrix; it backpropagates each
+chunk's summed terms, divided by a power of two near the window's count (exact in binary,
+and the gradients then have the big batch's magnitude, which a GradScaler or float16
+needs). The ranks then exchange their shares with an all_gather (not DDP's bucketed
+all-reduce, the path under test) and each sums them in float64, in rank order, weighted
+by the counts: every rank ends with the same full gradient and steps the reference
+optimizer itself. A rank holds one chunk's activations and one gradient at a time.
+
+It must be exact, so where chunks cannot add up to the big batch the whole-batch
+reference runs instead and the rows say why: BatchNorm in training mode (each chunk
+normalized by its own statistics), a forward that changes a buffer (running statistics,
+counters: only a forward of the whole batch updates them as the big batch does), and
+terms of two chunks together that are not the terms of the chunks apart. The last is
+measured on step 0 with one more forward of two chunks, which also finds randomness the
+module scan cannot see and a ``loss_terms`` that is not ``loss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.check import batches
+from harness.check.precision import lowest
+from harness.check.precision import name as dtype_name
+from harness.check.setup import Setup
+from harness.check.step import WholeStep
+from harness.errors import UsageError
+from harness.tolerances import check_tolerance, close
+
+#: Seeds of the reference's forwards and of the forward that looks for randomness the
+#: module scan cannot see (e.g. ``F.dropout`` called inside ``forward``).
+FORWARD_SEED, PROBE_SEED = 0, 1
+#: Gradient elements per all_gather: a few buffers of this size are all the exchange
+#: holds, whatever the model's size (16 MiB each in float32).
+BUCKET = 1 << 22
+#: Elements summed at once in float64: the partial sums stay in the CPU's cache.
+SUM_CHUNK = 1 << 16
+#: The floating types a share's loss may have, by their index in the exchanged numbers.
+LOSS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Random numbers drawn from ``seed`` inside, the caller's random state kept."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def random_loss_message(target: str, loss: float, again: float) -> str:
+    return (f"{target}: the loss of the same batch changed with the random seed "
+            f"({loss:.6g} vs {again:.6g}): the model or the loss is random in training mode "
+            "(dropout?), so no comparison is fair; allowed: setups without train-mode "
+            "randomness")
+
+
+# ------------------------------------------------------------- the terms
+@dataclass(frozen=True)
+class Terms:
+    """Summed loss terms and how many there are, as float64 numbers."""
+
+    total: float
+    count: float
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(self.total + other.total, self.count + other.count)
+
+    @property
+    def mean(self) -> float:
+        """The loss these terms make: their sum over their count (NaN where none)."""
+        return self.total / self.count if self.count else math.nan
+
+
+NO_TERMS = Terms(0.0, 0.0)
+
+
+def checked_terms(value: Any, target: str, graph: bool = True) -> tuple[torch.Tensor, float]:
+    """What ``loss_terms`` returned, as (the summed terms, their count): a scalar floating
+    tensor (with a graph to backpropagate where ``graph``) and a finite count >= 0."""
+    allowed = ("allowed: a pair (sum, count): the summed loss terms as a scalar tensor "
+               "computed from the model's output, and how many terms (an int or a scalar "
+               "tensor)")
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise UsageError(f"{target}: loss_terms(model, batch) returned a "
+                         f"{type(value).__name__}; {allowed}")
+    total, count = value
+    if not (isinstance(total, torch.Tensor) and total.numel() == 1
+            and total.is_floating_point() and (total.requires_grad or not graph)):
+        shown = (f"a tensor of shape {tuple(total.shape)}, {dtype_name(total.dtype)}"
+                 + ("" if total.requires_grad else ", that requires no gradient")
+                 if isinstance(total, torch.Tensor) else f"a {type(total).__name__}")
+        raise UsageError(f"{target}: loss_terms(model, batch) returned {shown} as its sum; "
+                         f"{allowed}")
+    number = _number(count)
+    if number is None or not math.isfinite(number) or number < 0:
+        raise UsageError(f"{target}: loss_terms(model, batch) returned the count {count!r}; "
+                         f"{allowed}, finite and >= 0")
+    return total, number
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach()) if value.numel() == 1 else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def inconsistency_message(target: str, mean: float, loss: float,
+                          precision: torch.dtype) -> str:
+    return (f"{target}: Setup.loss_terms gives sum / count = {mean:.9g} where Setup.loss "
+            f"gives {loss:.9g} on the same samples (judged at {dtype_name(precision)}); "
+            "allowed: loss_terms whose sum over count is the loss (its summed terms and how "
+            "many there are)")
+
+
+def not_chunkable(model: nn.Module) -> str | None:
+    """Why no chunks of a batch can add up to the whole batch for this model, seen from its
+    modules alone (None: nothing seen)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            return (f"BatchNorm in training mode ({name or 'model'}) normalizes each chunk "
+                    "by its own statistics")
+    return None
+
+
+class NotChunked(Exception):  # noqa: N818 -- a finding, not a failure
+    """The chunks of this setup do not add up to its big batch: the reason, for the rows."""
+
+
+# --------------------------------------------------------- the spread
+@dataclass(frozen=True)
+class Spread:
+    """The ranks the reference is spread over, and how finely a global batch is cut."""
+
+    #: The ranks' process group (None: the default group, or no group for one rank).
+    group: dist.ProcessGroup | None
+    rank: int
+    ranks: int
+    #: The most pieces any case cuts a global batch into (the matrix's largest N x k): a
+    #: chunk holds at most a piece's samples.
+    pieces: int
+
+    def chunks(self, samples: int) -> list[tuple[int, int]]:
+        """This rank's chunks of a global batch of ``samples``, as [first, stop) samples:
+        its contiguous share, cut into chunks of at most ``samples // pieces``."""
+        first = self.rank * samples // self.ranks
+        stop = (self.rank + 1) * samples // self.ranks
+        size = max(1, samples // self.pieces)
+        return [(start, min(start + size, stop)) for start in range(first, stop, size)]
+
+    def gathered(self, tensor: torch.Tensor,
+                 into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``tensor`` of every rank, in rank order (``into``: where to put them)."""
+        if self.ranks == 1:
+            return [tensor]
+        into = into or [torch.empty_like(tensor) for _ in range(self.ranks)]
+        dist.all_gather(into, tensor, group=self.group)
+        return into
+
+
+class Probe(IntEnum):
+    """What the chunks of step 0 said, in order of precedence: the worst over the ranks
+    decides for all of them."""
+
+    ADDS_UP = 0
+    BUFFERS_CHANGE = 1
+    SPLITS_DIFFER = 2
+    INCONSISTENT = 3
+    RANDOM = 4
+
+
+@dataclass
+class Share:
+    """What one rank's chunks of a global batch gave, besides its gradient."""
+
+    terms: Terms = NO_TERMS
+    #: Each chunk's terms, in order.
+    chunk_terms: list[Terms] = field(default_factory=list)
+    #: Each chunk's summed terms were divided by this before their backward.
+    divisor: float = 1.0
+    loss_dtype: torch.dtype | None = None
+    probe: Probe = Probe.ADDS_UP
+    #: The two numbers the probe's finding rests on, for its message.
+    seen: tuple[float, float] = (math.nan, math.nan)
+    #: The lowest precision of the probe's forwards: its tolerance's.
+    precision: torch.dtype | None = None
+
+
+# ------------------------------------------------------------ a step
+def chunked_backward(setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
+                     spread: Spread, target: str, step: int, probing: bool
+                     ) -> tuple[float, torch.dtype | None]:
+    """The big batch's gradient in every trainable ``param.grad`` of ``model`` (scaled as
+    the GradScaler scales it, if any), on every rank alike; its loss and loss dtype."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()} if probing else {}
+    share = _backward_share(setup, model, whole, window, spread, target)
+    if probing:
+        _probe(share, setup, model, whole, window, spread, target)
+        changed = [i for i, (name, b) in enumerate(model.named_buffers())
+                   if not torch.equal(b, buffers[name])]
+        if changed and share.probe < Probe.BUFFERS_CHANGE:
+            share.probe, share.seen = Probe.BUFFERS_CHANGE, (float(changed[0]), math.nan)
+    params = [p for p in model.parameters() if p.requires_grad]
+    shares = spread.gathered(_numbers(share, params))
+    table = torch.stack(shares)
+    _judge_probes(table, model, target)
+    count = float(table[:, COUNT].sum())
+    if count == 0:
+        raise UsageError(f"{target}: loss_terms counts no term in global batch {step}; "
+                         "allowed: batches with at least one term (a token not ignored)")
+    _sum_gradients([p for p, here in zip(params, table[:, FLAGS:].amax(0) > 0, strict=True)
+                    if here], (table[:, DIVISOR] / count).tolist(), spread)
+    dtypes = [LOSS_DTYPES[int(i)] for i in table[:, DTYPE].tolist() if i >= 0]
+    return float(table[:, TOTAL].sum()) / count, lowest(dtypes) if dtypes else None
+
+
+def _backward_share(setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
+                    spread: Spread, target: str) -> Share:
+    """Backpropagate each of this rank's chunks' summed terms over the share's divisor."""
+    samples = batches.sample_count(window, "batch")
+    share = Share()
+    found = []
+    for first, stop in spread.chunks(samples):
+        with seeded(FORWARD_SEED), whole.forward():
+            value = setup.loss_terms(model, batches.take(window, first, stop))
+        total, count = checked_terms(value, target)
+        if not found:
+            share.divisor = power_of_two_near(max(count, 1.0) * samples / (stop - first))
+            share.loss_dtype = total.dtype
+        whole.backward(total / share.divisor)
+        found.append(Terms(float(total.detach()), count))
+    share.terms, share.chunk_terms = sum(found, NO_TERMS), found
+    return share
+
+
+def power_of_two_near(value: float) -> float:
+    """The power of two nearest ``value`` (> 0) on a log scale: dividing by it is exact."""
+    return 2.0 ** round(math.log2(value))
+
+
+# ---------------------------------------------------- step 0's probe
+def _probe(share: Share, setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
+           spread: Spread, target: str) -> None:
+    """Two adjacent pieces apart and together: the loss of the two together, under another
+    seed, must be their summed terms over their summed counts. Where it is not, more
+    forwards tell randomness, a ``loss_terms`` that is not ``loss``, and terms that do
+    not add up apart."""
+    samples = batches.sample_count(window, "batch")
+    chunks = spread.chunks(samples)
+    pair = _probe_pair(samples, chunks)
+    if pair is None:
+        return
+    first, middle, stop = pair
+    prober = _Prober(setup, model, whole, window, target, share.loss_dtype)
+    with torch.no_grad():
+        found = share.chunk_terms
+        a, b = ((found[0], found[1]) if len(found) >= 2 else
+                (prober.terms(first, middle, FORWARD_SEED), prober.terms(middle, stop,
+                                                                         FORWARD_SEED)))
+        apart = a + b
+        if not math.isfinite(apart.total):
+            return  # refused as not finite, with the big batch's loss
+        together = prober.loss(first, stop, PROBE_SEED)
+        share.precision = prober.precision()
+        rtol = check_tolerance(share.precision)
+        if close(together, apart.mean, rtol):
+            return
+        union = prober.terms(first, stop, FORWARD_SEED)
+        if not (close(union.total, apart.total, rtol) and close(union.count, apart.count, rtol)):
+            again = prober.terms(first, middle, PROBE_SEED)
+            if not close(again.total, a.total, rtol):
+                share.probe, share.seen = Probe.RANDOM, (a.total, again.total)
+            else:
+                share.probe, share.seen = Probe.SPLITS_DIFFER, (union.mean, apart.mean)
+            return
+        same_seed = prober.loss(first, stop, FORWARD_SEED)
+        if close(same_seed, together, rtol):
+            share.probe, share.seen = Probe.INCONSISTENT, (union.mean, together)
+        else:
+            share.probe, share.seen = Probe.RANDOM, (same_seed, together)
+
+
+def _probe_pair(samples: int, chunks: list[tuple[int, int]]) -> tuple[int, int, int] | None:
+    """Two adjacent pieces [first, middle) and [middle, stop): this rank's first two
+    chunks, else the halves of its one chunk, else the batch's first two samples (None:
+    a batch of one sample, which nothing splits)."""
+    if len(chunks) >= 2:
+        return chunks[0][0], chunks[1][0], chunks[1][1]
+    if chunks and chunks[0][1] - chunks[0][0] >= 2:
+        first, stop = chunks[0]
+        return first, (first + stop) // 2, stop
+    return (0, 1, 2) if samples >= 2 else None
+
+
+class _Prober:
+    """Forwards of pieces of the window, without gradient, each under a given seed."""
+
+    def __init__(self, setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
+                 target: str, terms_dtype: torch.dtype | None) -> None:
+        self.setup, self.model, self.whole, self.window, self.target = (setup, model, whole,
+                                                                        window, target)
+        self.dtypes = {model_dtype(model), *([terms_dtype] if terms_dtype else [])}
+        if setup.autocast is not None:
+            self.dtypes.add(setup.autocast)
+
+    def terms(self, first: int, stop: int, seed: int) -> Terms:
+        with seeded(seed), self.whole.forward():
+            value = self.setup.loss_terms(self.model, batches.take(self.window, first, stop))
+        total, count = checked_terms(value, self.target, graph=False)
+        self.dtypes.add(total.dtype)
+        return Terms(float(total), count)
+
+    def loss(self, first: int, stop: int, seed: int) -> float:
+        with seeded(seed), self.whole.forward():
+            loss = self.setup.loss(self.model, batches.take(self.window, first, stop))
+        self.dtypes.add(loss.dtype)
+        return float(loss)
+
+    def precision(self) -> torch.dtype:
+        """The lowest precision of the model, the autocast and the forwards so far."""
+        return lowest(self.dtypes)
+
+
+# ------------------------------------------------------ the exchange
+#: Columns of the numbers each rank hands the others, then one flag per trainable
+#: parameter: whether its chunks gave it a gradient.
+DIVISOR, TOTAL, COUNT, DTYPE, PROBE, PRECISION, SEEN, FLAGS = 0, 1, 2, 3, 4, 5, 6, 8
+
+
+def _dtype_index(dtype: torch.dtype | None) -> int:
+    return LOSS_DTYPES.index(dtype) if dtype in LOSS_DTYPES else -1
+
+
+def _numbers(share: Share, params: Sequence[nn.Parameter]) -> torch.Tensor:
+    return torch.tensor([share.divisor, share.terms.total, share.terms.count,
+                         _dtype_index(share.loss_dtype), int(share.probe),
+                         _dtype_index(share.precision), *share.seen,
+                         *(float(p.grad is not None) for p in params)], dtype=torch.float64)
+
+
+def _judge_probes(table: torch.Tensor, model: nn.Module, target: str) -> None:
+    """Refuse what no reference can compare fairly; fall back where chunks do not add up."""
+    worst = Probe(int(table[:, PROBE].max()))
+    if worst is Probe.ADDS_UP:
+        return
+    row = table[int(torch.argmax(table[:, PROBE]))]
+    a, b = float(row[SEEN]), float(row[SEEN + 1])
+    precision = LOSS_DTYPES[int(row[PRECISION])] if row[PRECISION] >= 0 else model_dtype(model)
+    if worst is Probe.RANDOM:
+        raise UsageError(random_loss_message(target, a, b))
+    if worst is Probe.INCONSISTENT:
+        raise UsageError(inconsistency_message(target, a, b, precision))
+    if worst is Probe.SPLITS_DIFFER:
+        raise NotChunked(f"the terms of two chunks together ({a:.6g} per term) are not "
+                         f"those of the chunks apart ({b:.6g})")
+    name = [name for name, _ in model.named_buffers()][int(a)]
+    raise NotChunked(f"a training-mode forward changes buffer {name}, which only a forward "
+                     "of the whole batch changes as the big batch does")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in model.parameters())
+
+
+def _sum_gradients(params: list[nn.Parameter], weights: list[float], spread: Spread) -> None:
+    """Every rank's share of each parameter's gradient, weighted and summed in float64 in
+    rank order, into ``param.grad``: the same numbers on every rank."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif not param.grad.is_contiguous():
+            param.grad = param.grad.contiguous()
+    spares: dict[torch.dtype, list[torch.Tensor]] = {}
+    for bucket in _buckets(params):
+        flat = _flat(bucket)
+        if spread.ranks > 1 and flat.dtype not in spares:
+            spares[flat.dtype] = [torch.empty(BUCKET, dtype=flat.dtype, device=flat.device)
+                                  for _ in range(spread.ranks)]
+        into = [spare[:flat.numel()] for spare in spares[flat.dtype]] if spread.ranks > 1 \
+            else None
+        _weighted_sum(spread.gathered(flat, into), weights, flat)
+        _scatter(bucket, flat)
+
+
+#: A bucket: pieces (parameter, first element, stop element) of flat gradients.
+Bucket = list[tuple[nn.Parameter, int, int]]
+
+
+def _buckets(params: list[nn.Parameter]) -> Iterator[Bucket]:
+    """The gradients in pieces of at most :data:`BUCKET` elements of one dtype each."""
+    bucket: Bucket = []
+    size = 0
+    for param in params:
+        if bucket and bucket[-1][0].dtype != param.dtype:
+            yield bucket
+            bucket, size = [], 0
+        start = 0
+        while start < param.numel():
+            stop = min(param.numel(), start + BUCKET - size)
+            bucket.append((param, start, stop))
+            size += stop - start
+            start = stop
+            if size == BUCKET:
+                yield bucket
+                bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _flat(bucket: Bucket) -> torch.Tensor:
+    """The bucket's gradient elements in one tensor: a view where it is one piece."""
+    pieces = [param.grad.view(-1)[first:stop] for param, first, stop in bucket]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _scatter(bucket: Bucket, flat: torch.Tensor) -> None:
+    if len(bucket) == 1:
+        return  # the flat tensor was a view of the gradient: already written
+    offset = 0
+    for param, first, stop in bucket:
+        param.grad.view(-1)[first:stop].copy_(flat[offset:offset + stop - first])
+        offset += stop - first
+
+
+def _weighted_sum(gathered: list[torch.Tensor], weights: list[float],
+                  out: torch.Tensor) -> None:
+    """``out = sum_r weights[r] * gathered[r]``, in float64, rank by rank in order."""
+    for start in range(0, out.numel(), SUM_CHUNK):
+        stop = min(out.numel(), start + SUM_CHUNK)
+        total = gathered[0][start:stop].to(torch.float64) * weights[0]
+        for rank in range(1, len(gathered)):
+            total.add_(gathered[rank][start:stop], alpha=weights[rank])
+        out[start:stop].copy_(total)
