@@ -281,19 +281,25 @@ def _probe(share: Share, setup: Setup, model: nn.Module, whole: WholeStep, windo
         rtol = check_tolerance(share.precision)
         if close(together, apart.mean, rtol):
             return
-        union = prober.terms(first, stop, FORWARD_SEED)
-        if not (close(union.total, apart.total, rtol) and close(union.count, apart.count, rtol)):
-            again = prober.terms(first, middle, PROBE_SEED)
-            if not close(again.total, a.total, rtol):
-                share.probe, share.seen = Probe.RANDOM, (a.total, again.total)
-            else:
-                share.probe, share.seen = Probe.SPLITS_DIFFER, (union.mean, apart.mean)
-            return
-        same_seed = prober.loss(first, stop, FORWARD_SEED)
-        if close(same_seed, together, rtol):
-            share.probe, share.seen = Probe.INCONSISTENT, (union.mean, together)
-        else:
-            share.probe, share.seen = Probe.RANDOM, (same_seed, together)
+        share.probe, share.seen = _diagnosed(prober, pair, a, apart, together, rtol)
+
+
+def _diagnosed(prober: _Prober, pair: tuple[int, int, int], a: Terms, apart: Terms,
+               together: float, rtol: float) -> tuple[Probe, tuple[float, float]]:
+    """Why the loss of two pieces together was not their terms apart: the loss changes
+    with the seed; or the terms together are not the loss; or they are, and the terms
+    apart do not add up to them (unless the terms change with the seed)."""
+    first, middle, stop = pair
+    same_seed = prober.loss(first, stop, FORWARD_SEED)
+    if not close(same_seed, together, rtol):
+        return Probe.RANDOM, (same_seed, together)
+    union = prober.terms(first, stop, FORWARD_SEED)
+    if not close(union.mean, same_seed, rtol):
+        return Probe.INCONSISTENT, (union.mean, same_seed)
+    again = prober.terms(first, middle, PROBE_SEED)
+    if not close(again.total, a.total, rtol):
+        return Probe.RANDOM, (a.total, again.total)
+    return Probe.SPLITS_DIFFER, (union.mean, apart.mean)
 
 
 def _probe_pair(samples: int, chunks: list[tuple[int, int]]) -> tuple[int, int, int] | None:
@@ -386,14 +392,16 @@ def _sum_gradients(params: list[nn.Parameter], weights: list[float], spread: Spr
             param.grad = torch.zeros_like(param)
         elif not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
+    # Buffers the ranks' shares are gathered into, reused bucket after bucket (each dtype's
+    # first bucket is its largest unless the dtypes of the parameters alternate).
     spares: dict[torch.dtype, list[torch.Tensor]] = {}
     for bucket in _buckets(params):
         flat = _flat(bucket)
-        if spread.ranks > 1 and flat.dtype not in spares:
-            spares[flat.dtype] = [torch.empty(BUCKET, dtype=flat.dtype, device=flat.device)
-                                  for _ in range(spread.ranks)]
-        into = [spare[:flat.numel()] for spare in spares[flat.dtype]] if spread.ranks > 1 \
-            else None
+        into = None
+        if spread.ranks > 1:
+            if flat.dtype not in spares or spares[flat.dtype][0].numel() < flat.numel():
+                spares[flat.dtype] = [torch.empty_like(flat) for _ in range(spread.ranks)]
+            into = [spare[:flat.numel()] for spare in spares[flat.dtype]]
         _weighted_sum(spread.gathered(flat, into), weights, flat)
         _scatter(bucket, flat)
 

@@ -200,9 +200,9 @@ def check_loss_terms(setup: Setup, model: nn.Module, piece: Any, loss: torch.Ten
     total, count = checked_terms(called(lambda: setup.loss_terms(model, piece),
                                         f"{target}: loss_terms(model, piece)"), target)
     precision = lowest([next(model.parameters()).dtype, loss.dtype, total.dtype])
-    if count and not close(float(total) / count, float(loss), check_tolerance(precision)):
-        raise UsageError(inconsistency_message(target, float(total) / count, float(loss),
-                                               precision))
+    mean, expected = float(total.detach()) / count if count else 0.0, float(loss.detach())
+    if count and not close(mean, expected, check_tolerance(precision)):
+        raise UsageError(inconsistency_message(target, mean, expected, precision))
     reason = not_chunkable(model)
     if reason is not None:
         say(f"{target}: Setup.loss_terms cannot spread the big-batch reference: {reason}; "
