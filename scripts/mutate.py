@@ -77,6 +77,10 @@ MUTATIONS = (
     Mutation("lr-factor-inverse-scale", "harness/studies/update/lr_factor.py",
              "return 1.0 / scale", "return scale",
              ("tests/test_mutation_targets.py",)),
+    Mutation("chunk-weighed-by-its-own-count", "harness/check/chunked.py",
+             "whole.backward(total / share.divisor)", "whole.backward(total / max(count, 1.0))",
+             ("tests/test_check_chunked.py::test_the_chunked_reference_is_the_whole_batch_"
+              "reference_to_float64_rounding[tiny-lm-window-token-mean]",)),
 )
 
 
