@@ -14,7 +14,7 @@ from torch import nn
 from examples import mlp, real_step
 from harness.check import MicroStep, Setup, check
 from harness.check.grad_check import main
-from harness.check.step import WholeStep
+from harness.check.step import WholeStep, not_finite
 from harness.errors import UsageError
 
 CLIP_RTOL = 1e-12
@@ -277,3 +277,16 @@ def test_a_step_the_scaler_skips_in_the_big_batch_and_the_case_alike_is_said_not
                                  "and in the case alike") for status in first["status"])
     # Both skipped, both halved their scale: the next step is the big batch's again.
     assert set(second["status"]) == {"ok"} and set(second["verdict"]) == {"matches"}, second
+
+
+@pytest.mark.parametrize(("values", "dtype", "found"), [
+    ([1.0, -2.0], torch.float32, False), ([1.0, float("nan")], torch.float32, True),
+    ([float("-inf"), 0.0], torch.float64, True), ([3.0, float("inf")], torch.bfloat16, True),
+    ([65504.0, -65504.0], torch.float16, False), ([], torch.float32, False),
+])
+def test_not_finite_finds_a_nan_or_an_infinity_anywhere(values, dtype, found):
+    tensor = torch.tensor(values, dtype=dtype)
+    assert not_finite(tensor) is found
+    if len(values):
+        assert not_finite(tensor.flip(0).reshape(1, -1)) is found
+    assert not_finite(None) is False
