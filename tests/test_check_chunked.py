@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from examples import digits_cnn, hf_gpt2, hf_llama, tiny_lm
 from examples.mlp import batch as mlp_batch
 from examples.mlp import make_model as make_mlp
-from harness.check import Setup
+from harness.check import Setup, chunked
 from harness.check.baseline import Baseline
 from harness.check.chunked import NotChunked, Spread, power_of_two_near
 from harness.check.grad_check import main
@@ -201,6 +201,20 @@ def test_spread_over_the_ranks_each_computes_its_share_and_all_hold_the_same_ref
     assert sum(sum(seen) for _, seen, _, _ in results) == 3 * samples
     # The same numbers on every rank, bit for bit: each sums the shares in rank order.
     assert len({(tuple(losses), tuple(sums)) for _, _, losses, sums in results}) == 1
+
+
+@pytest.mark.launches(seconds=2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_buckets_smaller_than_a_tensor_and_sums_in_small_pieces_give_the_same_reference(
+        tmp_path, monkeypatch, world_size):
+    """Buckets of 5 elements cut tensors apart and join the ends of others (the forked
+    ranks inherit the patched sizes)."""
+    monkeypatch.setattr(chunked, "BUCKET", 5)
+    monkeypatch.setattr(chunked, "SUM_CHUNK", 2)
+    setup = _spread_setup()
+    whole = whole_reference(replace(setup, loss=terms_loss(setup)))
+    for worst, *_ in run_ranks(world_size, _chunked_on_rank, 4, whole, store_dir=tmp_path):
+        assert max(worst.values()) < ROUNDING, worst
 
 
 # ----------------------------------------------------------------- memory
