@@ -7,10 +7,11 @@ Each rank of the launch takes its contiguous 1/W of the global batch and cuts it
 chunks no larger than the smallest micro-batch of the matrix; it backpropagates each
 chunk's summed terms, divided by a power of two near the window's count (exact in binary,
 and the gradients then have the big batch's magnitude, which a GradScaler or float16
-needs). The ranks then exchange their shares, each sending its own to every other (not
-DDP's bucketed all-reduce, the path under test), and each sums them in float64, in rank
-order, weighted by the counts: every rank ends with the same full gradient and steps the reference
-optimizer itself. A rank holds one chunk's activations and one gradient at a time.
+needs). The ranks then exchange their shares point to point (not DDP's bucketed
+all-reduce, the path under test): each sums one part of every bucket in float64, in rank
+order, weighted by the counts, and sends its sum to the others. Every rank ends with the
+same full gradient and steps the reference optimizer itself. A rank holds one chunk's
+activations and one gradient at a time.
 
 It must be exact, so where chunks cannot add up to the big batch the whole-batch
 reference runs instead and the rows say why: BatchNorm in training mode (each chunk
@@ -45,8 +46,8 @@ from harness.tolerances import check_tolerance, close
 #: Seeds of the reference's forwards and of the forward that looks for randomness the
 #: module scan cannot see (e.g. ``F.dropout`` called inside ``forward``).
 FORWARD_SEED, PROBE_SEED = 0, 1
-#: Gradient elements exchanged at once: a buffer of this size per other rank is all the
-#: exchange holds, whatever the model's size (16 MiB each in float32).
+#: Gradient elements exchanged at once: a 1/W part of this per rank is all the exchange
+#: holds, whatever the model's size (16 MiB in float32 in all).
 BUCKET = 1 << 22
 #: Elements summed at once in float64: the partial sums stay in the CPU's cache.
 SUM_CHUNK = 1 << 16
@@ -164,25 +165,30 @@ class Spread:
         size = max(1, samples // self.pieces)
         return [(start, min(start + size, stop)) for start in range(first, stop, size)]
 
-    def gathered(self, tensor: torch.Tensor,
-                 into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """``tensor`` of every rank, in rank order (``into``: where to put the others').
-
-        Each rank sends its tensor to every other and receives theirs, all at once: the
-        traffic of an all_gather, at the speed of the transport (gloo's all_gather moved
-        100M float32 between two ranks 3 to 6 times slower than these sends did)."""
-        if self.ranks == 1:
-            return [tensor]
-        into = into or [torch.empty_like(tensor) for _ in range(self.ranks)]
-        into[self.rank] = tensor
-        exchanges = []
-        for other in range(self.ranks):
-            if other != self.rank:
-                exchanges += [dist.P2POp(dist.isend, tensor, other, self.group),
-                              dist.P2POp(dist.irecv, into[other], other, self.group)]
-        for request in dist.batch_isend_irecv(exchanges):
-            request.wait()
+    def gathered(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``tensor`` of every rank, in rank order."""
+        into = [tensor if rank == self.rank else torch.empty_like(tensor)
+                for rank in range(self.ranks)]
+        self.exchange({other: tensor for other in range(self.ranks) if other != self.rank},
+                      {other: into[other] for other in range(self.ranks) if other != self.rank})
         return into
+
+    def exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
+                 ) -> None:
+        """Send each tensor of ``sends`` to its rank and receive each of ``receives`` from
+        its rank, all at once. Point to point: gloo's all_gather moved 100M float32 between
+        two ranks 3 to 6 times slower than these sends did."""
+        operations = [dist.P2POp(dist.isend, tensor, rank, self.group)
+                      for rank, tensor in sends.items()]
+        operations += [dist.P2POp(dist.irecv, tensor, rank, self.group)
+                       for rank, tensor in receives.items()]
+        if operations:
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+
+    def part(self, elements: int, rank: int) -> slice:
+        """The elements of a bucket that ``rank`` sums for every rank."""
+        return slice(rank * elements // self.ranks, (rank + 1) * elements // self.ranks)
 
 
 class Probe(IntEnum):
@@ -406,21 +412,40 @@ def _sum_gradients(params: list[nn.Parameter], weights: list[float], spread: Spr
     spares: dict[torch.dtype, list[torch.Tensor]] = {}
     for bucket in _buckets(params):
         flat = _flat(bucket)
-        into = _receivers(flat, spread, spares) if spread.ranks > 1 else None
-        _weighted_sum(spread.gathered(flat, into), weights, flat)
+        _sum_bucket(flat, weights, spread, spares)
         _scatter(bucket, flat)
 
 
-def _receivers(flat: torch.Tensor, spread: Spread,
-               spares: dict[torch.dtype, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Where the other ranks' shares of a bucket land: buffers reused bucket after bucket,
-    sized by each dtype's first bucket (its largest, unless the parameters' dtypes
-    alternate); this rank's own slot is its flat gradient itself."""
+def _sum_bucket(flat: torch.Tensor, weights: list[float], spread: Spread,
+                spares: dict[torch.dtype, list[torch.Tensor]]) -> None:
+    """``flat`` (this rank's share of a bucket) becomes the weighted sum of every rank's.
+
+    Each rank sums one 1/W part of the bucket: it receives that part of the others'
+    shares, sums it, and sends the sum to every other rank, receiving theirs. Each rank
+    sends and receives (W - 1)/W of a bucket twice (an all_gather: W - 1 buckets) and
+    sums 1/W of it in float64 (an all_gather: all of it); every rank ends with the owner's
+    sum of each part, bit for bit."""
+    parts = [spread.part(flat.numel(), rank) for rank in range(spread.ranks)]
+    mine = parts[spread.rank]
+    others = [rank for rank in range(spread.ranks) if rank != spread.rank]
+    received = _receivers(flat, mine.stop - mine.start, others, spares)
+    spread.exchange({rank: flat[parts[rank]] for rank in others}, received)
+    _weighted_sum([received.get(rank, flat[mine]) for rank in range(spread.ranks)], weights,
+                  flat[mine])
+    spread.exchange({rank: flat[mine] for rank in others},
+                    {rank: flat[parts[rank]] for rank in others})
+
+
+def _receivers(flat: torch.Tensor, elements: int, others: list[int],
+               spares: dict[torch.dtype, list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Where the other ranks' shares of this rank's part land: buffers reused bucket after
+    bucket, sized by the largest part so far."""
     held = spares.get(flat.dtype)
-    if held is None or max(spare.numel() for spare in held) < flat.numel():
-        held = spares[flat.dtype] = [flat[:0] if rank == spread.rank else torch.empty_like(flat)
-                                     for rank in range(spread.ranks)]
-    return [spare[:flat.numel()] for spare in held]
+    if not others:
+        return {}
+    if held is None or held[0].numel() < elements:
+        held = spares[flat.dtype] = [flat.new_empty(elements) for _ in others]
+    return {rank: spare[:elements] for rank, spare in zip(others, held, strict=True)}
 
 
 #: A bucket: pieces (parameter, first element, stop element) of flat gradients.
