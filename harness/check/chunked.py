@@ -229,13 +229,9 @@ def chunked_backward(setup: Setup, model: nn.Module, whole: WholeStep, window: A
     share = _backward_share(setup, model, whole, window, spread, target)
     if probing:
         _probe(share, setup, model, whole, window, spread, target)
-        changed = [i for i, (name, b) in enumerate(model.named_buffers())
-                   if not torch.equal(b, buffers[name])]
-        if changed and share.probe < Probe.BUFFERS_CHANGE:
-            share.probe, share.seen = Probe.BUFFERS_CHANGE, (float(changed[0]), math.nan)
+        _look_for_changed_buffers(share, model, buffers)
     params = [p for p in model.parameters() if p.requires_grad]
-    shares = spread.gathered(_numbers(share, params))
-    table = torch.stack(shares)
+    table = _every_rank_s_numbers(share, params, spread)
     _judge_probes(table, model, target)
     count = float(table[:, COUNT].sum())
     if count == 0:
@@ -245,6 +241,16 @@ def chunked_backward(setup: Setup, model: nn.Module, whole: WholeStep, window: A
                     if here], (table[:, DIVISOR] / count).tolist(), spread)
     dtypes = [LOSS_DTYPES[int(i)] for i in table[:, DTYPE].tolist() if i >= 0]
     return float(table[:, TOTAL].sum()) / count, lowest(dtypes) if dtypes else None
+
+
+def _look_for_changed_buffers(share: Share, model: nn.Module,
+                              before: dict[str, torch.Tensor]) -> None:
+    """A buffer the chunks' forwards changed: chunks cannot update it as the big batch's
+    one forward does (the first such buffer, by its index, for the message)."""
+    changed = [index for index, (name, buffer) in enumerate(model.named_buffers())
+               if not torch.equal(buffer, before[name])]
+    if changed and share.probe < Probe.BUFFERS_CHANGE:
+        share.probe, share.seen = Probe.BUFFERS_CHANGE, (float(changed[0]), math.nan)
 
 
 def _backward_share(setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
@@ -368,6 +374,14 @@ DIVISOR, TOTAL, COUNT, DTYPE, PROBE, PRECISION, SEEN, FLAGS = 0, 1, 2, 3, 4, 5, 
 
 def _dtype_index(dtype: torch.dtype | None) -> int:
     return LOSS_DTYPES.index(dtype) if dtype in LOSS_DTYPES else -1
+
+
+def _every_rank_s_numbers(share: Share, params: Sequence[nn.Parameter],
+                          spread: Spread) -> torch.Tensor:
+    """A row of :func:`_numbers` per rank, in rank order, on the CPU."""
+    # Sent from the model's device: the one a CUDA process group's transport sends from.
+    mine = _numbers(share, params).to(params[0].device)
+    return torch.stack(spread.gathered(mine)).cpu()
 
 
 def _numbers(share: Share, params: Sequence[nn.Parameter]) -> torch.Tensor:
