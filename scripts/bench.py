@@ -29,7 +29,10 @@
    clock starts: what the check holds at N = 2 (the compared half of the reference's
    gradients and parameters), so that the cost of that memory on the machine shows
    apart from the check's own work. The four launches take turns in an order that
-   rotates each round (``--check-repeat`` rounds): the minimum and the median of each.
+   rotates each round (``--check-repeat`` rounds): the minimum and the median of each,
+   of wall time and of CPU time (user and system of every thread of the busiest rank:
+   the work done, steadier than wall time where other processes share the cores; the
+   machine's load average before and after is printed).
    Targets: time <= 1.5x the bare loop's, <= 1.3x the bare loop holding as much with
    ``loss_terms``, and peak memory within one extra copy of the gradients plus the
    reference's parameters and gradients. Then a setup whose activations outweigh its
@@ -232,6 +235,7 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
                 "check": ("check_rank.py", "make_setup"),
                 "check_terms": ("check_rank.py", "make_terms_setup")}
     runs: dict[str, list[list[dict]]] = {name: [] for name in launches}
+    load_before = os.getloadavg()[0]
     for attempt in range(repeat):
         for name in rotated(CHECK_LAUNCHES, attempt):
             script, *more = launches[name]
@@ -242,22 +246,28 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
             runs[name].append(rank_reports(reports))
     results: dict[str, dict] = {
         name: {"seconds": spread_of([max(r["seconds"] for r in run) for run in every]),
+               "cpu_seconds": spread_of([max(r["cpu_seconds"] for r in run) for run in every]),
                "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
                                                 for run in every)}
         for name, every in runs.items()}
     copy_mb = parameters * 4 / 2**20
     results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
                         # One extra copy of the gradients + the reference's params and grads.
-                        "budget_mb": 3 * copy_mb, "rounds": repeat}
+                        "budget_mb": 3 * copy_mb, "rounds": repeat,
+                        "load": [load_before, os.getloadavg()[0]]}
     for name in ("check", "check_terms"):
-        results[name]["ratio"] = {kind: results[name]["seconds"][kind]
-                                  / results["bare"]["seconds"][kind] for kind in ("min", "median")}
-        results[name]["ratio_holding"] = {
-            kind: results[name]["seconds"][kind] / results["bare_holding"]["seconds"][kind]
-            for kind in ("min", "median")}
+        for key, over in (("ratio", "bare"), ("ratio_holding", "bare_holding")):
+            results[name][key] = ratios(results[name]["seconds"], results[over]["seconds"])
+            results[name][f"cpu_{key}"] = ratios(results[name]["cpu_seconds"],
+                                                 results[over]["cpu_seconds"])
         results[name]["extra_mb"] = (results[name]["peak_rss_mb"]
                                      - results["bare"]["peak_rss_mb"])
     return results
+
+
+def ratios(seconds: dict[str, float], over: dict[str, float]) -> dict[str, float]:
+    """The ratio of the minima and that of the medians."""
+    return {kind: seconds[kind] / over[kind] for kind in ("min", "median")}
 
 
 def bench_spread(scratch: Path) -> dict[str, dict]:
@@ -316,30 +326,35 @@ def check_lines(check: dict, spread: dict | None) -> list[str]:
     model = check["model"]
     lines = ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
              f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step; "
-             f"{model['rounds']} rounds in rotating order, min and median"]
+             f"{model['rounds']} rounds in rotating order, min and median; load average "
+             f"{model['load'][0]:.1f} before, {model['load'][1]:.1f} after"]
 
-    def seconds(name: str) -> str:
-        return f"{check[name]['seconds']['min']:.2f} s / {check[name]['seconds']['median']:.2f} s"
+    def seconds(name: str, key: str = "seconds") -> str:
+        return f"{check[name][key]['min']:.2f} s / {check[name][key]['median']:.2f} s"
 
     def ratio(name: str, key: str) -> str:
         return f"{check[name][key]['min']:.2f}x / {check[name][key]['median']:.2f}x"
 
+    runs = [("bare DDP loop", "bare"),
+            ("bare DDP loop, each rank holding one more model copy", "bare_holding"),
+            ("`check.py --strategies ddp` (whole-batch reference)", "check"),
+            ("the same with `loss_terms` (chunked reference)", "check_terms")]
     lines += table(["run", "wall time, slowest rank (min / median)",
-                    "peak RSS, largest rank (median)"], [
-        ["bare DDP loop", seconds("bare"), f"{check['bare']['peak_rss_mb']:.0f} MB"],
-        ["bare DDP loop, each rank holding one more model copy", seconds("bare_holding"),
-         f"{check['bare_holding']['peak_rss_mb']:.0f} MB"],
-        ["`check.py --strategies ddp` (whole-batch reference)", seconds("check"),
-         f"{check['check']['peak_rss_mb']:.0f} MB"],
-        ["the same with `loss_terms` (chunked reference)", seconds("check_terms"),
-         f"{check['check_terms']['peak_rss_mb']:.0f} MB"],
+                    "CPU time, busiest rank (min / median)", "peak RSS, largest rank (median)"],
+                   [[label, seconds(name), seconds(name, "cpu_seconds"),
+                     f"{check[name]['peak_rss_mb']:.0f} MB"] for label, name in runs], right=3)
+    lines += table(["ratio", "wall time (min / median)", "CPU time (min / median)",
+                    "peak RSS"], [
         ["check / bare", ratio("check", "ratio") + " (target <= 1.5x)",
+         ratio("check", "cpu_ratio"),
          f"+{check['check']['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
-        ["check / bare holding as much", ratio("check", "ratio_holding"), ""],
+        ["check / bare holding as much", ratio("check", "ratio_holding"),
+         ratio("check", "cpu_ratio_holding"), ""],
         ["check with `loss_terms` / bare", ratio("check_terms", "ratio"),
-         f"+{check['check_terms']['extra_mb']:.0f} MB"],
+         ratio("check_terms", "cpu_ratio"), f"+{check['check_terms']['extra_mb']:.0f} MB"],
         ["check with `loss_terms` / bare holding as much",
-         ratio("check_terms", "ratio_holding") + " (target <= 1.3x)", ""]], right=2)
+         ratio("check_terms", "ratio_holding") + " (target <= 1.3x)",
+         ratio("check_terms", "cpu_ratio_holding"), ""]], right=3)
     if spread is None:
         return lines
     tensors = spread["tensors"]

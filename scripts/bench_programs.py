@@ -99,12 +99,14 @@ def make_terms_setup():
     return Setup(make_model=make_model, batch=batch, loss=loss, loss_terms=loss_terms,
                  name="bench-spread")
 """
-#: Every rank's seconds and peak RSS as a JSON file of its own in the folder argv[4]
-#: (a file, not stdout: the ranks' lines would interleave).
+#: Every rank's seconds, CPU seconds (user and system, every thread: what the rank
+#: computed, without the time it waited for a core another process held) and peak RSS,
+#: as a JSON file of its own in the folder argv[4] (a file, not stdout: the ranks' lines
+#: would interleave).
 RANK_REPORT = """
 import json, resource
 with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
-    json.dump({"rank": dist_rank, "seconds": seconds,
+    json.dump({"rank": dist_rank, "seconds": seconds, "cpu_seconds": cpu_seconds,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
               report)
 """
@@ -113,10 +115,10 @@ with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
 CHECK_RANK = """import os, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from harness.check.grad_check import main
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 code = main([f"bench_check_setup:{sys.argv[5]}", "--strategies", "ddp", "--world-sizes", "2",
              "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])
-seconds = time.perf_counter() - start
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 dist_rank = int(os.environ["RANK"])
 assert code == 0
 """ + RANK_REPORT
@@ -188,7 +190,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bench_check_setup import make_setup
 setup, accum_steps = make_setup(), 2
 held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 dist.init_process_group("gloo")
 dist_rank, world_size = dist.get_rank(), dist.get_world_size()
 model = DistributedDataParallel(setup.make_model())
@@ -206,7 +208,7 @@ for micro in range(accum_steps):
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
 dist.destroy_process_group()
-seconds = time.perf_counter() - start
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 """ + RANK_REPORT
 #: One rank of the frameworks benchmark: argv = target, k, out folder, repeat.
 FRAMEWORKS_RANK = """import json, statistics, sys, time
