@@ -505,9 +505,12 @@ def _scatter(bucket: Bucket, flat: torch.Tensor) -> None:
 def _weighted_sum(gathered: list[torch.Tensor], weights: list[float],
                   out: torch.Tensor) -> None:
     """``out = sum_r weights[r] * gathered[r]``, in float64, rank by rank in order."""
+    # One float64 buffer for every piece: in place, nothing allocated per piece.
+    buffer = torch.empty(min(SUM_CHUNK, out.numel()), dtype=torch.float64, device=out.device)
     for start in range(0, out.numel(), SUM_CHUNK):
         stop = min(out.numel(), start + SUM_CHUNK)
-        total = gathered[0][start:stop].to(torch.float64) * weights[0]
+        total = buffer[:stop - start]
+        total.copy_(gathered[0][start:stop]).mul_(weights[0])
         for rank in range(1, len(gathered)):
             total.add_(gathered[rank][start:stop], alpha=weights[rank])
         out[start:stop].copy_(total)
