@@ -342,6 +342,40 @@ def test_randomness_the_module_scan_cannot_see_is_refused_with_loss_terms_too():
         chunked_reference(setup, 4)
 
 
+def _dropout_in_terms_only(model: nn.Module, data) -> tuple[torch.Tensor, int]:
+    x, y = data
+    return (nn.functional.dropout(model(x), 0.5) - y).square().sum(), y.numel()
+
+
+def test_terms_random_where_the_loss_is_not_are_refused_as_random():
+    setup = Setup(make_model=make_mlp, batch=mlp_batch, loss=_mean_loss,
+                  loss_terms=_dropout_in_terms_only)
+    with pytest.raises(UsageError, match="changed with the random seed"):
+        chunked_reference(setup, 4)
+
+
+def _two_samples(step: int):
+    x, y = mlp_batch(step)
+    return x[:2], y[:2]
+
+
+def _two_sample_setup() -> Setup:
+    return Setup(make_model=make_mlp, batch=_two_samples, loss=_mean_loss, loss_terms=_mse_terms)
+
+
+def _two_sample_reference_on_rank(rank: int, world_size: int, whole: list[ReferenceStep]):
+    return differences(chunked_reference(_two_sample_setup(), 2, rank, world_size), whole)
+
+
+@pytest.mark.launches(seconds=2)
+def test_a_rank_without_samples_and_chunks_of_one_sample_still_give_the_reference(tmp_path):
+    """Two samples over three ranks: rank 0's share is empty, the others' one sample."""
+    assert [Spread(None, rank, 3, 2).chunks(2) for rank in range(3)] == [[], [(0, 1)], [(1, 2)]]
+    whole = whole_reference(_two_sample_setup())
+    for worst in run_ranks(3, _two_sample_reference_on_rank, whole, store_dir=tmp_path):
+        assert max(worst.values()) < ROUNDING, worst
+
+
 # ---------------------------------------------- chunks that cannot add up
 def test_batchnorm_runs_the_whole_batch_reference_and_the_rows_say_why():
     setup = digits_cnn.make_setup()

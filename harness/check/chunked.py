@@ -17,8 +17,8 @@ It must be exact, so where chunks cannot add up to the big batch the whole-batch
 reference runs instead and the rows say why: BatchNorm in training mode (each chunk
 normalized by its own statistics), a forward that changes a buffer (running statistics,
 counters: only a forward of the whole batch updates them as the big batch does), and
-terms of two chunks together that are not the terms of the chunks apart. The last is
-measured on step 0 with one more forward of two chunks, which also finds randomness the
+terms of two pieces together that are not the terms of the pieces apart. The last is
+measured on step 0 by two forwards of one chunk each, which also find randomness the
 module scan cannot see and a ``loss_terms`` that is not ``loss``.
 """
 
@@ -280,60 +280,76 @@ def power_of_two_near(value: float) -> float:
 # ---------------------------------------------------- step 0's probe
 def _probe(share: Share, setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
            spread: Spread, target: str) -> None:
-    """Two adjacent pieces apart and together: the loss of the two together, under another
-    seed, must be their summed terms over their summed counts. Where it is not, more
-    forwards tell randomness, a ``loss_terms`` that is not ``loss``, and terms that do
-    not add up apart."""
+    """Two forwards without gradient, under another seed than the chunks': the loss of
+    this rank's first chunk must be the chunk's terms' mean (else the loss is random, or
+    ``loss_terms`` is not ``loss``), and the terms of its two halves must add up to the
+    chunk's (else the terms are random, or do not add up over pieces). Each costs one
+    chunk's forward; where one fails, another forward tells which."""
     samples = batches.sample_count(window, "batch")
-    chunks = spread.chunks(samples)
-    pair = _probe_pair(samples, chunks)
-    if pair is None:
-        return
-    first, middle, stop = pair
+    chunks, found = spread.chunks(samples), share.chunk_terms
+    if found and not math.isfinite(found[0].total):
+        return  # refused as not finite, with the big batch's loss
     prober = _Prober(setup, model, whole, window, target, share.loss_dtype)
     with torch.no_grad():
-        found = share.chunk_terms
-        a, b = ((found[0], found[1]) if len(found) >= 2 else
-                (prober.terms(first, middle, FORWARD_SEED), prober.terms(middle, stop,
-                                                                         FORWARD_SEED)))
-        apart = a + b
-        if not math.isfinite(apart.total):
-            return  # refused as not finite, with the big batch's loss
-        together = prober.loss(first, stop, PROBE_SEED)
-        share.precision = prober.precision()
-        rtol = check_tolerance(share.precision)
-        if close(together, apart.mean, rtol):
-            return
-        share.probe, share.seen = _diagnosed(prober, pair, a, apart, together, rtol)
+        findings = [_loss_probe(prober, chunks[0], found[0])] if chunks else []
+        pair = _probe_pair(samples, chunks)
+        if pair is not None:
+            findings.append(_split_probe(prober, pair, chunks, found))
+    share.precision = prober.precision()
+    share.probe, share.seen = max(findings, key=lambda finding: finding[0],
+                                  default=(Probe.ADDS_UP, NOTHING))
 
 
-def _diagnosed(prober: _Prober, pair: tuple[int, int, int], a: Terms, apart: Terms,
-               together: float, rtol: float) -> tuple[Probe, tuple[float, float]]:
-    """Why the loss of two pieces together was not their terms apart: the loss changes
-    with the seed; or the terms together are not the loss; or they are, and the terms
-    apart do not add up to them (unless the terms change with the seed)."""
+#: What a probe found, and the two numbers its message shows.
+Finding = tuple[Probe, tuple[float, float]]
+#: Two adjacent pieces of a window, [first, middle) and [middle, stop).
+Pair = tuple[int, int, int]
+NOTHING = (math.nan, math.nan)
+
+
+def _loss_probe(prober: _Prober, chunk: tuple[int, int], terms: Terms) -> Finding:
+    """The chunk's loss under another seed against its terms' mean."""
+    again = prober.loss(*chunk, PROBE_SEED)
+    if not terms.count or prober.agree(again, terms.mean):
+        return Probe.ADDS_UP, NOTHING
+    same_seed = prober.loss(*chunk, FORWARD_SEED)
+    if not prober.agree(same_seed, again):
+        return Probe.RANDOM, (same_seed, again)
+    return Probe.INCONSISTENT, (terms.mean, same_seed)
+
+
+def _split_probe(prober: _Prober, pair: Pair, chunks: list[tuple[int, int]],
+                 found: list[Terms]) -> Finding:
+    """The terms of two pieces apart against the terms of the two together, one side
+    computed under another seed."""
     first, middle, stop = pair
-    same_seed = prober.loss(first, stop, FORWARD_SEED)
-    if not close(same_seed, together, rtol):
-        return Probe.RANDOM, (same_seed, together)
-    union = prober.terms(first, stop, FORWARD_SEED)
-    if not close(union.mean, same_seed, rtol):
-        return Probe.INCONSISTENT, (union.mean, same_seed)
-    again = prober.terms(first, middle, PROBE_SEED)
-    if not close(again.total, a.total, rtol):
-        return Probe.RANDOM, (a.total, again.total)
-    return Probe.SPLITS_DIFFER, (union.mean, apart.mean)
+    if chunks and chunks[0] == (first, stop):  # the halves of this rank's first chunk
+        together = found[0]
+        a, b = prober.terms(first, middle, PROBE_SEED), prober.terms(middle, stop, PROBE_SEED)
+    else:  # two chunks of one sample, or two samples no chunk of this rank holds
+        together = prober.terms(first, stop, PROBE_SEED)
+        a, b = ((found[0], found[1]) if len(found) >= 2 else
+                (prober.terms(first, middle, FORWARD_SEED),
+                 prober.terms(middle, stop, FORWARD_SEED)))
+    apart = a + b
+    if prober.agree(apart.total, together.total) and prober.agree(apart.count, together.count):
+        return Probe.ADDS_UP, NOTHING
+    same_seed = prober.terms(first, stop, FORWARD_SEED)
+    again = prober.terms(first, stop, PROBE_SEED)
+    if not prober.agree(same_seed.total, again.total):
+        return Probe.RANDOM, (same_seed.total, again.total)
+    return Probe.SPLITS_DIFFER, (together.mean, apart.mean)
 
 
-def _probe_pair(samples: int, chunks: list[tuple[int, int]]) -> tuple[int, int, int] | None:
-    """Two adjacent pieces [first, middle) and [middle, stop): this rank's first two
-    chunks, else the halves of its one chunk, else the batch's first two samples (None:
-    a batch of one sample, which nothing splits)."""
-    if len(chunks) >= 2:
-        return chunks[0][0], chunks[1][0], chunks[1][1]
+def _probe_pair(samples: int, chunks: list[tuple[int, int]]) -> Pair | None:
+    """Two adjacent pieces: the halves of this rank's first chunk, else its first two
+    chunks (of one sample each), else the batch's first two samples (None: a batch of one
+    sample, which nothing splits)."""
     if chunks and chunks[0][1] - chunks[0][0] >= 2:
         first, stop = chunks[0]
         return first, (first + stop) // 2, stop
+    if len(chunks) >= 2:
+        return chunks[0][0], chunks[1][0], chunks[1][1]
     return (0, 1, 2) if samples >= 2 else None
 
 
@@ -364,6 +380,10 @@ class _Prober:
     def precision(self) -> torch.dtype:
         """The lowest precision of the model, the autocast and the forwards so far."""
         return lowest(self.dtypes)
+
+    def agree(self, measured: float, expected: float) -> bool:
+        """Equal within the tolerance of that precision."""
+        return close(measured, expected, check_tolerance(self.precision()))
 
 
 # ------------------------------------------------------ the exchange
