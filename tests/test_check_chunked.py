@@ -320,6 +320,11 @@ def test_a_loss_terms_that_is_not_the_loss_is_one_line_exit_2_before_any_rank_st
     assert not out.exists()
 
 
+def test_a_loss_terms_that_is_not_a_function_is_refused_by_the_setup_itself():
+    with pytest.raises(TypeError, match="Setup.loss_terms must be callable or None, got int"):
+        Setup(make_model=make_mlp, batch=mlp_batch, loss=_mean_loss, loss_terms=42)
+
+
 def test_the_ranks_refuse_it_too_where_no_launcher_checked_it():
     """Under torchrun the ranks check the setup themselves: step 0's probe finds it."""
     with pytest.raises(UsageError, match="Setup.loss_terms gives sum / count = .* where "

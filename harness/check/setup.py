@@ -27,7 +27,7 @@ Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 #: ``loss_terms(model, batch) -> (sum, count)``: the user's loss on a (micro-)batch as the
 #: sum of its terms (a scalar tensor with a graph) and how many terms there are (samples,
-#: or tokens that are not ignored: an int or an integer tensor), so that ``loss`` is
+#: or tokens that are not ignored: a number or a scalar tensor), so that ``loss`` is
 #: ``sum / count`` and the loss of a big batch is its pieces' sums over their counts.
 LossTermsFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
 #: ``make_optimizer(params) -> torch.optim.Optimizer``.
