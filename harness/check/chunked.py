@@ -176,15 +176,20 @@ class Spread:
     def exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
                  ) -> None:
         """Send each tensor of ``sends`` to its rank and receive each of ``receives`` from
-        its rank, all at once. Point to point: gloo's all_gather moved 100M float32 between
-        two ranks 3 to 6 times slower than these sends did."""
-        operations = [dist.P2POp(dist.isend, tensor, rank, self.group)
+        its rank, all at once."""
+        for request in self.start_exchange(sends, receives):
+            request.wait()
+
+    def start_exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor],
+                       tag: int = 0) -> list[Any]:
+        """:meth:`exchange`, its requests handed back to wait for. Point to point: gloo's
+        all_gather moved 100M float32 between two ranks 3 to 6 times slower than these
+        sends did. Each rank starts its exchanges in the same order, tagged apart."""
+        operations = [dist.P2POp(dist.isend, tensor, rank, self.group, tag)
                       for rank, tensor in sends.items()]
-        operations += [dist.P2POp(dist.irecv, tensor, rank, self.group)
+        operations += [dist.P2POp(dist.irecv, tensor, rank, self.group, tag)
                        for rank, tensor in receives.items()]
-        if operations:
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
+        return dist.batch_isend_irecv(operations) if operations else []
 
     def part(self, elements: int, rank: int) -> slice:
         """The elements of a bucket that ``rank`` sums for every rank."""
@@ -437,37 +442,91 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 def _sum_gradients(params: list[nn.Parameter], weights: list[float], spread: Spread) -> None:
     """Every rank's share of each parameter's gradient, weighted and summed in float64 in
-    rank order, into ``param.grad``: the same numbers on every rank."""
+    rank order, into ``param.grad``: the same numbers on every rank.
+
+    Bucket by bucket, each rank sums one 1/W part: it receives that part of the others'
+    shares, sums it, and sends the sum to every other rank, receiving theirs. Each rank
+    sends and receives (W - 1)/W of a bucket twice (an all_gather: W - 1 buckets) and
+    sums 1/W of it in float64 (an all_gather: all of it); every rank ends with the owner's
+    sum of each part, bit for bit. The buckets overlap: the next bucket's shares travel
+    while this one's part is summed, and this one's sums while the next is."""
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         elif not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
-    spares: dict[torch.dtype, list[torch.Tensor]] = {}
+    exchanges = _Exchanges(weights, spread)
     for bucket in _buckets(params):
+        exchanges.add(bucket)
+    exchanges.finish()
+
+
+class _Exchanges:
+    """The buckets' exchanges, two at a time: a bucket's shares are sent as it is added,
+    its part summed and its sums sent when the next one is added, and its sums received
+    (and written into the gradients) when the one after is. Two sets of receive buffers
+    take turns."""
+
+    def __init__(self, weights: list[float], spread: Spread) -> None:
+        self.weights, self.spread = weights, spread
+        self.others = [rank for rank in range(spread.ranks) if rank != spread.rank]
+        self.spares: list[dict[torch.dtype, list[torch.Tensor]]] = [{}, {}]
+        self.added = 0
+        #: The bucket whose shares are on their way: (index, bucket, flat, received,
+        #: requests).
+        self.sharing: tuple | None = None
+        #: The bucket whose sums are on their way: (bucket, flat, requests).
+        self.summing: tuple | None = None
+
+    def add(self, bucket: Bucket) -> None:
         flat = _flat(bucket)
-        _sum_bucket(flat, weights, spread, spares)
+        parts = self._parts(flat)
+        received = _receivers(flat, _size(parts[self.spread.rank]), self.others,
+                              self.spares[self.added % 2])
+        index, self.added = self.added, self.added + 1
+        requests = self.spread.start_exchange({rank: flat[parts[rank]] for rank in self.others},
+                                              received, tag=2 * index)
+        self._sum_shared()
+        self.sharing = (index, bucket, flat, received, requests)
+
+    def finish(self) -> None:
+        self._sum_shared()
+        self._write_summed()
+
+    def _parts(self, flat: torch.Tensor) -> list[slice]:
+        return [self.spread.part(flat.numel(), rank) for rank in range(self.spread.ranks)]
+
+    def _sum_shared(self) -> None:
+        """Sum this rank's part of the bucket whose shares were sent, and send the sum."""
+        if self.sharing is None:
+            return
+        index, bucket, flat, received, requests = self.sharing
+        self.sharing = None
+        for request in requests:
+            request.wait()
+        parts = self._parts(flat)
+        mine = flat[parts[self.spread.rank]]
+        _weighted_sum([received.get(rank, mine) for rank in range(self.spread.ranks)],
+                      self.weights, mine)
+        requests = self.spread.start_exchange(
+            {rank: mine for rank in self.others},
+            {rank: flat[parts[rank]] for rank in self.others}, tag=2 * index + 1)
+        self._write_summed()
+        self.summing = (bucket, flat, requests)
+
+    def _write_summed(self) -> None:
+        """Once the other ranks' sums of a bucket arrived: into the gradients."""
+        if self.summing is None:
+            return
+        bucket, flat, requests = self.summing
+        self.summing = None
+        for request in requests:
+            request.wait()
         _scatter(bucket, flat)
 
 
-def _sum_bucket(flat: torch.Tensor, weights: list[float], spread: Spread,
-                spares: dict[torch.dtype, list[torch.Tensor]]) -> None:
-    """``flat`` (this rank's share of a bucket) becomes the weighted sum of every rank's.
-
-    Each rank sums one 1/W part of the bucket: it receives that part of the others'
-    shares, sums it, and sends the sum to every other rank, receiving theirs. Each rank
-    sends and receives (W - 1)/W of a bucket twice (an all_gather: W - 1 buckets) and
-    sums 1/W of it in float64 (an all_gather: all of it); every rank ends with the owner's
-    sum of each part, bit for bit."""
-    parts = [spread.part(flat.numel(), rank) for rank in range(spread.ranks)]
-    mine = parts[spread.rank]
-    others = [rank for rank in range(spread.ranks) if rank != spread.rank]
-    received = _receivers(flat, mine.stop - mine.start, others, spares)
-    spread.exchange({rank: flat[parts[rank]] for rank in others}, received)
-    _weighted_sum([received.get(rank, flat[mine]) for rank in range(spread.ranks)], weights,
-                  flat[mine])
-    spread.exchange({rank: flat[mine] for rank in others},
-                    {rank: flat[parts[rank]] for rank in others})
+def _size(part: slice) -> int:
+    return part.stop - part.start
 
 
 def _receivers(flat: torch.Tensor, elements: int, others: list[int],
