@@ -248,7 +248,10 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
         name: {"seconds": spread_of([max(r["seconds"] for r in run) for run in every]),
                "cpu_seconds": spread_of([max(r["cpu_seconds"] for r in run) for run in every]),
                "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
-                                                for run in every)}
+                                                for run in every),
+               # Each round's slowest rank, for the JSON: what the minima and medians are of.
+               "rounds": [{key: max(r[key] for r in run) for key in ("seconds", "cpu_seconds")}
+                          for run in every]}
         for name, every in runs.items()}
     copy_mb = parameters * 4 / 2**20
     results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
