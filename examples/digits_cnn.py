@@ -3,6 +3,12 @@ uses). BatchNorm normalizes each micro-batch by its own mean and variance, so no
 split of the batch gives the big batch's gradient: the check finds the BatchNorm
 tensors worst and suggests SyncBatchNorm / GroupNorm. ``make_groupnorm_setup`` is the
 same model with GroupNorm, which normalizes each sample alone: equal everywhere.
+
+Both give ``loss_terms`` (the summed cross-entropy and the number of digits). With
+GroupNorm the big-batch reference is then spread over the ranks in chunks; BatchNorm
+in training mode normalizes each chunk by its own statistics, so no chunks add up to the
+big batch: its rows say ``reference=whole: BatchNorm ...`` and the reference is computed
+on the whole global batch, as without ``loss_terms``.
 """
 
 from __future__ import annotations
@@ -46,10 +52,16 @@ def loss(model: nn.Module, data) -> torch.Tensor:
     return nn.functional.cross_entropy(model(images), labels)
 
 
+def loss_terms(model: nn.Module, data) -> tuple[torch.Tensor, int]:
+    images, labels = data
+    return nn.functional.cross_entropy(model(images), labels, reduction="sum"), len(labels)
+
+
 def make_setup() -> Setup:
-    return Setup(make_model=make_cnn, batch=batch, loss=loss, name="digits-cnn-batchnorm")
+    return Setup(make_model=make_cnn, batch=batch, loss=loss, loss_terms=loss_terms,
+                 name="digits-cnn-batchnorm")
 
 
 def make_groupnorm_setup() -> Setup:
     return Setup(make_model=lambda: make_cnn(nn.GroupNorm), batch=batch, loss=loss,
-                 name="digits-cnn-groupnorm")
+                 loss_terms=loss_terms, name="digits-cnn-groupnorm")

@@ -15,6 +15,11 @@ and buffer by its module name, so models with rotary embeddings (Llama, Mistral,
   recipe equal to the big batch. The built-in loss casts the logits to float32
   (``ForCausalLMLoss`` calls ``.float()``), so in a float64 check the loss is a float32
   computation: the rows say ``precision=float32`` and are judged at float32's tolerance.
+
+Both give ``loss_terms``: the summed next-token cross-entropy and the count of labels
+that are not -100 after the shift, the built-in loss's own sum and count, computed in
+the model's type. With them the big-batch reference is spread over the ranks in chunks
+no larger than a micro-batch instead of one backward on the whole global batch.
 """
 
 from __future__ import annotations
@@ -50,8 +55,26 @@ def causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
+def next_token_terms(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of each label after its position's logits, and how many
+    labels count (not -100): what the built-in loss divides, before it divides."""
+    logits = model(input_ids=tokens).logits[:, :-1]
+    targets = labels[:, 1:]
+    total = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                        targets.reshape(-1), ignore_index=IGNORE,
+                                        reduction="sum")
+    return total, (targets != IGNORE).sum()
+
+
+def causal_lm_terms(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+    return next_token_terms(model, tokens, tokens)
+
+
 def make_setup() -> Setup:
-    return Setup(make_model=make_model, batch=batch, loss=causal_lm_loss, name="hf-llama")
+    return Setup(make_model=make_model, batch=batch, loss=causal_lm_loss,
+                 loss_terms=causal_lm_terms, name="hf-llama")
 
 
 def padded_batch(step: int) -> torch.Tensor:
@@ -76,6 +99,10 @@ def built_in_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=_labels(tokens)).loss
 
 
+def padded_terms(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return next_token_terms(model, tokens, _labels(tokens))
+
+
 def window_normalized_step(model: nn.Module, tokens: torch.Tensor,
                            where: MicroStep) -> torch.Tensor:
     """The summed token losses over the window's count per rank (DDP and FSDP average the
@@ -86,4 +113,5 @@ def window_normalized_step(model: nn.Module, tokens: torch.Tensor,
 
 def make_window_setup() -> Setup:
     return Setup(make_model=make_model, batch=padded_batch, loss=built_in_loss,
-                 micro_step=window_normalized_step, name="llama-window-token-count")
+                 loss_terms=padded_terms, micro_step=window_normalized_step,
+                 name="llama-window-token-count")

@@ -8,6 +8,9 @@ all its tokens does. The check shows the difference and suggests normalizing by 
 window's token count, which ``make_window_setup`` does in a custom micro-step: it sums
 the per-token losses and divides by the tokens of the whole window (the global batch of
 this optimizer step), times N because DDP and FSDP average the N ranks.
+
+Both give ``loss_terms`` (the summed token losses and their count, whose ratio is the
+loss), so the big-batch reference is computed in chunks spread over the ranks.
 """
 
 from __future__ import annotations
@@ -86,9 +89,10 @@ def window_normalized_step(model: nn.Module, tokens: torch.Tensor,
 
 def make_setup() -> Setup:
     return Setup(make_model=make_model, batch=batch, loss=token_mean_loss,
-                 name="tiny-lm-micro-token-mean")
+                 loss_terms=token_losses, name="tiny-lm-micro-token-mean")
 
 
 def make_window_setup() -> Setup:
     return Setup(make_model=make_model, batch=batch, loss=token_mean_loss,
-                 micro_step=window_normalized_step, name="tiny-lm-window-token-mean")
+                 loss_terms=token_losses, micro_step=window_normalized_step,
+                 name="tiny-lm-window-token-mean")

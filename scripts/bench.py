@@ -23,15 +23,26 @@
    Each launch sweeps the sizes 3 times (its median counts); the two launches
    alternate, ``--repeat`` times; medians per size.
 5. check: ``check.py`` on a model of 100M+ parameters (float32, N = 2 ranks, k = 2,
-   one step, DDP) against a bare hand-written DDP loop with the same model, batches
-   and k: wall time (from before the process group to after the last step, the
-   slowest rank) and peak RSS per rank. A third launch runs the bare loop while each
-   rank holds one more copy of the model, filled before its clock starts: what the
-   check holds at N = 2 (the compared half of the reference's gradients and
-   parameters), so that the cost of that memory on the machine shows apart from the
-   check's own work. The launches alternate, ``--repeat`` times; medians. Targets:
-   time <= 1.5x the bare loop's, and peak memory within one extra copy of the
-   gradients plus the reference's parameters and gradients.
+   one step, DDP), with its whole-batch reference and with ``loss_terms`` (the
+   reference spread over the ranks in chunks), against a bare hand-written DDP loop
+   with the same model, batches and k: wall time (from before the process group to
+   after the last step, the slowest rank) and peak RSS per rank. A fourth launch runs
+   the bare loop while each rank holds one more copy of the model, filled before its
+   clock starts: what the check holds at N = 2 (the compared half of the reference's
+   gradients and parameters), so that the cost of that memory on the machine shows
+   apart from the check's own work. The four launches take turns in an order that
+   rotates each round (``--check-repeat`` rounds): the minimum and the median of each,
+   of wall time and of CPU time (user and system of every thread of the busiest rank:
+   the work done, steadier than wall time where other processes share the cores; the
+   machine's load average before and after is printed).
+   Targets: time <= 1.5x the bare loop's, <= 1.3x the bare loop holding as much with
+   ``loss_terms``, and peak memory within one extra copy of the gradients plus the
+   reference's parameters and gradients. Then a setup whose activations outweigh its
+   model (0.26M parameters, 64 sequences of 128 positions), at N = 4, k = 4 (16
+   micro-batches per global batch): each rank's seconds computing the reference and
+   training the one case, and its peak RSS, with and without ``loss_terms``; and the
+   most tensor memory the reference holds at once in one process, as the allocator
+   records it.
 
 6. frameworks: one case of ``grad-check --frameworks`` (examples.mlp, N = 2, k = 4,
    float64: training, the two big-batch references, the fits) per framework, against the
@@ -76,6 +87,9 @@ from bench_programs import (
     CHECK_RANK,
     CHECK_SETUP,
     FRAMEWORKS_RANK,
+    REFERENCE_MEMORY,
+    SPREAD_RANK,
+    SPREAD_SETUP,
     STUDY_COMM,
 )
 
@@ -214,9 +228,25 @@ def rank_reports(folder: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
 
 
-def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
-    """Seconds (slowest rank) and peak RSS (largest rank) of the check and of the bare
-    loop, alternating launches, medians; plus the model's size for the memory budget."""
+#: The check benchmark's launches: (rank program, the setup's factory or the held count).
+CHECK_LAUNCHES = ("bare", "bare_holding", "check", "check_terms")
+
+
+def rotated(names: tuple[str, ...], round_: int) -> list[str]:
+    """``names`` starting at the round's own: each launch takes every place in turn, so
+    that a machine growing busier or quieter over the rounds slows none of them alone."""
+    shift = round_ % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def spread_of(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values)}
+
+
+def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
+    """Seconds (slowest rank) and peak RSS (largest rank) of the bare loop, the bare loop
+    holding one more model, the check and the check with loss_terms, in rotating order,
+    ``repeat`` rounds: min and median of each; plus the model's size for the budget."""
     (scratch / "bench_check_setup.py").write_text(CHECK_SETUP)
     (scratch / "bare_check.py").write_text(BARE_CHECK_RANK)
     (scratch / "check_rank.py").write_text(CHECK_RANK)
@@ -224,30 +254,67 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict[str, float]]:
     from bench_check_setup import make_setup
 
     parameters = sum(p.numel() for p in make_setup().make_model().parameters())
-    launches = {"bare": ("bare_check.py",), "check": ("check_rank.py",),
-                "bare_holding": ("bare_check.py", str(parameters))}
+    launches = {"bare": ("bare_check.py",), "bare_holding": ("bare_check.py", str(parameters)),
+                "check": ("check_rank.py", "make_setup"),
+                "check_terms": ("check_rank.py", "make_terms_setup")}
     runs: dict[str, list[list[dict]]] = {name: [] for name in launches}
+    load_before = os.getloadavg()[0]
     for attempt in range(repeat):
-        for name, (script, *more) in launches.items():
+        for name in rotated(CHECK_LAUNCHES, attempt):
+            script, *more = launches[name]
             reports = scratch / f"reports-{name}-{attempt}"
             reports.mkdir()
             completed(torchrun(2, str(scratch / script), str(scratch), str(ROOT),
                                str(scratch / "out"), str(reports), *more))
             runs[name].append(rank_reports(reports))
-    results = {name: {"seconds": statistics.median(max(r["seconds"] for r in run)
-                                                   for run in every),
-                      "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
-                                                       for run in every)}
-               for name, every in runs.items()}
+    results: dict[str, dict] = {
+        name: {"seconds": spread_of([max(r["seconds"] for r in run) for run in every]),
+               "cpu_seconds": spread_of([max(r["cpu_seconds"] for r in run) for run in every]),
+               "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
+                                                for run in every),
+               # Each round's slowest rank, for the JSON: what the minima and medians are of.
+               "rounds": [{key: max(r[key] for r in run) for key in ("seconds", "cpu_seconds")}
+                          for run in every]}
+        for name, every in runs.items()}
     copy_mb = parameters * 4 / 2**20
-    check_s = results["check"]["seconds"]
     results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
-                        "time_ratio": check_s / results["bare"]["seconds"],
-                        "time_ratio_holding": check_s / results["bare_holding"]["seconds"],
-                        "extra_mb": results["check"]["peak_rss_mb"]
-                        - results["bare"]["peak_rss_mb"],
                         # One extra copy of the gradients + the reference's params and grads.
-                        "budget_mb": 3 * copy_mb}
+                        "budget_mb": 3 * copy_mb, "rounds": repeat,
+                        "load": [load_before, os.getloadavg()[0]]}
+    for name in ("check", "check_terms"):
+        for key, over in (("ratio", "bare"), ("ratio_holding", "bare_holding")):
+            results[name][key] = ratios(results[name]["seconds"], results[over]["seconds"])
+            results[name][f"cpu_{key}"] = ratios(results[name]["cpu_seconds"],
+                                                 results[over]["cpu_seconds"])
+        results[name]["extra_mb"] = (results[name]["peak_rss_mb"]
+                                     - results["bare"]["peak_rss_mb"])
+    return results
+
+
+def ratios(seconds: dict[str, float], over: dict[str, float]) -> dict[str, float]:
+    """The ratio of the minima and that of the medians."""
+    return {kind: seconds[kind] / over[kind] for kind in ("min", "median")}
+
+
+def bench_spread(scratch: Path) -> dict[str, dict]:
+    """The spread setup at N = 4, k = 4, with and without loss_terms: per launch the
+    slowest rank's reference and case seconds and the largest peak RSS; and the
+    reference's tensor memory in one process."""
+    (scratch / "bench_spread_setup.py").write_text(SPREAD_SETUP)
+    (scratch / "spread_rank.py").write_text(SPREAD_RANK)
+    (scratch / "reference_memory.py").write_text(REFERENCE_MEMORY)
+    results: dict[str, dict] = {}
+    for name, factory in (("whole", "make_setup"), ("chunked", "make_terms_setup")):
+        reports = scratch / f"reports-spread-{name}"
+        reports.mkdir()
+        completed(torchrun(4, str(scratch / "spread_rank.py"), str(scratch), str(ROOT),
+                           str(scratch / "out"), str(reports), factory))
+        ranks = rank_reports(reports)
+        results[name] = {key: max(r[key] for r in ranks)
+                         for key in ("reference", "case", "peak_rss_mb")}
+    done = completed([sys.executable, str(scratch / "reference_memory.py"), str(scratch),
+                      str(ROOT)])
+    results["tensors"] = json.loads(done.stdout.strip().splitlines()[-1])
     return results
 
 
@@ -337,23 +404,55 @@ def table(header: list[str], rows: list[list[str]], right: int = 0) -> list[str]
     return ["", *("| " + " | ".join(cells) + " |" for cells in (header, rule, *rows))]
 
 
-def check_lines(check: dict) -> list[str]:
-    """The check benchmark: its model, then check.py against a bare DDP loop."""
+def check_lines(check: dict, spread: dict | None) -> list[str]:
+    """The check benchmark: its model, then check.py against a bare DDP loop; then the
+    spread setup's reference against its one case."""
     model = check["model"]
     lines = ["", f"check benchmark: {model['parameters'] / 1e6:.1f}M parameters "
-             f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step"]
-    return lines + table(["run", "wall time (slowest rank)", "peak RSS (largest rank)"], [
-        ["bare DDP loop", f"{check['bare']['seconds']:.2f} s",
-         f"{check['bare']['peak_rss_mb']:.0f} MB"],
-        ["`check.py --strategies ddp`", f"{check['check']['seconds']:.2f} s",
-         f"{check['check']['peak_rss_mb']:.0f} MB"],
-        ["check / bare", f"{model['time_ratio']:.2f}x (target <= 1.5x)",
-         f"+{model['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
-        ["bare DDP loop, each rank holding one more model copy",
-         f"{check['bare_holding']['seconds']:.2f} s",
-         f"{check['bare_holding']['peak_rss_mb']:.0f} MB"],
-        ["check / bare holding as much", f"{model['time_ratio_holding']:.2f}x", ""]],
-        right=2)
+             f"(float32, one copy = {model['copy_mb']:.0f} MB), N = 2, k = 2, one step; "
+             f"{model['rounds']} rounds in rotating order, min and median; load average "
+             f"{model['load'][0]:.1f} before, {model['load'][1]:.1f} after"]
+
+    def seconds(name: str, key: str = "seconds") -> str:
+        return f"{check[name][key]['min']:.2f} s / {check[name][key]['median']:.2f} s"
+
+    def ratio(name: str, key: str) -> str:
+        return f"{check[name][key]['min']:.2f}x / {check[name][key]['median']:.2f}x"
+
+    runs = [("bare DDP loop", "bare"),
+            ("bare DDP loop, each rank holding one more model copy", "bare_holding"),
+            ("`check.py --strategies ddp` (whole-batch reference)", "check"),
+            ("the same with `loss_terms` (chunked reference)", "check_terms")]
+    lines += table(["run", "wall time, slowest rank (min / median)",
+                    "CPU time, busiest rank (min / median)", "peak RSS, largest rank (median)"],
+                   [[label, seconds(name), seconds(name, "cpu_seconds"),
+                     f"{check[name]['peak_rss_mb']:.0f} MB"] for label, name in runs], right=3)
+    lines += table(["ratio", "wall time (min / median)", "CPU time (min / median)",
+                    "peak RSS"], [
+        ["check / bare", ratio("check", "ratio") + " (target <= 1.5x)",
+         ratio("check", "cpu_ratio"),
+         f"+{check['check']['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
+        ["check / bare holding as much", ratio("check", "ratio_holding"),
+         ratio("check", "cpu_ratio_holding"), ""],
+        ["check with `loss_terms` / bare", ratio("check_terms", "ratio"),
+         ratio("check_terms", "cpu_ratio"), f"+{check['check_terms']['extra_mb']:.0f} MB"],
+        ["check with `loss_terms` / bare holding as much",
+         ratio("check_terms", "ratio_holding") + " (target <= 1.3x)",
+         ratio("check_terms", "cpu_ratio_holding"), ""]], right=3)
+    if spread is None:
+        return lines
+    tensors = spread["tensors"]
+    lines += ["", "spread benchmark: 0.26M parameters, activations of 64 sequences x 128 "
+              "positions x 1024, N = 4, k = 4 (16 micro-batches), `--strategies ddp`, one "
+              "launch each (slowest rank's seconds, largest rank's RSS)"]
+    lines += table(["reference", "the reference", "the one case", "reference / case",
+                    "peak RSS", "reference's tensors at most (one process)"], [
+        [label, f"{spread[name]['reference']:.2f} s", f"{spread[name]['case']:.2f} s",
+         f"{spread[name]['reference'] / spread[name]['case']:.2f}x",
+         f"{spread[name]['peak_rss_mb']:.0f} MB", f"{tensors[name + '_mb']:.1f} MB"]
+        for label, name in (("whole batch", "whole"), ("chunked (`loss_terms`)", "chunked"))],
+        right=5)
+    return lines
 
 
 def launch_rows(nproc: int, launch: dict) -> list[list[str]]:
@@ -379,7 +478,9 @@ def study_share_lines(launch: dict) -> list[str]:
 
 
 def markdown(nproc: int, repeat: int, timings: dict) -> str:
-    lines = [f"Measured on {machine()}; N = {nproc} ranks, median of {repeat} runs."]
+    lines = [f"Measured on {machine()}."]
+    if set(timings) - {"check", "spread"}:  # the check's tables say their own rounds
+        lines[0] = lines[0][:-1] + f"; N = {nproc} ranks, median of {repeat} runs."
     benchmarks = launch_rows(nproc, timings["launch"]) if "launch" in timings else []
     if "suite" in timings:
         suite = timings["suite"]
@@ -399,7 +500,7 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
                          f"{entry['cases_per_s']:.0f}"]
                         for scale, entry in timings["scaling"].items()])
     if "check" in timings:
-        lines += check_lines(timings["check"])
+        lines += check_lines(timings["check"], timings.get("spread"))
     if "frameworks" in timings:
         lines += ["", f"frameworks benchmark: `{FRAMEWORKS_TARGET}`, N = 2, k = {FRAMEWORKS_K}, "
                   "one case each, start-up excluded"]
@@ -432,13 +533,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="ranks per launch (default: 4)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per measurement; the median is reported (default: 3)")
+    parser.add_argument("--check-repeat", type=int, default=7,
+                        help="rounds of the check benchmark's four launches (default: 7)")
     parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check",
                                            "frameworks", "script"),
                         help="run one benchmark instead of all seven")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
-    if args.nproc < 1 or args.repeat < 1:
-        parser.error("--nproc and --repeat must be >= 1")
+    if args.nproc < 1 or args.repeat < 1 or args.check_repeat < 1:
+        parser.error("--nproc, --repeat and --check-repeat must be >= 1")
     timings: dict = {}
     with tempfile.TemporaryDirectory(prefix="harness-bench-") as scratch:
         if args.only in (None, "launch"):
@@ -448,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "comm"):
             timings["comm"] = bench_comm(args.nproc, args.repeat, Path(scratch))
         if args.only in (None, "check"):
-            timings["check"] = bench_check(args.repeat, Path(scratch))
+            timings["check"] = bench_check(args.check_repeat, Path(scratch))
+            timings["spread"] = bench_spread(Path(scratch))
         if args.only in (None, "frameworks"):
             timings["frameworks"] = bench_frameworks(args.repeat, Path(scratch))
         if args.only in (None, "script"):

@@ -164,6 +164,23 @@ def test_ranks_agree_is_said_for_ddp_only(rows):
     assert set(rows[~said].ranks_agree) == {""}
 
 
+#: The examples that give loss_terms, whose big-batch reference is spread over the ranks.
+CHUNKED = {"digits-cnn-groupnorm", "tiny-lm-micro-token-mean", "tiny-lm-window-token-mean",
+           "odd-batch"}
+
+
+def test_each_row_says_which_big_batch_reference_it_was_compared_with(rows):
+    for name in EXAMPLES:
+        kinds = set(rows_of(rows, name).reference)
+        if name in CHUNKED:
+            assert kinds == {"chunked"}, name
+        elif name == "digits-cnn-batchnorm":  # gives loss_terms, but chunks cannot add up
+            assert kinds == {"whole: BatchNorm in training mode (1) normalizes each chunk by "
+                             "its own statistics"}
+        else:
+            assert kinds == {"whole"}, name
+
+
 def test_console_table_has_every_setup(launched):
     stdout = launched[0]
     for name in EXAMPLES:

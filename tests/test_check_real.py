@@ -138,6 +138,17 @@ def make_counter_setup() -> Setup:
     return Setup(make_model=_Counting, batch=_batch, loss=mean_loss, name="counters")
 
 
+def _squared_errors(model: nn.Module, data) -> tuple[torch.Tensor, int]:
+    x, y = data
+    return nn.functional.mse_loss(model(x), y, reduction="sum"), y.numel()
+
+
+def make_counter_terms_setup() -> Setup:
+    """The counters with loss_terms: chunks would count each chunk's calls and samples,
+    not the big batch's, so the whole-batch reference runs, and the rows say why."""
+    return replace(make_counter_setup(), loss_terms=_squared_errors, name="counters-terms")
+
+
 def make_adam_sum_setup() -> Setup:
     """examples.mlp's two Adam steps over a summed loss."""
     return replace(make_adam_setup(), loss=sum_loss, name="adam-sum")
@@ -161,7 +172,9 @@ LAUNCHED = {
     "counters": f"{HERE}:make_counter_setup",
     "adam-sum": f"{HERE}:make_adam_sum_setup",
     "reads-grad": f"{HERE}:make_grad_reading_setup",
-    **({"hf-llama": "examples.hf_llama:make_setup"} if HAS_TRANSFORMERS else {}),
+    "counters-terms": f"{HERE}:make_counter_terms_setup",
+    **({"hf-llama": "examples.hf_llama:make_setup",
+        "gpt2-window-token-count": "examples.hf_gpt2:make_setup"} if HAS_TRANSFORMERS else {}),
 }
 
 
@@ -174,7 +187,8 @@ def _check(*args: str, timeout: float = 300, env: dict | None = None
 
 #: What the ranks of the shared launch import to check the Llama, imported once before they
 #: fork.
-IMPORTED = ("transformers", "transformers.models.llama.modeling_llama") if HAS_TRANSFORMERS else ()
+IMPORTED = ("transformers", "transformers.models.llama.modeling_llama",
+            "transformers.models.gpt2.modeling_gpt2") if HAS_TRANSFORMERS else ()
 #: The setups of the --nproc launch: light ones (each rank imports them), among
 #: them rows that fail.
 NPROC_LAUNCHED = [LAUNCHED[name] for name in ("clip-in-optimizer", "nan-in-one-piece",
@@ -221,6 +235,24 @@ def test_a_hugging_face_llama_with_rotary_buffers_matches_everywhere(rows):
     assert set(frame.verdict) == {"matches"}
     buffers = frame[frame.point == "buffers"]
     assert len(buffers) == 12 and all("rotary_emb.inv_freq" in w for w in buffers.worst_tensors)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs transformers")
+def test_hugging_face_models_with_loss_terms_match_a_chunked_reference(rows):
+    for name in ("hf-llama", "gpt2-window-token-count"):
+        frame = rows_of(rows, name)
+        assert set(frame.reference) == {"chunked"}, name
+        assert set(frame.status) == {"ok"} and set(frame.verdict) == {"matches"}, name
+
+
+def test_a_forward_that_changes_buffers_is_compared_with_the_whole_reference(rows):
+    terms, plain = rows_of(rows, "counters-terms"), rows_of(rows, "counters")
+    assert set(terms.reference) == {"whole: a training-mode forward changes buffer calls, "
+                                    "which only a forward of the whole batch changes as the "
+                                    "big batch does"}
+    assert set(plain.reference) == {"whole"}
+    columns = ["strategy", "world_size", "accum_steps", "point", "verdict", "worst_tensors"]
+    assert terms[columns].values.tolist() == plain[columns].values.tolist()
 
 
 def test_drop_last_cuts_each_batch_by_its_own_size(rows):

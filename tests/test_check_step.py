@@ -15,7 +15,7 @@ from torch import nn
 from examples import mlp, real_step
 from harness.check import MicroStep, Setup, check
 from harness.check.grad_check import main
-from harness.check.step import WholeStep, check_step_device
+from harness.check.step import WholeStep, check_step_device, not_finite
 from harness.errors import UsageError
 
 CLIP_RTOL = 1e-12
@@ -327,3 +327,16 @@ def test_one_process_playing_n_ranks_steps_a_micro_step_scheduler_as_each_rank_w
     assert (params.verdict == "scaled").all(), params
     assert ((params.scale - (1 + params.accum_steps)).abs() < 1e-9).all(), params
     assert params.fix.str.contains("step the scheduler once per optimizer step").all()
+
+
+@pytest.mark.parametrize(("values", "dtype", "found"), [
+    ([1.0, -2.0], torch.float32, False), ([1.0, float("nan")], torch.float32, True),
+    ([float("-inf"), 0.0], torch.float64, True), ([3.0, float("inf")], torch.bfloat16, True),
+    ([65504.0, -65504.0], torch.float16, False), ([], torch.float32, False),
+])
+def test_not_finite_finds_a_nan_or_an_infinity_anywhere(values, dtype, found):
+    tensor = torch.tensor(values, dtype=dtype)
+    assert not_finite(tensor) is found
+    if len(values):
+        assert not_finite(tensor.flip(0).reshape(1, -1)) is found
+    assert not_finite(None) is False

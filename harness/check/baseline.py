@@ -1,6 +1,11 @@
 """What every case of one setup is compared with: the initial model and the big-batch
 references computed from it.
 
+With ``Setup.loss_terms`` the references are spread over the ranks in chunks
+(harness/check/chunked.py): every rank then computes each of them, together and in the
+same order, before any case runs. Where the chunks cannot add up to the big batch, the
+whole-batch reference runs instead, and :attr:`Baseline.kind` says why.
+
 Each rank builds the initial model once. Every case but this rank's last trains a copy of
 it; the last trains the model itself (one model's memory less while it trains). The
 references (one per set of samples used: ``--drop-last`` cuts a batch to a multiple of
@@ -17,9 +22,11 @@ import torch
 from torch import nn
 
 from harness.check.case import merged
+from harness.check.chunked import NotChunked, not_chunkable
 from harness.check.load import copy_of, prepared_model
 from harness.check.reference import ReferenceStep, Rows, compute_reference
 from harness.check.setup import Setup
+from harness.check.spread import Spread
 
 #: Which samples of each step's global batch a case uses (None: all of them).
 UsedSamples = tuple[int, ...] | None
@@ -29,11 +36,18 @@ class Baseline:
     """The initial model, lent to this rank's last case, and the cached references."""
 
     def __init__(self, setup: Setup, dtype: torch.dtype, device: torch.device, target: str,
-                 rtol: float) -> None:
+                 rtol: float, spread: Spread | None = None) -> None:
         self.setup, self.dtype, self.device, self.target, self.rtol = (setup, dtype, device,
                                                                        target, rtol)
         #: The initial model: copied for every case but this rank's last, which takes it.
         self.initial: nn.Module | None = prepared_model(setup, dtype, device, target)
+        #: The ranks the references are spread over (None: each rank computes them whole).
+        self.spread = spread if setup.loss_terms is not None else None
+        #: Which reference the rows are compared with: ``whole``, ``chunked``, or
+        #: ``whole: why`` where loss_terms was given but its chunks cannot be used.
+        self.kind = "chunked" if self.spread is not None else "whole"
+        if self.spread is not None and (reason := not_chunkable(self.initial)) is not None:
+            self.spread, self.kind = None, f"whole: {reason}"
         #: The tensors (and rows) this rank compares in some case: all the references keep.
         self.kept: dict[str, Rows] = {}
         self._references: dict[UsedSamples, list[ReferenceStep]] = {}
@@ -52,10 +66,26 @@ class Baseline:
     def reference(self, used: UsedSamples) -> list[ReferenceStep]:
         """The big-batch steps on ``used`` samples, computed on first use."""
         if used not in self._references:
-            self._references[used] = compute_reference(
-                self.setup, self.dtype, self.device, used, self.rtol, self.target,
-                initial=self.initial, keeps=self.kept)
+            self._references[used] = self._computed(used)
         return self._references[used]
+
+    def compute_together(self, every_used: list[UsedSamples]) -> None:
+        """Spread over the ranks, the references of every set of samples a case uses, in
+        the order given (the same on every rank: each is computed by all of them)."""
+        for used in every_used:
+            if self.spread is None:
+                return
+            self.reference(used)
+
+    def _computed(self, used: UsedSamples) -> list[ReferenceStep]:
+        try:
+            return compute_reference(self.setup, self.dtype, self.device, used, self.rtol,
+                                     self.target, initial=self.initial, keeps=self.kept,
+                                     spread=self.spread)
+        except NotChunked as reason:
+            # Every rank found it together: each computes the whole reference from here on.
+            self.spread, self.kind = None, f"whole: {reason}"
+            return self._computed(used)
 
     def model_for_case(self) -> nn.Module:
         """A model at the initial state: a copy, except for this rank's last case, which

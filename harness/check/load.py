@@ -19,8 +19,11 @@ import torch
 from torch import nn
 
 from harness.check import batches
+from harness.check.chunked import checked_terms, inconsistency_message, not_chunkable
+from harness.check.precision import lowest
 from harness.check.setup import Setup, make_optimizer
 from harness.errors import UsageError
+from harness.tolerances import check_tolerance, close
 
 #: Modules whose training-mode forward draws random numbers. A big batch and its pieces
 #: draw different masks whatever the seed, so no comparison of them can be fair: refused.
@@ -131,8 +134,10 @@ def check_one_piece(setup: Setup, model: nn.Module, target: str, pieces: int,
     _check_precision(setup, model, piece, dtype, target, say)
     model = model.to(dtype=dtype)
     piece = batches.prepared(piece, dtype, torch.device("cpu"))
-    check_loss(called(lambda: setup.loss(model, piece), f"{target}: loss(model, piece)"),
-               target)
+    loss = called(lambda: setup.loss(model, piece), f"{target}: loss(model, piece)")
+    check_loss(loss, target)
+    if setup.loss_terms is not None:
+        check_loss_terms(setup, model, piece, loss, target, say)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = called(lambda: make_optimizer(setup, trainable), f"{target}: make_optimizer()")
     check_optimizer(optimizer, trainable, target)
@@ -188,6 +193,24 @@ def _check_precision(setup: Setup, model: nn.Module, piece: Any, dtype: torch.dt
                          "casts nothing and the rows judge the recipe's arithmetic)")
     say(f"{target}: the model computes in {low} when given float32 (autocast?); at float64 "
         "autocast casts nothing: the rows judge the recipe's arithmetic, not that rounding")
+
+
+def check_loss_terms(setup: Setup, model: nn.Module, piece: Any, loss: torch.Tensor,
+                     target: str, say: Callable[[str], None]) -> None:
+    """``loss_terms`` on the piece ``loss`` was computed on: its sum over its count must be
+    that loss, within the tolerance of the lowest precision either was computed in (a
+    count of 0 leaves nothing to compare). Where the model's modules alone show that no
+    chunks can add up to the big batch, the whole-batch reference runs: said."""
+    total, count = checked_terms(called(lambda: setup.loss_terms(model, piece),
+                                        f"{target}: loss_terms(model, piece)"), target)
+    precision = lowest([next(model.parameters()).dtype, loss.dtype, total.dtype])
+    mean, expected = float(total.detach()) / count if count else 0.0, float(loss.detach())
+    if count and not close(mean, expected, check_tolerance(precision)):
+        raise UsageError(inconsistency_message(target, mean, expected, precision))
+    reason = not_chunkable(model)
+    if reason is not None:
+        say(f"{target}: Setup.loss_terms cannot spread the big-batch reference: {reason}; "
+            "every rank computes it on the whole global batch")
 
 
 def check_loss(loss: Any, target: str) -> None:

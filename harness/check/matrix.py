@@ -4,7 +4,8 @@ Process subgroups of ranks 0..N-1 are created once; a case of world size N runs 
 its subgroup (``local`` on rank 0 alone) while the other ranks go on to the next
 case. Rank 0 takes part in every case, holds every row, and writes ``check.csv``
 atomically at the end. The big-batch reference is computed once per step by every
-rank and shared by all cases (harness/check/baseline.py).
+rank (spread over all of them with ``Setup.loss_terms``) and shared by all cases
+(harness/check/baseline.py); each row says which reference it was compared with.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from harness.check.precision import name as dtype_name
 from harness.check.reference import ReferenceStep, state_names, window_of
 from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
+from harness.check.spread import Spread
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.errors import UsageError, first_sentence, timed_out_in_collective
 from harness.launch import Launch, Placement
@@ -161,7 +163,8 @@ class SetupCheck:
                      if setup.autocast is not None else None)
         check_step_device(setup, target, self.device)
         self.rtol = check_tolerance(self.dtype)
-        self.baseline = Baseline(setup, self.dtype, self.device, target, self.rtol)
+        self.baseline = Baseline(setup, self.dtype, self.device, target, self.rtol,
+                                 self._spread())
         initial = self.baseline.initial
         _, buffer_names = state_names(initial)
         #: What each case compares: the buffers on their own, where the model has some.
@@ -169,6 +172,15 @@ class SetupCheck:
         #: Integer buffers (counters such as BatchNorm's num_batches_tracked) must be equal.
         self.exact_buffers = {name for name, buffer in initial.named_buffers()
                               if not buffer.is_floating_point()}
+
+    def _spread(self) -> Spread:
+        """Every rank of the launch (or this process alone, on no process group), and the
+        matrix's largest N x k."""
+        pieces = max(case.world_size * case.accum_steps
+                     for case in matrix(self.config, self.world_sizes))
+        if not self.groups:
+            return Spread(None, 0, 1, pieces)
+        return Spread(None, self.launch.rank, self.launch.world_size, pieces)
 
     def _same_on_every_rank(self, reference: list[ReferenceStep]) -> None:
         """make_model() and batch(i) must give every rank the same numbers: compared as
@@ -198,11 +210,13 @@ class SetupCheck:
         """The rows of every case (on rank 0; [] elsewhere)."""
         every_case = matrix(self.config, self.world_sizes)
         cases = [case for case in every_case if self.launch.rank < case.participants]
+        every_used = list(dict.fromkeys(self.used_samples(case) for case in every_case))
         for check in (self, self.twin):
             if check is not None:
                 check.expect(cases)
+                check.baseline.compute_together(every_used)
         # The same reference on every rank, whichever cases a rank takes part in.
-        self._same_on_every_rank(self.baseline.reference(self.used_samples(every_case[0])))
+        self._same_on_every_rank(self.baseline.reference(every_used[0]))
         rows: list[dict[str, Any]] = []
         for case in cases:
             measured = self.run_case(case)
@@ -375,12 +389,14 @@ class SetupCheck:
             return []
         # Rows left unmeasured (a skipped or failed step) are said at the case's precision.
         judged = next((m.precision for m in measured if m.precision is not None), self.dtype)
-        return [row_of(self.setup.name, case, self.dtype, m, judged) for m in measured]
+        return [row_of(self.setup.name, case, self.dtype, m, judged, self.baseline.kind)
+                for m in measured]
 
 
 def row_of(setup: str, case: Case, dtype: torch.dtype, measured: Measured,
-           case_precision: torch.dtype) -> dict[str, Any]:
-    """One row of check.csv."""
+           case_precision: torch.dtype, reference: str) -> dict[str, Any]:
+    """One row of check.csv (``reference``: which big-batch reference it was compared
+    with, :attr:`Baseline.kind`)."""
     comparison = measured.comparison
     precision = measured.precision or case_precision
     return {
@@ -393,7 +409,7 @@ def row_of(setup: str, case: Case, dtype: torch.dtype, measured: Measured,
                           if comparison else ""),
         "ranks_agree": "" if measured.ranks_agree is None else measured.ranks_agree,
         "fix": measured.fix, "dtype": dtype_name(dtype), "status": measured.status,
-        "error": measured.error, "precision": dtype_name(precision),
+        "error": measured.error, "precision": dtype_name(precision), "reference": reference,
         "autocast_residual": (math.nan if measured.autocast_residual is None
                               else measured.autocast_residual),
     }

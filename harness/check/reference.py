@@ -1,14 +1,18 @@
-"""The single-process big-batch reference: one backward of the loss on the whole global
-batch, one optimizer step, per step of the setup.
+"""The big-batch reference: the gradient of the loss on the whole global batch, then one
+optimizer step, per step of the setup.
 
-Every rank computes it itself (the ranks work at once, so it costs one big-batch step
-of wall time, not N), and each compares only what it owns: no gradient ever travels.
-It is computed once per step and shared by every case of the matrix, and each rank keeps
-only the tensors its cases compare: at N = 2 half of the model, not all of it.
+Without ``Setup.loss_terms`` every rank computes it itself, one backward on the whole
+global batch (the ranks work at once, so it costs one big-batch step of wall time, not
+N). With it the ranks share the work in chunks no larger than a micro-batch and exchange
+their shares of the gradient (harness/check/chunked.py); either way every rank then
+holds the whole gradient and steps its own reference optimizer. It is computed once per
+step and shared by every case of the matrix, and each rank keeps only the tensors its
+cases compare: at N = 2 half of the model, not all of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,15 +20,19 @@ import torch
 from torch import nn
 
 from harness.check import batches
+from harness.check.chunked import (
+    FORWARD_SEED,
+    PROBE_SEED,
+    Spread,
+    chunked_backward,
+    random_loss_message,
+    seeded,
+)
 from harness.check.load import check_loss, check_optimizer, copy_of, prepared_model
 from harness.check.setup import MicroStep, Setup, make_optimizer
 from harness.check.step import WholeStep, not_finite
 from harness.errors import UsageError
 from harness.tolerances import close
-
-#: Seeds of the reference's forward and of the second forward that looks for randomness
-#: the module scan cannot see (e.g. ``F.dropout`` called inside ``forward``).
-FORWARD_SEED, PROBE_SEED = 0, 1
 
 
 @dataclass
@@ -87,27 +95,27 @@ def _probe_randomness(setup: Setup, model: nn.Module, window, loss: float, rtol:
     """One more forward of the same batch under another seed; a different loss means the
     model or the loss draws random numbers in training mode: refused (see load.py)."""
     kept = {name: b.detach().clone() for name, b in model.named_buffers()}
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(PROBE_SEED)
+    with torch.no_grad(), seeded(PROBE_SEED):
         again = float(setup.loss(model, window))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(kept[name])
     if not close(again, loss, rtol):
-        raise UsageError(f"{target}: the loss of the same batch changed with the random seed "
-                         f"({loss:.6g} vs {again:.6g}): the model or the loss is random in "
-                         "training mode (dropout?), so no comparison is fair; allowed: "
-                         "setups without train-mode randomness")
+        raise UsageError(random_loss_message(target, loss, again))
 
 
 def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
                       used_samples: tuple[int, ...] | None, rtol: float, target: str, *,
                       initial: nn.Module | None = None,
-                      keeps: Mapping[str, Rows] | None = None) -> list[ReferenceStep]:
+                      keeps: Mapping[str, Rows] | None = None,
+                      spread: Spread | None = None) -> list[ReferenceStep]:
     """Every step of the reference on the first ``used_samples[step]`` of each global
     batch (all of them when None), from a copy of ``initial`` (left untouched: step 0's
     ``before`` is its tensors) or else from a model of its own; only the tensors (and
-    rows) ``keeps`` names are kept, every tensor whole without it."""
+    rows) ``keeps`` names are kept, every tensor whole without it. With ``spread``, the
+    gradient is computed in chunks of ``Setup.loss_terms`` spread over its ranks, which
+    must all call this together (it raises NotChunked on every rank where the chunks do
+    not add up to the big batch)."""
     model, optimizer, whole = _reference_training(setup, dtype, device, target, initial)
     param_names, buffer_names = state_names(model)
     if keeps is None:
@@ -122,11 +130,16 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         source, copy = (initial, False) if step == 0 and initial is not None else (model, True)
         state = named_state(source)
         before = {name: _part(state[name], keeps[name], copy) for name in state if name in keeps}
-        loss = _loss_backward(setup, model, whole, window, target)
+        if spread is None:
+            loss_tensor = _loss_backward(setup, model, whole, window, target)
+            loss, loss_dtype = float(loss_tensor.detach()), loss_tensor.dtype
+        else:
+            loss, loss_dtype = chunked_backward(setup, model, whole, window, spread, target,
+                                                step, probing=step == 0)
         _refuse_not_finite(loss, whole, [params[name] for name in param_names], step, target)
-        if step == 0:
+        if step == 0 and spread is None:
             with whole.forward():
-                _probe_randomness(setup, model, window, float(loss.detach()), rtol, target)
+                _probe_randomness(setup, model, window, loss, rtol, target)
         unused = tuple(name for name in param_names if params[name].grad is None)
         whole.before_step(MicroStep(0, 1, 1, batches.sample_count(window, "batch"), window))
         # Copies, not the gradient tensors: an optimizer may edit .grad in place while it
@@ -139,9 +152,8 @@ def compute_reference(setup: Setup, dtype: torch.dtype, device: torch.device,
         state = named_state(model)
         after = {name: _part(state[name], keeps[name], copy=not last) for name in kept_state}
         optimizer.zero_grad(set_to_none=True)
-        steps.append(ReferenceStep(before, grads, after, float(loss.detach()), unused,
-                                   first_rows, loss_dtype=loss.dtype, skipped=skipped,
-                                   lrs=lrs))
+        steps.append(ReferenceStep(before, grads, after, loss, unused, first_rows,
+                                   loss_dtype=loss_dtype, skipped=skipped, lrs=lrs))
     return steps
 
 
@@ -162,22 +174,21 @@ def _loss_backward(setup: Setup, model: nn.Module, whole: WholeStep, window,
                    target: str) -> torch.Tensor:
     """The big-batch loss, its forward under a fixed seed (and the caller's random state
     left as it was), and its backward."""
-    with torch.random.fork_rng(devices=[]), whole.forward():
-        torch.manual_seed(FORWARD_SEED)
+    with seeded(FORWARD_SEED), whole.forward():
         loss = setup.loss(model, window)
     check_loss(loss, target)
     whole.backward(loss)
     return loss
 
 
-def _refuse_not_finite(loss: torch.Tensor, whole: WholeStep, params: list[nn.Parameter],
+def _refuse_not_finite(loss: float, whole: WholeStep, params: list[nn.Parameter],
                        step: int, target: str) -> None:
     """A non-finite loss or gradient has no equal to compare with: refused."""
     # Under a GradScaler a scaled gradient may overflow: the scaler skips that step.
-    if not_finite(loss) or (whole.scaler is None and any(
+    if not math.isfinite(loss) or (whole.scaler is None and any(
             not_finite(param.grad) for param in params)):
         raise UsageError(f"{target}: the loss (or gradient) is not finite in step {step} "
-                         f"of the big-batch reference (loss {float(loss.detach()):.6g}); "
+                         f"of the big-batch reference (loss {loss:.6g}); "
                          "allowed: a loss and gradients finite on every global batch")
 
 

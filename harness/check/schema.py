@@ -37,6 +37,13 @@ COLUMNS: tuple[Column, ...] = (
            "batch, the row's verdict, scale, residual and fix are its own (`precision` then "
            "says so), since a low precision's tolerance must not hide a split that "
            "full precision shows; empty without autocast"),
+    Column("reference", "`whole`, `chunked`, `whole: why`",
+           "the big-batch reference the row was compared with: one backward on the whole "
+           "global batch in every rank, or, for a setup with `loss_terms`, the same gradient "
+           "from chunks no larger than a micro-batch spread over the ranks; `whole: why` "
+           "where `loss_terms` was given but its chunks cannot add up to the big batch "
+           "(BatchNorm in training mode, a forward that changes a buffer, terms that do not "
+           "add up)"),
     Column("status", "", "`ok`, `skipped: why`, or `error`"),
     shared.ERROR.described("the exception of a case that failed (`Type: first sentence`), "
                    "or where its loss or gradient first held a NaN or an infinity"),

@@ -25,6 +25,11 @@ Batch = Any
 #: computed the way their training loop computes it (mean over the micro-batch, a
 #: token-level mean, ...).
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+#: ``loss_terms(model, batch) -> (sum, count)``: the user's loss on a (micro-)batch as the
+#: sum of its terms (a scalar tensor with a graph) and how many terms there are (samples,
+#: or tokens that are not ignored: a number or a scalar tensor), so that ``loss`` is
+#: ``sum / count`` and the loss of a big batch is its pieces' sums over their counts.
+LossTermsFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
 #: ``make_optimizer(params) -> torch.optim.Optimizer``.
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -111,13 +116,18 @@ class Setup:
     #: Scale the loss with a ``torch.amp.GradScaler`` (on the check's device, for float16):
     #: unscaled before ``before_step``, its step skipped on a non-finite gradient.
     grad_scaler: bool = False
+    #: The loss as summed terms and their count (see :data:`LossTermsFn`); None: unknown.
+    #: With it the big-batch reference is spread over the ranks in chunks no larger than a
+    #: micro-batch (each rank holds one chunk's activations, not the global batch's),
+    #: exactly: the big batch's loss is the chunks' summed terms over their summed counts.
+    loss_terms: LossTermsFn | None = None
 
     def __post_init__(self) -> None:
         for name in ("make_model", "batch", "loss"):
             if not callable(getattr(self, name)):
                 raise TypeError(f"Setup.{name} must be callable, got "
                                 f"{type(getattr(self, name)).__name__}")
-        for name in ("make_optimizer", "micro_step"):
+        for name in ("make_optimizer", "micro_step", "loss_terms"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"Setup.{name} must be callable or None, got "
