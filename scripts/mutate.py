@@ -64,8 +64,14 @@ MUTATIONS = (
              "start = (micro * accum_steps + rank) * per_piece",
              ("tests/test_mutation_targets.py",)),
     Mutation("capture-after-step", "harness/frameworks/capture.py",
-             "capture.grad = float64_vector(grads())\n        result = original(**kwargs)",
-             "result = original(**kwargs)\n        capture.grad = float64_vector(grads())",
+             "taken = CapturedStep(float64_vector(grads()),\n"
+             "                             tuple(float(group[\"lr\"])"
+             " for group in optimizer.param_groups))\n"
+             "        result = original(**kwargs)",
+             "result = original(**kwargs)\n"
+             "        taken = CapturedStep(float64_vector(grads()),\n"
+             "                             tuple(float(group[\"lr\"])"
+             " for group in optimizer.param_groups))",
              ("tests/test_capture.py",)),
     Mutation("compare-looser-tolerance", "harness/compare.py",
              "return max(tolerances)", "return min(tolerances)",
