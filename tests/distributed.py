@@ -55,13 +55,38 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
 
 
-def _before_forking() -> None:
+def _before_forking(argv: list[str] | None = None) -> None:
     """Import here what every rank would import for itself: once, not once per rank.
 
-    DDP imports ``torch._dynamo`` on first use (~2 s of CPU). Imported on the first
-    launch rather than with this module, so that a run of quick tests never pays it.
+    DDP imports ``torch._dynamo`` on first use (~2 s of CPU), and every rank of the
+    command line loads the studies' registry (each study's module). For a command line
+    ``argv``, also what the ranks of the studies it selects each load on first use: the
+    digits of ``training`` and ``diagnostics`` (scikit-learn, ~1.3 s of CPU) and
+    ``torch.distributed.optim`` for ``hooks``' ZeroRedundancyOptimizer. Done on the
+    first launch that needs it rather than with this module, so that a run of quick
+    tests never pays it.
     """
     import torch._dynamo  # noqa: F401
+
+    from harness.studies import STUDIES
+
+    selected = set(_selected_studies(argv, STUDIES)) if argv is not None else set()
+    if selected & {"training", "diagnostics"}:
+        from harness.studies.training.data import digits_arrays
+
+        digits_arrays()
+    if "hooks" in selected:
+        import torch.distributed.optim  # noqa: F401
+
+
+def _selected_studies(argv: list[str], studies) -> list[str]:
+    """The studies ``--studies`` names in ``argv`` (every study when it is absent)."""
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):
+        if flag == "--studies":
+            return value.split(",")
+        if flag.startswith("--studies="):
+            return flag.split("=", 1)[1].split(",")
+    return list(studies)
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
@@ -108,6 +133,8 @@ def run_cli(world_size: int, argv: list[str], store_dir: Path,
     ``output``: a folder that gets the ranks' stdout and stderr, appended to files
     ``stdout`` and ``stderr`` as a launcher's console would show them.
     """
+    if main is None:
+        _before_forking(argv)
     return run_ranks(world_size, _cli, argv, main, output, store_dir=store_dir, env=env)
 
 
@@ -208,7 +235,7 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
     would stop them); a rank still running then is killed and reported as None.
     The ranks' stderr goes where the test's goes, or to the end of file ``stderr``.
     """
-    _before_forking()
+    _before_forking(argv)
     context = mp.get_context("fork")
     store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,
