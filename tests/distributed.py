@@ -8,6 +8,7 @@ torch single-threaded (see conftest.py), which is what makes forking safe.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing as mp
 import os
@@ -158,37 +159,94 @@ def run_cli_importing(modules: list[str], world_size: int, argv: list[str], stor
 
     The ranks fork from that child: modules that take seconds to import (the
     training frameworks) are imported once instead of once per rank, and this
-    process, which goes on to run other tests, imports none of them.
+    process, which goes on to run other tests, imports none of them. The child stays
+    for the next launch that imports the same modules with the same ``env`` (the
+    training frameworks take ~4 s of CPU to import), until this process ends: each
+    launch's ranks fork from it as they would from a fresh one, since the child itself
+    runs nothing but the launches.
     """
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    # Not a daemon: a daemon process may not start the ranks.
-    child = context.Process(target=_import_then_run_cli,
-                            args=(modules, world_size, argv, store_dir, env or {}, main,
-                                  output, queue))
-    child.start()
-    try:
-        ok, value = queue.get(timeout=timeout_s)
-    finally:
-        child.join(RANK_TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-            child.join()
+    key = (tuple(modules), tuple(sorted((env or {}).items())))
+    importer = _IMPORTERS.get(key)
+    if importer is None or not importer.is_alive():
+        importer = _IMPORTERS[key] = _Importer(list(modules), env or {})
+    ok, value = importer.run((world_size, argv, store_dir, env or {}, main, output), timeout_s)
     if not ok:
         raise AssertionError(value)
     return value
 
 
-def _import_then_run_cli(modules: list[str], world_size: int, argv: list[str],
-                         store_dir: Path, env: dict[str, str], main: Callable | None,
-                         output: Path | None, queue: Any) -> None:
+class _Importer:
+    """A child of this process that imports ``modules`` (with ``env`` set), then runs each
+    launch it is sent (:func:`run_cli`: its ranks fork from the child)."""
+
+    def __init__(self, modules: list[str], env: dict[str, str]) -> None:
+        context = mp.get_context("fork")
+        self.connection, child_end = context.Pipe()
+        # Not a daemon: a daemon process may not start the ranks. It ends once this
+        # process closes its end of the pipe (at exit, before multiprocessing joins its
+        # children) or ends.
+        self.process = context.Process(target=_import_then_run_clis,
+                                       args=(modules, env, child_end, self.connection))
+        if not _IMPORTERS:
+            atexit.register(_stop_importers)
+        self.process.start()
+        child_end.close()
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def run(self, launch: tuple, timeout_s: float) -> tuple[bool, Any]:
+        self.connection.send(launch)
+        if not self.connection.poll(timeout_s):
+            self.stop()
+            raise TimeoutError(f"no result from the launch after {timeout_s:g} s")
+        return self.connection.recv()
+
+    def stop(self) -> None:
+        self.connection.close()
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+#: The children of :func:`run_cli_importing`, by modules and environment.
+_IMPORTERS: dict[tuple, _Importer] = {}
+
+
+def _stop_importers() -> None:
+    for importer in _IMPORTERS.values():
+        importer.stop()
+
+
+def _import_then_run_clis(modules: list[str], env: dict[str, str], connection: Any,
+                          parent_end: Any) -> None:
+    parent_end.close()
+    parent = os.getppid()
     try:
         os.environ.update(env)
         for module in modules:
             importlib.import_module(module)
-        queue.put((True, run_cli(world_size, argv, store_dir, env, main, output)))
+        failed = None
     except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
-        queue.put((False, traceback.format_exc()))
+        failed = traceback.format_exc()
+    while True:
+        try:
+            # A process forked from the test process meanwhile holds a copy of its end:
+            # its ending shows as a new parent.
+            while not connection.poll(1.0):
+                if os.getppid() != parent:
+                    return
+            world_size, argv, store_dir, env, main, output = connection.recv()
+        except EOFError:  # the test process has closed its end
+            return
+        if failed is not None:
+            connection.send((False, failed))
+            continue
+        try:
+            connection.send((True, run_cli(world_size, argv, store_dir, env, main, output)))
+        except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
+            connection.send((False, traceback.format_exc()))
 
 
 def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
