@@ -12,6 +12,7 @@ import atexit
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -177,37 +178,59 @@ def run_cli_importing(modules: list[str], world_size: int, argv: list[str], stor
 
 class _Importer:
     """A child of this process that imports ``modules`` (with ``env`` set), then runs each
-    launch it is sent (:func:`run_cli`: its ranks fork from the child)."""
+    launch it is sent (:func:`run_cli`: its ranks fork from the child).
+
+    Forked with ``os.fork``, not as a ``multiprocessing`` child: it belongs to the tests'
+    machinery, not to the code under test, which may check that it left no child behind
+    (``multiprocessing.active_children()``); and multiprocessing would join it at exit.
+    """
 
     def __init__(self, modules: list[str], env: dict[str, str]) -> None:
-        context = mp.get_context("fork")
-        self.connection, child_end = context.Pipe()
-        # Not a daemon: a daemon process may not start the ranks. It ends once this
-        # process closes its end of the pipe (at exit, before multiprocessing joins its
-        # children) or ends.
-        self.process = context.Process(target=_import_then_run_clis,
-                                       args=(modules, env, child_end, self.connection))
+        self.connection, child_end = mp.get_context("fork").Pipe()
         if not _IMPORTERS:
             atexit.register(_stop_importers)
-        self.process.start()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                # Its copies of the ends this process holds: a child keeps running until
+                # every copy of the other end of its pipe is closed.
+                for end in [self.connection, *(i.connection for i in _IMPORTERS.values())]:
+                    end.close()
+                _import_then_run_clis(modules, env, child_end)
+                code = 0
+            finally:
+                # Never back into pytest: this process is a copy of a test process.
+                os._exit(code)
         child_end.close()
+        self.returncode: int | None = None
 
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        if self.returncode is None and os.waitpid(self.pid, os.WNOHANG)[0]:
+            self.returncode = -1
+        return self.returncode is None
 
     def run(self, launch: tuple, timeout_s: float) -> tuple[bool, Any]:
-        self.connection.send(launch)
-        if not self.connection.poll(timeout_s):
+        try:
+            self.connection.send(launch)
+            if self.connection.poll(timeout_s):
+                return self.connection.recv()
+        except (EOFError, OSError) as error:
             self.stop()
-            raise TimeoutError(f"no result from the launch after {timeout_s:g} s")
-        return self.connection.recv()
+            return False, f"the child that imported the modules ended: {error!r}"
+        self.stop()
+        return False, f"no result from the launch after {timeout_s:g} s"
 
     def stop(self) -> None:
+        """Close the pipe (the child then ends); kill the child if it has not within 5 s."""
         self.connection.close()
-        self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        deadline = time.monotonic() + 5
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.returncode = -signal.SIGKILL
 
 
 #: The children of :func:`run_cli_importing`, by modules and environment.
@@ -216,12 +239,13 @@ _IMPORTERS: dict[tuple, _Importer] = {}
 
 def _stop_importers() -> None:
     for importer in _IMPORTERS.values():
-        importer.stop()
+        importer.connection.close()
+    for importer in _IMPORTERS.values():
+        if importer.is_alive():
+            importer.stop()
 
 
-def _import_then_run_clis(modules: list[str], env: dict[str, str], connection: Any,
-                          parent_end: Any) -> None:
-    parent_end.close()
+def _import_then_run_clis(modules: list[str], env: dict[str, str], connection: Any) -> None:
     parent = os.getppid()
     try:
         os.environ.update(env)
