@@ -362,3 +362,15 @@ def shared_cli_run(tmp_path_factory, name: str, world_size: int, argv: list[str]
             codes = run_cli(world_size, [*argv, "--out", str(out)], store_dir=shared)
             assert codes == [0] * world_size, f"the shared run {name!r} failed: {codes}"
     return out
+
+
+#: ``reduction``, ``seed001`` and ``seed004`` as results/ ran them: the same 4 ranks, every
+#: world size 1..4 and strategy. tests/test_reduction_study.py reads the first two against
+#: first principles, tests/test_compare.py the last two against results/.
+COMMITTED_LAYOUT_RUN = ("reduction-seed001-seed004", 4,
+                        ["--studies", "reduction,seed001,seed004", "--quiet", "--no-report"])
+
+
+def committed_layout_run(tmp_path_factory) -> Path:
+    """The ``--out`` folder of :data:`COMMITTED_LAYOUT_RUN`, run once per test session."""
+    return shared_cli_run(tmp_path_factory, *COMMITTED_LAYOUT_RUN)
