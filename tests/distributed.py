@@ -62,22 +62,16 @@ def _before_forking(argv: list[str] | None = None) -> None:
 
     DDP imports ``torch._dynamo`` on first use (~2 s of CPU), and every rank of the
     command line loads the studies' registry (each study's module). For a command line
-    ``argv``, also what the ranks of the studies it selects each load on first use: the
-    digits of ``training`` and ``diagnostics`` (scikit-learn, ~1.3 s of CPU) and
-    ``torch.distributed.optim`` for ``hooks``' ZeroRedundancyOptimizer. Done on the
-    first launch that needs it rather than with this module, so that a run of quick
-    tests never pays it.
+    ``argv``, also what the ranks of the studies it selects each import on first use:
+    ``torch.distributed.optim`` for ``hooks``' ZeroRedundancyOptimizer (it compiles
+    TorchScript as it loads). Done on the first launch that needs it rather than with
+    this module, so that a run of quick tests never pays it.
     """
     import torch._dynamo  # noqa: F401
 
     from harness.studies import STUDIES
 
-    selected = set(_selected_studies(argv, STUDIES)) if argv is not None else set()
-    if selected & {"training", "diagnostics"}:
-        from harness.studies.training.data import digits_arrays
-
-        digits_arrays()
-    if "hooks" in selected:
+    if argv is not None and "hooks" in _selected_studies(argv, STUDIES):
         import torch.distributed.optim  # noqa: F401
 
 
