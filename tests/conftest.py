@@ -1,3 +1,5 @@
+import atexit
+import gc
 import shutil
 import sys
 import tempfile
@@ -35,6 +37,16 @@ UNITS = pytest.StashKey[Path]()
 def pytest_unconfigure(config):
     if UNITS in config.stash:
         shutil.rmtree(config.stash[UNITS], ignore_errors=True)
+    else:
+        # A process that ran tests holds torch and much more: at its exit, Python's
+        # collector would scan all of it again as the modules are torn down (~1-2 s of
+        # CPU, which the xdist controller waits for). Nothing at exit needs that.
+        atexit.register(_no_collection_at_exit)
+
+
+def _no_collection_at_exit() -> None:
+    gc.disable()
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -51,6 +63,14 @@ def pytest_xdist_make_scheduler(config, log):
     return None
 
 
+#: Modules whose launches fork from a child that imported the same slow modules (the
+#: training frameworks, ~4 s of CPU: tests/distributed.py, ``run_cli_importing``), which
+#: each test process keeps for its next such launch: one unit, on one worker, so that
+#: they are imported once per run rather than once per module.
+SHARED_IMPORTS = {"test_frameworks_study.py": "frameworks",
+                  "test_frameworks_check.py": "frameworks"}
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
@@ -63,12 +83,15 @@ def pytest_collection_modifyitems(config, items):
     Costliest units first, so that the longest launches start at once instead of
     one of them ending the run alone. Each module stays on one worker (its
     module-scoped fixtures run once), except the tests of a module marked
-    ``spread``: each is a launch of its own, and the workers share them.
+    ``spread``: each is a launch of its own, and the workers share them; and the
+    modules of :data:`SHARED_IMPORTS` go to one worker together.
     """
     for item in items:
         # The regression test users copy into their CI (testpaths) carries no marker of
         # ours: its ddp test starts ranks of its own.
         if item.path.name == "test_my_setup.py" and item.path.parent.name == "examples":
             item.add_marker(pytest.mark.launches(seconds=4))
+        if item.path.name in SHARED_IMPORTS and item.get_closest_marker("unit") is None:
+            item.add_marker(pytest.mark.unit(SHARED_IMPORTS[item.path.name]))
     scheduling.order_and_mark(items)
     scheduling.write_units(config, items)

@@ -8,6 +8,7 @@ torch single-threaded (see conftest.py), which is what makes forking safe.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing as mp
@@ -73,13 +74,32 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
 
 
-def _before_forking() -> None:
+def _before_forking(argv: list[str] | None = None) -> None:
     """Import here what every rank would import for itself: once, not once per rank.
 
-    DDP imports ``torch._dynamo`` on first use (~2 s of CPU). Imported on the first
-    launch rather than with this module, so that a run of quick tests never pays it.
+    DDP imports ``torch._dynamo`` on first use (~2 s of CPU), and every rank of the
+    command line loads the studies' registry (each study's module). For a command line
+    ``argv``, also what the ranks of the studies it selects each import on first use:
+    ``torch.distributed.optim`` for ``hooks``' ZeroRedundancyOptimizer (it compiles
+    TorchScript as it loads). Done on the first launch that needs it rather than with
+    this module, so that a run of quick tests never pays it.
     """
     import torch._dynamo  # noqa: F401
+
+    from harness.studies import STUDIES
+
+    if argv is not None and "hooks" in _selected_studies(argv, STUDIES):
+        import torch.distributed.optim  # noqa: F401
+
+
+def _selected_studies(argv: list[str], studies) -> list[str]:
+    """The studies ``--studies`` names in ``argv`` (every study when it is absent)."""
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):
+        if flag == "--studies":
+            return value.split(",")
+        if flag.startswith("--studies="):
+            return flag.split("=", 1)[1].split(",")
+    return list(studies)
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, store_dir: Path,
@@ -126,6 +146,8 @@ def run_cli(world_size: int, argv: list[str], store_dir: Path,
     ``output``: a folder that gets the ranks' stdout and stderr, appended to files
     ``stdout`` and ``stderr`` as a launcher's console would show them.
     """
+    if main is None:
+        _before_forking(argv)
     return run_ranks(world_size, _cli, argv, main, output, store_dir=store_dir, env=env)
 
 
@@ -149,37 +171,117 @@ def run_cli_importing(modules: list[str], world_size: int, argv: list[str], stor
 
     The ranks fork from that child: modules that take seconds to import (the
     training frameworks) are imported once instead of once per rank, and this
-    process, which goes on to run other tests, imports none of them.
+    process, which goes on to run other tests, imports none of them. The child stays
+    for the next launch that imports the same modules with the same ``env`` (the
+    training frameworks take ~4 s of CPU to import), until this process ends: each
+    launch's ranks fork from it as they would from a fresh one, since the child itself
+    runs nothing but the launches.
     """
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    # Not a daemon: a daemon process may not start the ranks.
-    child = context.Process(target=_import_then_run_cli,
-                            args=(modules, world_size, argv, store_dir, env or {}, main,
-                                  output, queue))
-    child.start()
-    try:
-        ok, value = queue.get(timeout=timeout_s)
-    finally:
-        child.join(RANK_TIMEOUT_S)
-        if child.is_alive():
-            child.kill()
-            child.join()
+    key = (tuple(modules), tuple(sorted((env or {}).items())))
+    importer = _IMPORTERS.get(key)
+    if importer is None or not importer.is_alive():
+        importer = _IMPORTERS[key] = _Importer(list(modules), env or {})
+    ok, value = importer.run((world_size, argv, store_dir, env or {}, main, output), timeout_s)
     if not ok:
         raise AssertionError(value)
     return value
 
 
-def _import_then_run_cli(modules: list[str], world_size: int, argv: list[str],
-                         store_dir: Path, env: dict[str, str], main: Callable | None,
-                         output: Path | None, queue: Any) -> None:
+class _Importer:
+    """A child of this process that imports ``modules`` (with ``env`` set), then runs each
+    launch it is sent (:func:`run_cli`: its ranks fork from the child).
+
+    Forked with ``os.fork``, not as a ``multiprocessing`` child: it belongs to the tests'
+    machinery, not to the code under test, which may check that it left no child behind
+    (``multiprocessing.active_children()``); and multiprocessing would join it at exit.
+    """
+
+    def __init__(self, modules: list[str], env: dict[str, str]) -> None:
+        self.connection, child_end = mp.get_context("fork").Pipe()
+        if not _IMPORTERS:
+            atexit.register(_stop_importers)
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                # Its copies of the ends this process holds: a child keeps running until
+                # every copy of the other end of its pipe is closed.
+                for end in [self.connection, *(i.connection for i in _IMPORTERS.values())]:
+                    end.close()
+                _import_then_run_clis(modules, env, child_end)
+                code = 0
+            finally:
+                # Never back into pytest: this process is a copy of a test process.
+                os._exit(code)
+        child_end.close()
+        self.returncode: int | None = None
+
+    def is_alive(self) -> bool:
+        if self.returncode is None and os.waitpid(self.pid, os.WNOHANG)[0]:
+            self.returncode = -1
+        return self.returncode is None
+
+    def run(self, launch: tuple, timeout_s: float) -> tuple[bool, Any]:
+        try:
+            self.connection.send(launch)
+            if self.connection.poll(timeout_s):
+                return self.connection.recv()
+        except (EOFError, OSError) as error:
+            self.stop()
+            return False, f"the child that imported the modules ended: {error!r}"
+        self.stop()
+        return False, f"no result from the launch after {timeout_s:g} s"
+
+    def stop(self) -> None:
+        """Close the pipe (the child then ends); kill the child if it has not within 5 s."""
+        self.connection.close()
+        deadline = time.monotonic() + 5
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.returncode = -signal.SIGKILL
+
+
+#: The children of :func:`run_cli_importing`, by modules and environment.
+_IMPORTERS: dict[tuple, _Importer] = {}
+
+
+def _stop_importers() -> None:
+    for importer in _IMPORTERS.values():
+        importer.connection.close()
+    for importer in _IMPORTERS.values():
+        if importer.is_alive():
+            importer.stop()
+
+
+def _import_then_run_clis(modules: list[str], env: dict[str, str], connection: Any) -> None:
+    parent = os.getppid()
     try:
         os.environ.update(env)
         for module in modules:
             importlib.import_module(module)
-        queue.put((True, run_cli(world_size, argv, store_dir, env, main, output)))
+        failed = None
     except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
-        queue.put((False, traceback.format_exc()))
+        failed = traceback.format_exc()
+    while True:
+        try:
+            # A process forked from the test process meanwhile holds a copy of its end:
+            # its ending shows as a new parent.
+            while not connection.poll(1.0):
+                if os.getppid() != parent:
+                    return
+            world_size, argv, store_dir, env, main, output = connection.recv()
+        except EOFError:  # the test process has closed its end
+            return
+        if failed is not None:
+            connection.send((False, failed))
+            continue
+        try:
+            connection.send((True, run_cli(world_size, argv, store_dir, env, main, output)))
+        except BaseException:  # noqa: BLE001 -- reported to the test, which fails with it
+            connection.send((False, traceback.format_exc()))
 
 
 def _exiting_cli(rank: int, world_size: int, store_path: str, argv: list[str],
@@ -226,7 +328,7 @@ def launch(world_size: int, argv: list[str], store_dir: Path, env: dict[str, str
     would stop them); a rank still running then is killed and reported as None.
     The ranks' stderr goes where the test's goes, or to the end of file ``stderr``.
     """
-    _before_forking()
+    _before_forking(argv)
     context = mp.get_context("fork")
     store_path = str(store_dir / f"store-{uuid.uuid4().hex}")
     processes = [context.Process(target=_exiting_cli, daemon=True,
@@ -271,3 +373,15 @@ def shared_cli_run(tmp_path_factory, name: str, world_size: int, argv: list[str]
             codes = run_cli(world_size, [*argv, "--out", str(out)], store_dir=shared)
             assert codes == [0] * world_size, f"the shared run {name!r} failed: {codes}"
     return out
+
+
+#: ``reduction``, ``seed001`` and ``seed004`` as results/ ran them: the same 4 ranks, every
+#: world size 1..4 and strategy. tests/test_reduction_study.py reads the first two against
+#: first principles, tests/test_compare.py the last two against results/.
+COMMITTED_LAYOUT_RUN = ("reduction-seed001-seed004", 4,
+                        ["--studies", "reduction,seed001,seed004", "--quiet", "--no-report"])
+
+
+def committed_layout_run(tmp_path_factory) -> Path:
+    """The ``--out`` folder of :data:`COMMITTED_LAYOUT_RUN`, run once per test session."""
+    return shared_cli_run(tmp_path_factory, *COMMITTED_LAYOUT_RUN)

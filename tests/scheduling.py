@@ -8,7 +8,10 @@ without a cost is ``quick``: ``pytest -m quick`` is the edit loop's run.
 
 A module's tests go to one worker together, so a module-scoped fixture (a shared
 launch) runs once; the tests of a module marked ``spread`` share nothing costly
-and go out one by one. Units go out costliest first (tests/conftest.py).
+and go out one by one; the tests of modules marked ``unit(name)`` with the same name
+go to one worker together (their launches fork from one child that imported the
+training frameworks: tests/distributed.py, ``run_cli_importing``). Units go out
+costliest first (tests/conftest.py).
 
 xdist's own ``--dist loadgroup`` cannot do this here: it carries each test's
 group as a suffix it writes into the test's id, which pytest 9.2's structured
@@ -76,7 +79,12 @@ def order_and_mark(items) -> None:
 
 
 def unit(item) -> str:
-    """The test's unit of work: its module, or the test alone in a module marked spread."""
+    """The test's unit of work: its module, or the test alone in a module marked spread, or
+    every test marked ``unit(name)`` with the same name (modules whose launches share a
+    process that only one worker can hold: tests/conftest.py)."""
+    shared = item.get_closest_marker("unit")
+    if shared is not None:
+        return f"unit:{shared.args[0]}"
     if item.get_closest_marker("spread") is not None:
         return item.nodeid
     return item.nodeid.split("::", 1)[0]

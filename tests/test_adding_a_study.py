@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import re
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,7 @@ def test_the_steps_name_every_file_the_study_needs():
 
 
 @pytest.fixture
-def throwaway(tmp_path, monkeypatch) -> Path:
+def throwaway(tmp_path, monkeypatch) -> Iterator[Path]:
     package = tmp_path / "studies" / NAME
     package.mkdir(parents=True)
     for file, source in PACKAGE.items():
@@ -104,9 +105,11 @@ def throwaway(tmp_path, monkeypatch) -> Path:
                                                       str(package.parent)])
     monkeypatch.setattr(harness.studies, "STUDY_PACKAGES",
                         (*harness.studies.STUDY_PACKAGES, NAME))
-    # The registry is built once per process: forget it so that it sees the new study.
-    monkeypatch.delitem(vars(harness.studies), "STUDIES", raising=False)
-    return tmp_path
+    # The registry is built once per process (a cache): forget it so that it sees the new
+    # study, and again afterwards so that the tests after this one see the studies alone.
+    harness.studies._load.cache_clear()
+    yield tmp_path
+    harness.studies._load.cache_clear()
 
 
 def test_a_study_written_from_the_steps_runs_and_reports_without_other_changes(throwaway):

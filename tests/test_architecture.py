@@ -9,6 +9,7 @@ the top of a module.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ def modules() -> list[Path]:
     return sorted(HARNESS.rglob("*.py"))
 
 
+@functools.cache
 def tree(path: Path) -> ast.Module:
+    """The module's syntax tree, parsed once for every test here (none changes it)."""
     return ast.parse(path.read_text(), filename=str(path))
 
 

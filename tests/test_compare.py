@@ -15,7 +15,7 @@ import torch
 from harness.compare import MAX_SHOWN, cells_agree, column_kind, is_timing, main
 from harness.context import CONTEXT_COLUMNS
 from harness.tolerances import relative_tolerance
-from tests.distributed import run_cli
+from tests.distributed import committed_layout_run
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL64 = relative_tolerance(torch.float64)
@@ -258,12 +258,10 @@ def test_an_unknown_study_or_a_missing_folder_argument_is_bad_input(tmp_path, ca
 
 # ------------------------------------------------------------- a real rerun
 @pytest.mark.launches(seconds=3)
-def test_a_fresh_run_agrees_with_the_committed_results(tmp_path, capsys):
-    """The same studies, the same 4 ranks (world sizes 1..4) as results/: the same findings."""
-    out = tmp_path / "fresh"
-    codes = run_cli(4, ["--studies", "seed001,seed004", "--quiet", "--no-report",
-                        "--out", str(out)], store_dir=tmp_path)
-    assert codes == [0] * 4
+def test_a_fresh_run_agrees_with_the_committed_results(tmp_path_factory, capsys):
+    """The same studies, the same 4 ranks (world sizes 1..4) as results/: the same findings
+    (a run shared with tests/test_reduction_study.py, made once per session)."""
+    out = committed_layout_run(tmp_path_factory)
     assert main([str(ROOT / "results"), str(out), "--studies", "seed001,seed004"]) == 0, \
         capsys.readouterr().out
 

@@ -1,21 +1,27 @@
 """The same command twice gives identical CSVs (float64).
 
 Every study but ``training`` runs here through the real command line, shrunk to
-stay quick (determinism does not depend on the matrix size); the training study,
-whose smallest real run costs more than all the others together, is run twice
-on a reduced data set in tests/test_training.py.
+stay quick (determinism does not depend on the matrix size): by its flags, and the
+diagnostics study's lr-sweep (which has none) on the reduced set of digits that
+tests/test_diagnostics.py measures, set in this process before its ranks fork. The
+training study, whose smallest real run costs more than all the others together, is
+run twice on a reduced data set in tests/test_training.py.
 
 Measured durations and rates (``harness.compare.is_timing``: the comm study's
 times and bandwidths) vary from run to run by nature, so they are dropped
 before the comparison; every other cell must be identical, text for text.
 """
 
+from functools import partialmethod
+
 import pandas as pd
 import pytest
 
 from harness.compare import is_timing
 from harness.studies import STUDIES
+from harness.studies.diagnostics.study import DiagnosticsStudy
 from tests.distributed import run_cli
+from tests.test_diagnostics import SMALL as SMALL_DIAGNOSTICS
 
 WORLD = 2
 #: frameworks runs only at 2 ranks, starts four frameworks (~40 s) and is launched once
@@ -34,7 +40,10 @@ def _without_timings(path):
 
 
 @pytest.mark.launches(seconds=20)
-def test_two_runs_write_identical_csvs(tmp_path):
+def test_two_runs_write_identical_csvs(tmp_path, monkeypatch):
+    # Forked ranks inherit it: 300 digits, one epoch, two learning rates (of four).
+    monkeypatch.setattr(DiagnosticsStudy, "__init__",
+                        partialmethod(DiagnosticsStudy.__init__, setup=SMALL_DIAGNOSTICS))
     outs = [tmp_path / "first", tmp_path / "second"]
     for out in outs:
         assert run_cli(WORLD, [*ARGS, "--out", str(out)], store_dir=tmp_path) == [0] * WORLD

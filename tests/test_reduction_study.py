@@ -1,7 +1,9 @@
 """DDP and DataParallel (emulated) at k = 1..4 against first principles.
 
 One run of the real command line on 4 forked ranks (gloo, FileStore) produces
-reduction.csv and seed001.csv; every test below reads what that run measured.
+reduction.csv and seed001.csv; every test below reads what that run measured (the
+run of tests/distributed.py's ``committed_layout_run``, which tests/test_compare.py
+reads too).
 """
 
 import pandas as pd
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from harness.tolerances import relative_tolerance
-from tests.distributed import run_cli
+from tests.distributed import COMMITTED_LAYOUT_RUN, committed_layout_run
 from tests.frames import rows
 from tests.scheduling import launching
 
@@ -20,10 +22,8 @@ WORLD = 4
 @pytest.fixture(scope="module")
 @launching(seconds=6)
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("results")
-    codes = run_cli(WORLD, ["--studies", "reduction,seed001", "--out", str(out), "--quiet",
-                            "--no-report"], store_dir=out.parent)
-    assert codes == [0] * WORLD
+    assert COMMITTED_LAYOUT_RUN[1] == WORLD
+    out = committed_layout_run(tmp_path_factory)
     return {name: pd.read_csv(out / f"{name}.csv") for name in ("reduction", "seed001")}
 
 

@@ -8,11 +8,14 @@ autograd.grad under DDP trains every rank alone.
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+import harness.studies.training.data as data
 from harness.context import RunContext
+from harness.studies.training.data import DIGITS_COUNT
 from harness.studies.training.study import (
     RANK0_ALONE,
     REFERENCE,
@@ -32,6 +35,17 @@ TOL = trajectory_tolerance(torch.float64)
 EPOCHS = 2
 #: 4 steps per epoch: enough for accumulation to show, cheap enough for the suite.
 SMALL = TrainingSetup(batch_size=50, train_samples=200, held_out=100)
+
+
+@pytest.mark.launches(seconds=2)  # imports scikit-learn: seconds, not for the quick run
+def test_the_digits_are_those_sklearn_loads_without_importing_it():
+    from sklearn.datasets import load_digits
+
+    images, target = data._read_digits_file()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and np.array_equal(images, digits.images)
+    assert np.array_equal(target, digits.target)
+    assert len(target) == DIGITS_COUNT
 
 
 def small_study() -> TrainingStudy:
