@@ -255,6 +255,22 @@ def test_the_same_steps_match_and_record_the_reference_noise(tmp_path):
     assert {row["precision"] for row in rows} == {"float64"}
 
 
+def test_a_bfloat16_match_says_what_its_tolerance_leaves_unresolved(tmp_path):
+    """A script under bf16 has no twin without autocast (it is the user's): a split 2 %
+    off reads matches at bfloat16's tolerance, so the row says what it cannot resolve."""
+    def two_per_cent_off(step: int) -> dict[str, torch.Tensor]:
+        grad = gradients(step)
+        return {"w": grad["w"] * 1.02, "b": grad["b"] * 0.98}
+
+    rows = rows_of(tmp_path, Split(1, 2), grads=two_per_cent_off,
+                   dtypes=("torch.float32", "torch.bfloat16"))
+    assert (rows[0]["verdict"], rows[0]["precision"]) == ("matches", "bfloat16")
+    assert "matches at bfloat16's tolerance" in rows[0]["fix"]
+    assert "run the script once in float32" in rows[0]["fix"]
+    full = rows_of(tmp_path / "f64", Split(1, 2), grads=two_per_cent_off)
+    assert full[0]["verdict"] == "differs" and "tolerance" not in full[0]["fix"]
+
+
 def test_unequal_token_counts_behind_a_difference_name_the_window_count(tmp_path):
     def weighed(step: int) -> dict[str, torch.Tensor]:
         grad = gradients(step)

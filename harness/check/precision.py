@@ -59,3 +59,13 @@ def full_precision_decides(status: str, twin_verdict: Equivalence | str | None) 
     rounding within its tolerance, or what only autocast does)."""
     return (status == "ok" and twin_verdict is not None
             and str(twin_verdict) not in ("", str(Equivalence.MATCHES)))
+
+
+def unresolved_below(dtype: torch.dtype, rtol: float) -> str:
+    """What a ``matches`` at a precision coarser than float32 leaves open, where no twin
+    without autocast was run (``grad-check run``: the script is the user's)."""
+    if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+        return ""
+    return (f"matches at {name(dtype)}'s tolerance ({rtol:.2g}): a split off by less (a "
+            "per-micro-batch token mean a few per cent off) reads matches too; run the "
+            "script once in float32 (no autocast, no bf16/fp16 flag) to resolve it")

@@ -21,7 +21,7 @@ import torch
 
 from harness.check.compare import Comparison, Pair, compare, compare_each, worst_tensors
 from harness.check.fix import Facts, named_value, suggest
-from harness.check.precision import lowest
+from harness.check.precision import lowest, unresolved_below
 from harness.check.precision import name as dtype_name
 from harness.check.script.records import Captured
 from harness.check.script.schema import DIFFERENT_SAMPLES
@@ -214,6 +214,8 @@ class SplitJudge:
             fix = (learning_rate_fix(comparison, facts) if point == "params" and grads
                    is not None and grads.verdict is Equivalence.MATCHES else
                    self.fix(point, comparison, facts, agree))
+            if comparison.verdict is Equivalence.MATCHES and not fix:
+                fix = unresolved_below(dtype, rtol)
             rows.append(self.row(step, point, comparison, fix, "ok", dtype=dtype, agree=agree))
             grads = comparison if point == "grad" else grads
             if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
