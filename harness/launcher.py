@@ -55,6 +55,22 @@ PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "harness.grad_study"
 STORE_HOST = "127.0.0.1"
 
 
+def rendezvous_store(nproc: int) -> dist.TCPStore:
+    """The ranks' rendezvous store, hosted by this process on a free port of localhost.
+
+    Its server runs in threads of its own (C++), which block SIGINT and SIGTERM: a signal
+    meant for this process must reach its main thread. Taken by another thread, Python
+    notes it there and the main thread, asleep in a wait for the ranks, never learns of
+    it until the ranks end by themselves (a Ctrl-C that did nothing, and exit code 0).
+    """
+    meant_for_main = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, meant_for_main)
+    try:  # threads inherit the mask of the thread that starts them
+        return dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def strip_nproc(argv: Sequence[str]) -> list[str]:
     """``argv`` without ``--nproc N`` / ``--nproc=N``: the ranks are launched already."""
     kept, skip = [], False
@@ -136,7 +152,7 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     the one the command started in, whatever folder the launcher's own checks of the
     user's code moved it to.
     """
-    store = dist.TCPStore(STORE_HOST, 0, nproc, is_master=True, wait_for_workers=False)
+    store = rendezvous_store(nproc)
     ranks_argv = strip_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
         environment = rank_environment(error_dir, nproc, store.port)

@@ -110,7 +110,9 @@ def completed(command: list[str], cwd: Path = ROOT) -> subprocess.CompletedProce
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
-        sys.exit(f"bench.py: error: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        # pytest reports its failures on stdout, a launch on stderr: both tails.
+        said = (done.stdout[-3000:] + done.stderr[-2000:]).strip()
+        sys.exit(f"bench.py: error: {' '.join(command)} failed:\n{said}")
     return done
 
 

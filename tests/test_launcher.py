@@ -262,3 +262,35 @@ def test_a_study_launcher_killed_outright_leaves_no_rank_behind(tmp_path):
         launcher.kill()
         _kill_left(ranks)
     assert not (out / "reduction.csv").exists()
+
+
+def _blocked_signals(thread_id: int) -> set[int]:
+    """The signals a thread of this process blocks, from its SigBlk mask in /proc."""
+    status = Path(f"/proc/self/task/{thread_id}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigBlk:")), 16)
+    return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_the_rendezvous_store_s_threads_leave_signals_to_the_main_thread():
+    """A Ctrl-C the kernel hands to the store's server thread would never reach the
+    launcher's main thread, asleep in its wait for the ranks: the launch would finish
+    with exit code 0. The store's threads block the signals the launcher handles."""
+    before = set(os.listdir("/proc/self/task"))
+    main_mask = _blocked_signals(threading_main_id())
+    store = launcher.rendezvous_store(1)
+    try:
+        started = set(os.listdir("/proc/self/task")) - before
+        assert started, "the store started no thread: nothing to check"
+        for thread in started:
+            assert {signal.SIGINT, signal.SIGTERM} <= _blocked_signals(int(thread))
+        assert _blocked_signals(threading_main_id()) == main_mask
+    finally:
+        del store
+
+
+def threading_main_id() -> int:
+    import threading
+
+    return threading.main_thread().native_id

@@ -31,7 +31,7 @@ from typing import Protocol
 from harness.check.script import capture
 from harness.check.script.splits import Split
 from harness.errors import USAGE_EXIT, error_file
-from harness.launcher import STORE_HOST, rank_environment
+from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S, describe_exit, error_line
 
 #: The startup hook's folder: first on every rank's PYTHONPATH.
@@ -118,9 +118,7 @@ class Launch:
         # The store lives as long as the run: the ranks meet through it.
         store = None
         if n > 1:
-            import torch.distributed as dist
-
-            store = dist.TCPStore(STORE_HOST, 0, n, is_master=True, wait_for_workers=False)
+            store = rendezvous_store(n)
         run_id = uuid.uuid4().hex
         start = time.monotonic()
         processes: list[Process] = []
