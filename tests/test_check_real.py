@@ -539,9 +539,16 @@ def test_a_signal_to_the_launcher_is_one_line_nothing_written_no_rank_left(
         tmp_path, signal_number, code, line):
     out, in_loss = tmp_path / "out", tmp_path / "in-slow-loss"
     stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
-    launcher = ForkedPython([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc",
-                             "2", f"{HERE}:make_slow_setup", "--out", str(out)],
-                            _environment({IN_SLOW_LOSS: str(in_loss)}), stdout, stderr)
+    # The launcher as a terminal starts it, Ctrl-C raising KeyboardInterrupt: a suite started
+    # in the background (`&` in a script, as bench.py's runs may be) ignores SIGINT, and the
+    # launcher forked from it would rightly ignore it too.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        launcher = ForkedPython([sys.executable, str(ROOT / "scripts" / "check.py"), "--nproc",
+                                 "2", f"{HERE}:make_slow_setup", "--out", str(out)],
+                                _environment({IN_SLOW_LOSS: str(in_loss)}), stdout, stderr)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not in_loss.exists():
