@@ -222,8 +222,9 @@ def _run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int],
                              name=f"rank {rank}")
              for rank in range(nproc)]
     try:
-        for process in ranks:
-            process.start()
+        with _main_read_from_no_file():
+            for process in ranks:
+                process.start()
         os.close(read_fd)  # every rank has its own copy now
         read_fd = -1
         return _watch(ranks, folder, timeout)
@@ -232,6 +233,24 @@ def _run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int],
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def _main_read_from_no_file() -> Iterator[None]:
+    """A ``__main__`` whose ``__file__`` names no file (``python - < script``: '<stdin>')
+    without that name inside: multiprocessing prepares each rank by running the calling
+    script's file again, and would fail on it; without a file it prepares the rank as for
+    ``python -c`` or a notebook, whose functions reach the ranks by value."""
+    main = sys.modules.get("__main__")
+    name = getattr(main, "__file__", None)
+    if name is None or os.path.isfile(name):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = name
 
 
 def _watch(ranks: list, folder: Path, timeout: float | None) -> Failure | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from harness.check.schema import COLUMN_NAMES
 from harness.errors import UsageError
 from tests import check_setups
 from tests.distributed import returning_within
-from tests.launch import run_python
+from tests.launch import ROOT, run_python
 
 SUM_SETUP = "examples.mlp:make_sum_setup"
 
@@ -164,6 +165,19 @@ print(rows["verdict"].tolist(), rows["setup"].tolist())
 @pytest.mark.launches(seconds=6)
 def test_a_setup_of_a_main_without_a_file_runs_on_the_ranks():
     done = run_python([sys.executable, "-c", FILELESS_MAIN])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == ("['matches', 'matches'] "
+                                                    "['make_model', 'make_model']")
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.launches(seconds=8)
+def test_a_setup_of_a_script_read_from_stdin_runs_on_the_ranks():
+    """``python - < script``: its ``__main__`` names a file, '<stdin>', that does not exist,
+    which multiprocessing would run again to prepare each rank."""
+    done = subprocess.run([sys.executable, "-"], input=FILELESS_MAIN, capture_output=True,
+                          text=True, cwd=ROOT, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == ("['matches', 'matches'] "
                                                     "['make_model', 'make_model']")
