@@ -66,6 +66,5 @@ def unresolved_below(dtype: torch.dtype, rtol: float) -> str:
     without autocast was run (``grad-check run``: the script is the user's)."""
     if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
         return ""
-    return (f"matches at {name(dtype)}'s tolerance ({rtol:.2g}): a split off by less (a "
-            "per-micro-batch token mean a few per cent off) reads matches too; run the "
-            "script once in float32 (no autocast, no bf16/fp16 flag) to resolve it")
+    return (f"in {name(dtype)} a split off by less than {rtol:.2g} matches too: run once in "
+            "float32 to resolve it")
