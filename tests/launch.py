@@ -36,22 +36,12 @@ def _environment(env: dict | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
 
 
-class ForkedPython:
-    """``python <argv>`` (a script, ``-m module`` or ``-c code``) in a child forked from this
-    process.
+class ForkedChild:
+    """A child forked from this process, as a ``subprocess.Popen`` of it: ``args``, ``pid``,
+    ``poll``, ``wait``, ``terminate``, ``kill`` and ``returncode``."""
 
-    Behaves like the ``subprocess.Popen`` of that command for what the tests use:
-    ``args``, ``poll``, ``wait``, ``terminate``, ``kill`` and ``returncode``.
-    stdout and stderr go to the given files.
-    """
-
-    def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
-                 stderr: Path, cwd: Path = ROOT) -> None:
-        self.args, self.returncode = command, None
-        _start_the_fork_server()
-        self.pid = os.fork()
-        if self.pid == 0:
-            _run_python_here(command[1:], env, stdout, stderr, cwd)
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args, self.returncode = pid, args, None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -77,6 +67,19 @@ class ForkedPython:
     def _signal(self, number: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, number)
+
+
+class ForkedPython(ForkedChild):
+    """``python <argv>`` (a script, ``-m module`` or ``-c code``) in a child forked from this
+    process; stdout and stderr go to the given files."""
+
+    def __init__(self, command: list[str], env: dict[str, str], stdout: Path,
+                 stderr: Path, cwd: Path = ROOT) -> None:
+        _start_the_fork_server()
+        pid = os.fork()
+        if pid == 0:
+            _run_python_here(command[1:], env, stdout, stderr, cwd)
+        super().__init__(pid, command)
 
 
 def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr: Path,
@@ -106,7 +109,7 @@ def _run_python_here(argv: list[str], env: dict[str, str], stdout: Path, stderr:
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as done:
-        code = _exit_code(done)
+        code = exit_code_of(done)
     except BaseException:  # noqa: BLE001 -- as the interpreter would: traceback, exit code 1
         import traceback
 
@@ -152,7 +155,7 @@ def _use_the_parents_fork_server() -> None:
     forkserver._forkserver.ensure_running = resource_tracker.ensure_running
 
 
-def _exit_code(done: SystemExit) -> int:
+def exit_code_of(done: SystemExit) -> int:
     """What the interpreter makes of ``sys.exit(x)``: None is 0, a message is printed and 1."""
     if done.code is None or isinstance(done.code, int):
         return done.code or 0

@@ -28,26 +28,13 @@ import pandas as pd
 
 from harness.check.script import capture
 from harness.check.script.launch import start_subprocess
+from tests.launch import ForkedChild, exit_code_of
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "scripts"
 #: The test's own scripts (tests/script_program.py).
 PROGRAM = Path(__file__).resolve().parent / "script_program.py"
 RUN_TIMEOUT_S = 300
-
-
-class ForkedRank:
-    """A rank forked from this process, as :class:`subprocess.Popen` to the launcher."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 def forked_python(command: list[str], environment: dict[str, str], log: Path):
@@ -57,7 +44,7 @@ def forked_python(command: list[str], environment: dict[str, str], log: Path):
         return start_subprocess(command, environment, log)
     pid = os.fork()
     if pid:
-        return ForkedRank(pid)
+        return ForkedChild(pid, command)
     _become_the_script(command[1], command[2:], environment, log)
 
 
@@ -86,7 +73,7 @@ def _become_the_script(script: str, args: list[str], environment: dict[str, str]
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        code = exit_code_of(done)
     except BaseException:  # noqa: BLE001 -- as the interpreter: the hook, exit code 1
         sys.excepthook(*sys.exc_info())
     finally:
