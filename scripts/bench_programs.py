@@ -157,20 +157,13 @@ with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
 REFERENCE_MEMORY = """import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import torch
-from torch.profiler import ProfilerActivity, profile
 from bench_spread_setup import make_setup, make_terms_setup
+from harness.check.memory import peak_tensor_bytes
 from harness.check.spread import Spread
 from harness.check.reference import compute_reference
 torch.set_num_threads(1)
 def peak(function):
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        function()
-    held = top = 0
-    events = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()
-        top = max(top, held)
-    return top / 2**20
+    return peak_tensor_bytes(function) / 2**20
 cpu = torch.device("cpu")
 initial = make_setup().make_model()
 model_mb = sum(p.numel() * p.element_size() for p in initial.parameters()) / 2**20

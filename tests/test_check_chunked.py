@@ -14,7 +14,6 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from examples import digits_cnn, hf_gpt2, hf_llama, tiny_lm
 from examples.mlp import batch as mlp_batch
@@ -24,6 +23,7 @@ from harness.check.baseline import Baseline
 from harness.check.chunked import NotChunked, power_of_two_near
 from harness.check.grad_check import main
 from harness.check.load import validated_setup
+from harness.check.memory import peak_tensor_bytes
 from harness.check.reference import ReferenceStep, compute_reference
 from harness.check.spread import Spread
 from harness.errors import UsageError
@@ -243,19 +243,6 @@ def _mean_squared_error(model: nn.Module, data) -> torch.Tensor:
     return total / count
 
 
-def peak_bytes(function) -> int:
-    """The most bytes of tensors ``function`` held at once, beyond those it started with
-    (the allocator's own record of every allocation and free)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        function()
-    held = peak = 0
-    events = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()
-        peak = max(peak, held)
-    return peak
-
-
 def test_the_chunked_reference_holds_one_chunk_s_activations_not_the_global_batch_s():
     """16 pieces of 32 samples, activations far larger than the model: the chunked
     reference holds its model copy, the gradients (summed and kept) and one chunk's
@@ -266,10 +253,10 @@ def test_the_chunked_reference_holds_one_chunk_s_activations_not_the_global_batc
     model_bytes = sum(p.numel() * p.element_size() for p in initial.parameters())
     chunk = [t[:SAMPLES // 16].double() for t in _wide_batch(0)]
     model = _wide_model().double()
-    one_chunk = peak_bytes(lambda: _squared_errors(model, chunk)[0].backward())
-    chunked = peak_bytes(lambda: whole_reference(setup, initial=initial,
+    one_chunk = peak_tensor_bytes(lambda: _squared_errors(model, chunk)[0].backward())
+    chunked = peak_tensor_bytes(lambda: whole_reference(setup, initial=initial,
                                                  spread=Spread(None, 0, 1, 16)))
-    whole = peak_bytes(lambda: whole_reference(setup, initial=initial))
+    whole = peak_tensor_bytes(lambda: whole_reference(setup, initial=initial))
     # One chunk's forward and backward (its activations and one gradient), the reference's
     # model and the copy of the gradient it keeps, and at most one more model's worth.
     assert chunked <= one_chunk + 3 * model_bytes, (chunked, one_chunk, model_bytes)
