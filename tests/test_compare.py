@@ -40,11 +40,7 @@ def write_folder(path: Path, studies: dict[str, list[dict]], dtype: str = "float
                 "studies": {name: {"csv": f"{name}.csv", "cases": len(rows), "wall_time_s": 1.0}
                             for name, rows in studies.items()}}
     (path / "run.json").write_text(json.dumps(manifest))
-    for name, rows in studies.items():
-        with open(path / f"{name}.csv", "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    write_csvs(path, studies)
     return path
 
 
@@ -125,16 +121,21 @@ def test_a_row_only_one_side_has_disagrees(tmp_path, capsys):
     assert "0 cell(s) and 1 unmatched row(s)" in out
 
 
-def write_split(path: Path, tables: dict[str, list[dict]]) -> Path:
-    """A folder whose study ``toy`` wrote several CSVs, each with its own columns."""
-    path.mkdir(parents=True)
-    (path / "run.json").write_text(json.dumps({**CONTEXT, "studies": {"toy": {
-        "csvs": [f"{name}.csv" for name in tables], "cases": 2}}}))
+def write_csvs(path: Path, tables: dict[str, list[dict]]) -> None:
+    """``<name>.csv`` in ``path`` for each table, its columns those of its first row."""
     for name, rows in tables.items():
         with open(path / f"{name}.csv", "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+
+
+def write_split(path: Path, tables: dict[str, list[dict]]) -> Path:
+    """A folder whose study ``toy`` wrote several CSVs, each with its own columns."""
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({**CONTEXT, "studies": {"toy": {
+        "csvs": [f"{name}.csv" for name in tables], "cases": 2}}}))
+    write_csvs(path, tables)
     return path
 
 
