@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from harness.strategies.common import float64_vector
 
@@ -105,9 +104,3 @@ def watching_losses(capture: StepCapture) -> Iterator[None]:
     finally:
         torch.Tensor.backward = original
 
-
-def gather_captures(capture: StepCapture) -> list[StepCapture] | None:
-    """Every rank's capture on rank 0 (None elsewhere): the ranks must agree."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, capture)
-    return everyone if dist.get_rank() == 0 else None
