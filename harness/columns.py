@@ -52,6 +52,14 @@ PRECISION = Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
                    "the lowest precision the step really ran in (the model's type, the "
                    "autocast type, the type of every loss the user's code returned): the "
                    "row's tolerance is that precision's")
+AUTOCAST_RESIDUAL = Column(
+    "autocast_residual", "ratio",
+    "setups with `Setup.autocast`: the residual of the step as run under autocast (the "
+    "autocast precision's rounding, plus any difference of the split). Each such case also "
+    "runs without autocast at the run's dtype: where that run differs from the big batch, "
+    "the row's verdict, scale, residual and fix are its own (`precision` then says so), since "
+    "a low precision's tolerance must not hide a split that full precision shows; empty "
+    "without autocast")
 FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches")
 ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
                "else empty")

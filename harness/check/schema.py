@@ -30,13 +30,7 @@ COLUMNS: tuple[Column, ...] = (
     shared.FIX,
     Column("dtype", "`float64`, `float32`", "floating-point type of the model and the batches"),
     shared.PRECISION,
-    Column("autocast_residual", "ratio",
-           "setups with `Setup.autocast`: the residual of the step as run under autocast "
-           "(the autocast precision's rounding, plus any difference of the split). Each such "
-           "case also runs without autocast at `--dtype`: where that run differs from the big "
-           "batch, the row's verdict, scale, residual and fix are its own (`precision` then "
-           "says so), since a low precision's tolerance must not hide a split that "
-           "full precision shows; empty without autocast"),
+    shared.AUTOCAST_RESIDUAL,
     Column("reference", "`whole`, `chunked`, `whole: why`",
            "the big-batch reference the row was compared with: one backward on the whole "
            "global batch in every rank, or, for a setup with `loss_terms`, the same gradient "

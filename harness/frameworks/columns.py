@@ -34,11 +34,7 @@ COLUMNS = (
            "type; float32 under autocast); the references are float64 (float32 under "
            "autocast)"),
     shared.PRECISION,
-    Column("autocast_residual", "ratio",
-           "setups with `Setup.autocast`: the residual of the step trained under autocast; "
-           "the framework also trains the setup without autocast, and where that step "
-           "differs from the big batch, the row is its own (as `grad-check` judges); empty "
-           "without autocast"),
+    shared.AUTOCAST_RESIDUAL,
     Column("recipe", "text",
            "what the framework does to the window's gradient besides accumulating it, as "
            "applied: `clip_grad_norm_(c) once per window`, or `none`"),
