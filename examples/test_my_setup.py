@@ -8,7 +8,7 @@ on CPU), so it needs no torchrun and no GPU.
     pytest examples/test_my_setup.py
 """
 
-from harness.check import assert_matches
+from harness.grad_check import assert_matches
 
 #: ``module.path:function`` returning your harness.check.Setup.
 SETUP = "examples.tiny_lm:make_window_setup"

@@ -8,9 +8,11 @@ read every schema without loading any measuring code. Letters mean one thing eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from harness.verdicts import Equivalence
+from harness.verdicts import Equivalence, Status
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class Column:
     name: str
     unit: str
     doc: str
+    #: A column every judged row of the check has: how the engine's judgement of one step
+    #: and point (:class:`harness.check.judge.Judged`) fills it. None: a CSV's own column,
+    #: filled by the code that measured it.
+    judged: Callable[[Any], Any] | None = field(default=None, compare=False, repr=False)
 
     def described(self, doc: str, unit: str | None = None) -> Column:
         """The same column (its name, and unit unless given) with a meaning of a CSV's own:
@@ -37,21 +43,55 @@ EQUIVALENCES = ", ".join(f"`{value}`" for value in Equivalence)
 WORLD_SIZE = Column("world_size", "ranks", "N: ranks the global batch is split across")
 ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")
 
+#: The values of a row's status (:class:`harness.verdicts.Status`; ``skipped`` is written
+#: ``skipped: why``).
+STATUSES = ", ".join(f"`{value}`" for value in Status)
+
+# The columns every row the check judges has (``grad-check``'s check.csv, ``--frameworks``'
+# and the frameworks study's rows, ``grad-check run``'s script.csv), each filled from the
+# engine's judgement. A column added to JUDGED is in every one of them.
+#: What every front-end compares at each step: the gradient the optimizer was handed and
+#: the update it made (the Setup matrix adds ``buffers`` for models with some).
+POINTS = ("grad", "params")
+STEP = Column("step", "steps", "optimizer step compared, from 0 (each on its own global batch)",
+              judged=lambda j: j.step)
+POINT = Column("point", "`grad`, `params`",
+               "what is compared: the gradient the optimizer was handed, or the update it made "
+               "(the parameters after the step, as updates from where the reference started "
+               "it)", judged=lambda j: j.point)
 #: A verdict against the single-process big-batch step, and the fit it is read from.
 VERDICT = Column("verdict", EQUIVALENCES,
                  "against the single-process big-batch step: the same, a pure multiple s of "
-                 "it, or no multiple")
+                 "it, or no multiple; empty where the row could not be judged",
+                 judged=lambda j: j.verdict)
 SCALE = Column("scale", "ratio",
-               "s in `measured ~ s * reference` (least squares over every tensor)")
+               "s in `measured ~ s * reference` (least squares over every tensor)",
+               judged=lambda j: j.scale)
 RESIDUAL = Column("residual", "ratio",
-                  "`||measured - s*reference|| / ||measured||`: 0 when a pure scale explains it")
+                  "`||measured - s*reference|| / ||measured||`: 0 when a pure scale explains it",
+                  judged=lambda j: j.residual)
 WORST_TENSORS = Column("worst_tensors", "`name=error;...`",
                        "the three tensors with the largest `||m - s*r|| / ||s*r||`, worst "
-                       "first (an error within the row's tolerance written 0)")
+                       "first (an error within the row's tolerance written 0)",
+                       judged=lambda j: j.worst_tensors)
+RANKS_AGREE = Column("ranks_agree", "`True`, `False`, empty",
+                     "whether every rank held the same tensors at that point; empty where the "
+                     "ranks are not meant to (one process, shards)",
+                     judged=lambda j: "" if j.ranks_agree is None else j.ranks_agree)
 PRECISION = Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
                    "the lowest precision the step really ran in (the model's type, the "
                    "autocast type, the type of every loss the user's code returned): the "
-                   "row's tolerance is that precision's")
+                   "row's tolerance is that precision's", judged=lambda j: j.precision_name)
+FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches",
+             judged=lambda j: j.fix)
+STATUS = Column("status", STATUSES, "`ok` where the row was judged; else why not",
+                judged=lambda j: str(j.status))
+ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
+               "else empty", judged=lambda j: j.error)
+JUDGED: tuple[Column, ...] = (STEP, POINT, VERDICT, SCALE, RESIDUAL, WORST_TENSORS, RANKS_AGREE,
+                              PRECISION, FIX, STATUS, ERROR)
+
+#: Rows of a check that may run under autocast (the Setup matrix and the frameworks').
 AUTOCAST_RESIDUAL = Column(
     "autocast_residual", "ratio",
     "setups with `Setup.autocast`: the residual of the step as run under autocast (the "
@@ -59,7 +99,21 @@ AUTOCAST_RESIDUAL = Column(
     "runs without autocast at the run's dtype: where that run differs from the big batch, "
     "the row's verdict, scale, residual and fix are its own (`precision` then says so), since "
     "a low precision's tolerance must not hide a split that full precision shows; empty "
-    "without autocast")
-FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches")
-ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
-               "else empty")
+    "without autocast", judged=lambda j: j.autocast_residual_cell)
+
+
+def judged_columns(**docs: str | tuple[str, str]) -> tuple[Column, ...]:
+    """:data:`JUDGED`, with the meanings a CSV gives some of them: ``point="meaning"``, or
+    ``point=("meaning", "unit")``."""
+    unknown = set(docs) - set(names(JUDGED))
+    if unknown:
+        raise ValueError(f"no judged column is called {', '.join(sorted(unknown))}")
+    described = []
+    for column in JUDGED:
+        doc = docs.get(column.name)
+        if isinstance(doc, tuple):
+            column = column.described(*doc)
+        elif doc is not None:
+            column = column.described(doc)
+        described.append(column)
+    return tuple(described)

@@ -207,7 +207,7 @@ class Difference:
 
 
 @dataclass
-class Comparison:
+class FolderComparison:
     """Everything two folders disagree on, and how much was compared."""
 
     studies: list[str]
@@ -245,7 +245,7 @@ def _row_label(key: tuple[str, int], rows_in_case: int) -> str:
     return case_id if rows_in_case == 1 else f"{case_id} [row {position + 1}]"
 
 
-def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: Comparison) -> None:
+def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: FolderComparison) -> None:
     """Add ``study``'s differences between ``a`` and ``b`` to ``into``."""
     from harness.tolerances import column_tolerance
 
@@ -311,8 +311,8 @@ def studies_to_compare(a: ResultsFolder, b: ResultsFolder, asked: str | None) ->
     return list(dict.fromkeys(names))
 
 
-def compare_folders(a: ResultsFolder, b: ResultsFolder, studies: Sequence[str]) -> Comparison:
-    comparison = Comparison(studies=list(studies), rtol=tolerance_for(a, b))
+def compare_folders(a: ResultsFolder, b: ResultsFolder, studies: Sequence[str]) -> FolderComparison:
+    comparison = FolderComparison(studies=list(studies), rtol=tolerance_for(a, b))
     for study in studies:
         compare_study(study, a, b, comparison)
     return comparison
@@ -339,7 +339,7 @@ def _side_by_side(title: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]
     return ["", f"{title} (shown, not judged):", *_table(["", "A", "B"], rows)]
 
 
-def report(a: ResultsFolder, b: ResultsFolder, comparison: Comparison) -> str:
+def report(a: ResultsFolder, b: ResultsFolder, comparison: FolderComparison) -> str:
     lines = [f"A = {a.path}", f"B = {b.path}"]
     lines += _side_by_side("run.json settings that differ", a.settings(), b.settings())
     lines += _side_by_side("run context", a.facts(), b.facts())
@@ -362,7 +362,7 @@ def report(a: ResultsFolder, b: ResultsFolder, comparison: Comparison) -> str:
     return "\n".join(lines)
 
 
-def _counts(comparison: Comparison) -> str:
+def _counts(comparison: FolderComparison) -> str:
     timing = ", ".join(sorted(comparison.timing_columns)) or "none"
     declared = "".join(f", {study}.{column} within ±{tolerance:.3g}"
                        for (study, column), tolerance in comparison.declared.items())
@@ -372,7 +372,7 @@ def _counts(comparison: Comparison) -> str:
             f"{timing}")
 
 
-def _verdict(comparison: Comparison) -> str:
+def _verdict(comparison: FolderComparison) -> str:
     if comparison.agree:
         return "agree: no verdict, status or text differs and every number is within tolerance"
     rows = sum(1 for d in comparison.differences if d.column == "(row)")

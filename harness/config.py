@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from harness.errors import UsageError
-from harness.launch import BACKENDS, DEVICES, Launch
 from harness.options import (
     MAX_TIMEOUT_S,
     StudyOptions,
@@ -25,6 +24,7 @@ from harness.options import (
     check_seed,
     check_timeout,
 )
+from harness.placement import BACKENDS, DEVICES, Launch
 from harness.strategies import STRATEGIES as STRATEGY_SPECS
 
 DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}

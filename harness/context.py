@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from harness.config import RunConfig
-from harness.launch import Launch, Placement
+from harness.placement import Launch, Placement
 from harness.tolerances import relative_tolerance
 
 #: Columns every CSV row carries, describing where and how it was measured.

@@ -17,13 +17,6 @@ from pathlib import Path
 from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag, add_timeout_flag
 from harness.errors import UsageError, launched_by_harness, refuse
 from harness.failure import report_failure
-from harness.launch import (
-    BACKENDS,
-    DEVICES,
-    Launch,
-    choose_placement,
-    leader_from_environment,
-)
 from harness.launcher import launch_ranks, say_if_oversubscribed
 from harness.options import (
     CommandParser,
@@ -34,6 +27,13 @@ from harness.options import (
     parse_int_list,
     parse_name_list,
     parse_nproc,
+)
+from harness.placement import (
+    BACKENDS,
+    DEVICES,
+    Launch,
+    choose_placement,
+    leader_from_environment,
 )
 
 PROG = "study.py"

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What the fork server imports before it forks the ranks: torch, what DDP imports on first
 #: use (torch._dynamo, ~1 s of CPU) and the harness's two command lines.
 PRELOADED = ("torch", "torch._dynamo", "torch.distributed", "harness.grad_study", "harness.runner",
-             "harness.check.grad_check", "harness.check.matrix")
+             "harness.grad_check.cli", "harness.grad_check.matrix")
 #: Where the ranks meet: the launcher's store, on loopback.
 STORE_HOST = "127.0.0.1"
 

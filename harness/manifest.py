@@ -21,7 +21,7 @@ from harness.results import MANIFEST
 
 if TYPE_CHECKING:
     from harness.config import RunConfig
-    from harness.launch import Placement
+    from harness.placement import Placement
 
 
 class ManifestError(UsageError):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
-from harness.launch import leader_from_environment, under_torchrun
+from harness.placement import leader_from_environment, under_torchrun
 
 #: The longest ``--timeout``: a collective still waiting after a day is hung, not slow,
 #: and far larger values overflow the timedelta handed to torch.distributed.

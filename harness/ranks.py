@@ -1,7 +1,7 @@
 """Ranks on this machine, forked from a fork server, watched until they end or one fails.
 
 Two callers start ranks of their own: ``--nproc`` (harness/launcher.py) and the check's
-Python API (harness/check/api.py). Both fork them from ``multiprocessing``'s fork server:
+Python API (harness/grad_check/api.py). Both fork them from ``multiprocessing``'s fork server:
 a fresh interpreter that has touched no CUDA device and started no threads, which imports
 torch and the harness once (``preload``) instead of once per rank -- seconds of CPU per
 rank on a small machine (torch, and the ``torch._dynamo`` that DDP imports on first use).

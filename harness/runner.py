@@ -32,8 +32,8 @@ from harness.config import RunConfig
 from harness.context import RunContext
 from harness.errors import UsageError, launched_by_harness, refuse
 from harness.failure import report_failure, running_case, withdraw_on_stop
-from harness.launch import Launch, Placement
 from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
+from harness.placement import Launch, Placement
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
 from harness.schedule import make_schedule, slot_groups

@@ -181,7 +181,7 @@ LINEAR_SCALING_TOLERANCE = 0.1
 #: decides alone: subtler effects (tiny_lm's per-micro-batch token mean, 0.13; a 3 %
 #: token-count weighting; BatchNorm's 0.043) hide under it, so a setup under autocast is
 #: run again at its dtype without autocast, and that twin's verdict stands wherever it
-#: differs from the big batch (harness.check.precision.full_precision_decides); the
+#: differs from the big batch (harness.check.judge.full_precision_decides); the
 #: autocast run's verdict, judged at this tolerance, stands only where the twin matches
 #: (its residual is the ``autocast_residual`` column). ``grad-check run`` has no twin (the
 #: script is the user's): its bfloat16 rows say so in their fix.

@@ -32,6 +32,28 @@ class Equivalence(StrEnum):
     DIFFERS = "differs"
 
 
+class Status(StrEnum):
+    """Whether a row of the check was judged, and where not, why."""
+
+    OK = "ok"
+    #: The case or split failed: the row's ``error`` says how.
+    ERROR = "error"
+    #: Not run here: written ``skipped: why``.
+    SKIPPED = "skipped"
+    #: The split's step fed other samples than the reference's (``grad-check run``): a
+    #: gradient would differ for a reason no loss fix touches, so no verdict is given.
+    DIFFERENT_SAMPLES = "different samples"
+
+
+#: Statuses that fail a check's exit code whatever ``--fail-on`` says: nothing was checked.
+FAILING_STATUSES = frozenset({Status.ERROR, Status.DIFFERENT_SAMPLES})
+
+
+def skipped(why: str) -> str:
+    """A skipped row's status: ``skipped: why``."""
+    return f"{Status.SKIPPED}: {why}"
+
+
 class Combination(StrEnum):
     """What a scalar is of the per-device contributions it came from."""
 

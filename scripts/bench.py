@@ -348,8 +348,8 @@ def script_splits() -> str:
 
 def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
     """Seconds of ``grad-check run`` on the matrix and of its four commands run bare."""
-    from harness.check.script.launch import Launch
-    from harness.check.script.splits import parse_splits, substituted
+    from harness.grad_check.script.processes import CommandLauncher
+    from harness.grad_check.script.splits import parse_splits, substituted
 
     splits = script_splits()
     command = [sys.executable, str(ROOT / SCRIPT_EXAMPLE), "--batch-size", "{batch}",
@@ -357,7 +357,7 @@ def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
     check = [sys.executable, str(ROOT / "scripts" / "check.py"), "run", "--global-batch",
              str(SCRIPT_GLOBAL_BATCH), "--splits", splits, "--steps", str(SCRIPT_STEPS),
              "--quiet", "--out", str(scratch / "script"), "--", *command]
-    bare = Launch(steps=SCRIPT_STEPS, keep_going=True, timeout=600, capture=False)
+    bare = CommandLauncher(steps=SCRIPT_STEPS, keep_going=True, timeout=600, capture=False)
 
     def bare_runs() -> None:
         for split in parse_splits(splits):

@@ -114,7 +114,7 @@ with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
 #: argv[5] names the setup's factory.
 CHECK_RANK = """import os, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
-from harness.check.grad_check import main
+from harness.grad_check.cli import main
 start, cpu_start = time.perf_counter(), time.process_time()
 code = main([f"bench_check_setup:{sys.argv[5]}", "--strategies", "ddp", "--world-sizes", "2",
              "--accum-steps", "2", "--dtype", "float32", "--quiet", "--out", sys.argv[3]])
@@ -130,8 +130,8 @@ SPREAD_RANK = """import json, os, resource, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import torch._dynamo
 import harness.check.baseline as baseline
-from harness.check.grad_check import main
-from harness.check.matrix import SetupCheck
+from harness.grad_check.cli import main
+from harness.grad_check.matrix import SetupCheck
 spent = {"reference": 0.0, "case": 0.0}
 def timed(function, name):
     def run(*args, **kwargs):
@@ -207,10 +207,10 @@ seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_st
 FRAMEWORKS_RANK = """import json, statistics, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from harness.check.config import CheckConfig
+from harness.grad_check.config import CheckConfig
 from harness.check.load import validated_setup
-from harness.check.matrix import CheckRun, SetupCheck
-from harness.launch import Launch, choose_placement
+from harness.grad_check.matrix import CheckRun, SetupCheck
+from harness.placement import Launch, choose_placement
 from harness.frameworks.measure import measure
 from harness.frameworks import FRAMEWORKS
 

@@ -82,7 +82,7 @@ MUTATIONS = (
     Mutation("lr-factor-inverse-scale", "harness/studies/update/lr_factor.py",
              "return 1.0 / scale", "return scale",
              ("tests/test_mutation_targets.py",)),
-    Mutation("autocast-hides-the-split", "harness/check/precision.py",
+    Mutation("autocast-hides-the-split", "harness/check/judge.py",
              'and str(twin_verdict) not in ("", str(Equivalence.MATCHES)))',
              'and str(twin_verdict) in ("", str(Equivalence.MATCHES)))',
              ("tests/test_check_precision.py::test_bfloat16_rounding_never_hides_a_split_that_"
@@ -95,10 +95,10 @@ MUTATIONS = (
     Mutation("trainer-counts-unshifted", "harness/frameworks/fixes.py",
              "int(labels[..., 1:].ne(IGNORE).sum())", "int(labels.ne(IGNORE).sum())",
              ("tests/test_frameworks_fixes.py",)),
-    Mutation("script-samples-as-a-set", "harness/check/script/judge.py",
+    Mutation("script-samples-as-a-set", "harness/grad_check/script/judge.py",
              "if ours != theirs:", "if set(ours) != set(theirs):",
              ("tests/test_check_script.py::test_a_sample_fed_twice_is_another_set_of_samples",)),
-    Mutation("script-gradients-before-closure", "harness/check/script/capture.py",
+    Mutation("script-gradients-before-closure", "harness/grad_check/script/capture.py",
              "        if closure is None:\n            self.read_gradients()",
              "        self.read_gradients()\n        if closure is None:",
              ("tests/test_check_script.py::test_a_step_given_a_closure_is_read_once_the_closure_"
@@ -118,9 +118,9 @@ MUTATIONS = (
              "if rr <= ZERO_NORM**2 or mm <= ZERO_NORM**2:",
              ("tests/test_check_compare.py::test_an_all_zero_gradient_against_a_nonzero_"
               "reference_does_not_match",)),
-    Mutation("assert-matches-ok-rows-only", "harness/check/api.py",
-             '& ~rows["status"].str.startswith("skipped")]',
-             '& (rows["status"] == "ok")]',
+    Mutation("assert-matches-ok-rows-only", "harness/grad_check/api.py",
+             '& ~rows["status"].str.startswith(Status.SKIPPED)]',
+             '& (rows["status"] == Status.OK)]',
              ("tests/test_check_api.py::test_assert_matches_raises_on_rows_that_errored",)),
     Mutation("said-signal-over-line", "harness/launcher.py",
              "what = failure.line or describe_exit(failure.exitcode,\n"

@@ -142,7 +142,7 @@ def run_cli(world_size: int, argv: list[str], store_dir: Path,
             output: Path | None = None) -> list[int]:
     """``scripts/study.py argv`` on ``world_size`` ranks; each rank's exit code.
 
-    ``main``: another command's ``main`` (``harness.check.grad_check.main``: ``scripts/check.py``).
+    ``main``: another command's ``main`` (``harness.grad_check.cli.main``: ``scripts/check.py``).
     ``output``: a folder that gets the ranks' stdout and stderr, appended to files
     ``stdout`` and ``stderr`` as a launcher's console would show them.
     """

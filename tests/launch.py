@@ -140,7 +140,7 @@ def _start_the_fork_server() -> None:
     """
     from multiprocessing import forkserver
 
-    from harness.check.api import PRELOADED as CHECK_API_PRELOADED
+    from harness.grad_check.api import PRELOADED as CHECK_API_PRELOADED
     from harness.launcher import PRELOADED
 
     forkserver.set_forkserver_preload([*PRELOADED, *CHECK_API_PRELOADED])

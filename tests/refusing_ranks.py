@@ -3,7 +3,7 @@ refuse randomness they find in a loss, without importing torch (a rank costs no 
 
 ``python -m tests.refusing_ranks ARGS`` is ``check.py --nproc N ARGS`` whose ranks are
 ``python -m tests.refusing_ranks``: each says :data:`MESSAGE` through
-:func:`harness.errors.refuse`, as ``harness.check.grad_check`` does, and exits with its code.
+:func:`harness.errors.refuse`, as ``harness.grad_check.cli`` does, and exits with its code.
 """
 
 import os
@@ -16,12 +16,12 @@ MESSAGE = "what only the ranks can find is wrong"
 
 def _launcher(argv: list[str]) -> int:
     import harness.launcher
-    from harness.check.grad_check import main
+    from harness.grad_check.cli import main
 
     launch_ranks = harness.launcher.launch_ranks
 
     def with_these_ranks(*args, module: str, **kwargs) -> int:
-        assert module == "harness.check", module
+        assert module == "harness.grad_check", module
         return launch_ranks(*args, module=__spec__.name, **kwargs)
 
     harness.launcher.launch_ranks = with_these_ranks

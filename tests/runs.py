@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from harness.config import RunConfig
 from harness.context import RunContext
-from harness.launch import Launch, Placement
+from harness.placement import Launch, Placement
 from harness.studies import STUDIES
 
 

@@ -1,6 +1,6 @@
 """``grad-check run`` inside pytest: the check in a forked child, its ranks forked from it.
 
-A user's command runs as fresh interpreters (harness/check/script/launch.py), each paying
+A user's command runs as fresh interpreters (harness/grad_check/script/processes.py), each paying
 seconds to import torch and its framework. Here the check runs in a child forked from
 the test process that first imports the frameworks its commands use, and each rank whose
 command is ``python script.py ...`` is forked from that child, becoming the script
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.check.script import capture
-from harness.check.script.launch import start_subprocess
+from harness.grad_check.script import capture
+from harness.grad_check.script.processes import start_subprocess
 from tests.launch import ForkedChild, exit_code_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,7 +149,7 @@ def _checks_in_child(argvs: list[list[str]], logs: list[Path], modules: tuple[st
     try:
         for module in modules:
             importlib.import_module(module)
-        from harness.check.script.grad_check_run import main
+        from harness.grad_check.script.grad_check_run import main
 
         for argv, folder in zip(argvs, logs, strict=True):
             code = _check_with_console(main, argv, folder, starter)

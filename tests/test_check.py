@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.check.config import CSV_NAME
-from harness.check.grad_check import main
-from harness.check.schema import COLUMN_NAMES
+from harness.grad_check.cli import main
+from harness.grad_check.config import CSV_NAME
+from harness.grad_check.schema import COLUMN_NAMES
 from tests import check_setups, refusing_ranks
 from tests.distributed import run_cli
 from tests.launch import run_python

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from examples import mlp
-from harness.check import Setup, assert_matches, check
-from harness.check.schema import COLUMN_NAMES
 from harness.errors import UsageError
+from harness.grad_check import Setup, assert_matches, check
+from harness.grad_check.schema import COLUMN_NAMES
 from tests import check_setups
 from tests.distributed import returning_within
 from tests.launch import ROOT, run_python
@@ -145,7 +145,7 @@ def test_a_setup_the_ranks_cannot_receive_is_refused_before_anything_runs():
 FILELESS_MAIN = """
 import torch
 from torch import nn
-from harness.check import Setup, check
+from harness.grad_check import Setup, check
 
 def make_model():
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_a_setup_of_a_script_read_from_stdin_runs_on_the_ranks():
 
 
 UNGUARDED_SCRIPT = """from examples import mlp
-from harness.check import check
+from harness.grad_check import check
 
 rows = check(mlp.make_setup, strategies=["local", "ddp"], world_sizes=(2,), accum_steps=(1,))
 print(rows)

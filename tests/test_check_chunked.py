@@ -21,12 +21,12 @@ from examples.mlp import make_model as make_mlp
 from harness.check import Setup, spread
 from harness.check.baseline import Baseline
 from harness.check.chunked import NotChunked, power_of_two_near
-from harness.check.grad_check import main
 from harness.check.load import validated_setup
 from harness.check.memory import peak_tensor_bytes
 from harness.check.reference import ReferenceStep, compute_reference
 from harness.check.spread import Spread
 from harness.errors import UsageError
+from harness.grad_check.cli import main
 from harness.tolerances import CHECK_TOLERANCE, relative_tolerance
 from tests.distributed import run_ranks
 

@@ -242,7 +242,7 @@ def test_ranks_that_disagree_without_a_known_cause_are_the_fix():
 
 
 def _check_cli(rank: int, world_size: int, argv: list[str]) -> int:
-    from harness.check.grad_check import main
+    from harness.grad_check.cli import main
 
     return main(argv)
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from examples import mlp
-from harness.check import MicroStep, Setup, check
 from harness.check.precision import lowest
+from harness.grad_check import MicroStep, Setup, check
 
 
 def float32_loss(model: nn.Module, data) -> torch.Tensor:

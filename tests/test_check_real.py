@@ -31,13 +31,14 @@ from torch import nn
 from examples.mlp import make_adam_setup, mean_loss, sum_loss
 from harness.check import Setup
 from harness.check.batches import pieces_needed
-from harness.check.config import CSV_NAME
 from harness.check.fix import Facts, scale_fix
-from harness.check.grad_check import main
 from harness.check.load import validated_setup
 from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
+from harness.grad_check.cli import main
+from harness.grad_check.config import CSV_NAME
+from harness.grad_check.schema import case_label
 from harness.strategies.local import LocalCheckCase
 from tests.distributed import run_cli_importing
 from tests.launch import ForkedPython, _environment, run_python
@@ -345,9 +346,9 @@ def test_fail_on_picks_the_failing_verdicts_and_errors_always_fail(fail_on, fail
     rows = [_row("scaled"), _row("differs", strategy="fsdp"), _row("matches", strategy="x"),
             _row("", "error", "ValueError: boom", strategy="local"),
             _row("", "skipped: no GPU", strategy="y")]
-    assert set(failing_cases(rows, fail_on)) == failing
-    assert exit_code(rows, fail_on, "check.py") == 1
-    assert exit_code([_row("matches")], fail_on, "check.py") == 0
+    assert set(failing_cases(rows, fail_on, case_label)) == failing
+    assert exit_code(rows, fail_on, "check.py", case_label) == 1
+    assert exit_code([_row("matches")], fail_on, "check.py", case_label) == 0
 
 
 # ---------------------------------------- refused before any rank starts

@@ -17,20 +17,21 @@ import torch
 from torch import nn
 
 from harness.check.outcome import exit_code
-from harness.check.script import capture
-from harness.check.script.config import ScriptConfig
-from harness.check.script.grad_check_run import main, render
-from harness.check.script.judge import SplitJudge, check_deterministic
-from harness.check.script.launch import Failure, Launch, Run, first_failure
-from harness.check.script.records import Captured
-from harness.check.script.schema import COLUMN_NAMES, DIFFERENT_SAMPLES
-from harness.check.script.splits import (
+from harness.errors import UsageError, error_file
+from harness.grad_check.script import capture
+from harness.grad_check.script.config import ScriptConfig
+from harness.grad_check.script.grad_check_run import main, render
+from harness.grad_check.script.judge import SplitJudge, check_deterministic
+from harness.grad_check.script.processes import CommandLauncher, Failure, Run, first_failure
+from harness.grad_check.script.records import Captured
+from harness.grad_check.script.schema import COLUMN_NAMES, case_label
+from harness.grad_check.script.splits import (
     Split,
     check_placeholders,
     parse_splits,
     substituted,
 )
-from harness.errors import UsageError, error_file
+from harness.verdicts import Status
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
 COMMAND = [sys.executable, SCRIPT, "--batch-size", "{batch}", "--grad-accum", "{accum}"]
@@ -95,7 +96,7 @@ def test_help_explains_every_flag_and_the_placeholders(capsys):
 
 
 def test_grad_check_dispatches_run_to_the_script_mode(capsys, tmp_path):
-    from harness.check.grad_check import main as check_main
+    from harness.grad_check.cli import main as check_main
 
     assert check_main(["run", "--global-batch", "8", "--splits", "2x", "--", *COMMAND]) == 2
     assert "'2x' is not a split" in capsys.readouterr().err
@@ -239,8 +240,8 @@ def test_a_gradient_k_times_too_large_is_scaled_and_names_k(tmp_path):
     assert first["fix"] == "divide the loss by 2 = k"
     assert rows[1]["verdict"] == "scaled" and rows[1]["point"] == "params"
     assert list(rows[0]) == list(COLUMN_NAMES)
-    assert exit_code(rows[:2], "differs", "check.py run") == 0
-    assert exit_code(rows[:2], "scaled", "check.py run") == 1
+    assert exit_code(rows[:2], "differs", "check.py run", case_label) == 0
+    assert exit_code(rows[:2], "scaled", "check.py run", case_label) == 1
     # Step 1 starts where the scaled step 0 left the split, not where the reference began
     # it: its update is no multiple of the reference's, and its fix names step 0's scale.
     assert rows[3]["verdict"] == "differs"
@@ -284,13 +285,13 @@ def test_unequal_token_counts_behind_a_difference_name_the_window_count(tmp_path
 
 def test_a_step_that_fed_other_samples_is_named_not_judged(tmp_path):
     rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s7"))
-    assert {row["status"] for row in rows} == {DIFFERENT_SAMPLES}
+    assert {row["status"] for row in rows} == {Status.DIFFERENT_SAMPLES}
     assert {row["verdict"] for row in rows} == {""}
     assert "step 0 fed 1 sample(s) the reference's step did not and left out 1 of its 2" in \
         rows[0]["fix"]
     assert "sampler" in rows[0]["fix"]
-    assert exit_code(rows, "error", "check.py run") == 1
-    assert DIFFERENT_SAMPLES in render(rows)
+    assert exit_code(rows, "error", "check.py run", case_label) == 1
+    assert Status.DIFFERENT_SAMPLES in render(rows)
 
 
 def test_the_reference_gradient_with_another_update_names_the_learning_rate(tmp_path):
@@ -304,7 +305,7 @@ def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
     twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"))
     rows = SplitJudge(twice, reference, {}, 2).rows()
-    assert rows[0]["status"] == DIFFERENT_SAMPLES
+    assert rows[0]["status"] == Status.DIFFERENT_SAMPLES
     assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
     assert "not sharded" in rows[0]["fix"]
 
@@ -313,7 +314,7 @@ def test_a_sample_fed_twice_is_another_set_of_samples(tmp_path):
     """A sampler that pads a rank's share with a repeat feeds the same distinct samples
     and one too many: counted with repeats, they are not the reference's."""
     rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s1", "s1", "s1"))
-    assert rows[0]["status"] == DIFFERENT_SAMPLES
+    assert rows[0]["status"] == Status.DIFFERENT_SAMPLES
     assert rows[0]["fix"].startswith("step 0 fed 2 sample(s) the reference's step did not")
 
 
@@ -381,7 +382,7 @@ def test_a_rank_without_a_line_is_named_by_its_last_output(tmp_path):
 
 def test_n_above_1_gets_torchruns_variables_and_n_1_none(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "5")  # this process's own, from a launcher around it
-    launch = Launch(steps=2, keep_going=False, timeout=60)
+    launch = CommandLauncher(steps=2, keep_going=False, timeout=60)
     plain = launch.environment(0, 1, 0, tmp_path, "run")
     assert "RANK" not in plain and "MASTER_PORT" not in plain
     ranked = launch.environment(1, 2, 29500, tmp_path, "run")

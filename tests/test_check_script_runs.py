@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from harness.check.script.launch import STARTUP
+from harness.grad_check.script.processes import STARTUP
 from tests.script_runs import PROGRAM, python, run_check
 
 pytestmark = pytest.mark.launches(seconds=2)

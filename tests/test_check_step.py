@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from examples import mlp, real_step
-from harness.check import MicroStep, Setup, check
-from harness.check.grad_check import main
 from harness.check.step import WholeStep, check_step_device, not_finite
 from harness.errors import UsageError
+from harness.grad_check import MicroStep, Setup, check
+from harness.grad_check.cli import main
 
 CLIP_RTOL = 1e-12
 

@@ -25,10 +25,10 @@ import pytest
 import torch
 from torch import nn
 
-from harness.check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
-from harness.check.grad_check import main
 from harness.check.setup import Setup
 from harness.frameworks.registry import INSTALL_HINT
+from harness.grad_check.cli import main
+from harness.grad_check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing
 from tests.scheduling import launching
@@ -171,7 +171,7 @@ def test_nproc_checks_the_setups_then_starts_the_check_on_its_ranks(monkeypatch,
             "--out", str(tmp_path / "out")]
     assert main(argv) == 0
     # The ranks start where the command started, and a hang ends after --timeout.
-    assert started == [((WORLD, argv, "check.py"), {"module": "harness.check",
+    assert started == [((WORLD, argv, "check.py"), {"module": "harness.grad_check",
                                                     "name_rank_of_bad_input": False,
                                                     "timeout": 300.0, "cwd": os.getcwd()})]
     bad_setup = ["--nproc", "2", "--frameworks", "accelerate", "examples.mlp:no_such_setup",
@@ -207,13 +207,17 @@ def _framework_row(verdict: str, recipe_verdict: str, status: str = "ok") -> dic
 
 def test_a_frameworks_row_fails_by_its_verdict_against_the_frameworks_recipe():
     from harness.check.outcome import failing_cases
+    from harness.frameworks.columns import case_label, judged_verdict
+
+    def failing(rows, fail_on):
+        return failing_cases(rows, fail_on, case_label, judged_verdict)
 
     # A shipped clip: against the plain big batch it differs, against the big batch
     # clipped once (the recipe) it matches: the step is right.
-    assert failing_cases([_framework_row("differs", "matches")], "differs") == {}
-    assert failing_cases([_framework_row("matches", "differs")], "differs") == {
+    assert failing([_framework_row("differs", "matches")], "differs") == {}
+    assert failing([_framework_row("matches", "differs")], "differs") == {
         "lm transformers default N=2 k=4": "the step grad differs"}
-    assert failing_cases([_framework_row("", "", status="error")], "error") == {
+    assert failing([_framework_row("", "", status="error")], "error") == {
         "lm transformers default N=2 k=4": "the step: boom"}
 
 

@@ -96,10 +96,10 @@ def test_every_column_of_a_study_is_in_its_table_with_its_unit(name):
 def test_the_common_and_check_columns_are_documented():
     common = {m["name"] for m in ROW.finditer(part(RESULTS_DOC, "columns:common"))}
     assert common == {c.name for c in (*LEADING_COLUMNS, *TRAILING_COLUMNS)}
-    from harness.check.schema import COLUMN_NAMES
+    from harness.grad_check.schema import COLUMN_NAMES
     check = [m["name"] for m in ROW.finditer(part(RESULTS_DOC, "columns:check"))]
     assert check == list(COLUMN_NAMES)
-    from harness.check.script.schema import COLUMN_NAMES as SCRIPT_COLUMN_NAMES
+    from harness.grad_check.script.schema import COLUMN_NAMES as SCRIPT_COLUMN_NAMES
     script = [m["name"] for m in ROW.finditer(part(RESULTS_DOC, "columns:script"))]
     assert script == list(SCRIPT_COLUMN_NAMES)
 

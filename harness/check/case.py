@@ -31,8 +31,7 @@ from harness.check.reference import (
 )
 from harness.check.setup import MicroStep, Setup
 from harness.check.step import WholeStep, not_finite
-from harness.launch import Placement
-from harness.strategies import STRATEGIES
+from harness.placement import Placement
 
 
 def default_micro_step(setup: Setup):
@@ -223,11 +222,3 @@ class CaseModel(ABC):
                               self.reference_part(ref.after[name], name, first_row),
                               origin=self.reference_part(ref.before[name], name, first_row)))
         return pairs
-
-
-def case_model(strategy: str) -> type[CaseModel]:
-    """The class that runs a user's step under ``strategy``: the one its spec names."""
-    make = STRATEGIES[strategy].check_case
-    if make is None:
-        raise ValueError(f"strategy {strategy!r} has no check case")
-    return make()

@@ -36,12 +36,11 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.precision import lowest
-from harness.check.precision import name as dtype_name
 from harness.check.setup import Setup
 from harness.check.spread import Spread, sum_gradients
 from harness.check.step import WholeStep
 from harness.errors import UsageError
-from harness.tolerances import check_tolerance, close
+from harness.tolerances import check_tolerance, close, dtype_name
 
 #: Seeds of the reference's forwards and of the forward that looks for randomness the
 #: module scan cannot see (e.g. ``F.dropout`` called inside ``forward``).

@@ -15,6 +15,7 @@ import torch
 
 from harness.check.compare import Comparison
 from harness.check.setup import Setup
+from harness.tolerances import check_tolerance, dtype_name
 from harness.verdicts import Equivalence
 
 
@@ -32,8 +33,13 @@ def case_precision(run_dtype: torch.dtype, setup: Setup,
     return lowest(found)
 
 
-def name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def tolerance(dtype: torch.dtype) -> float:
+    """The check's tolerance of ``dtype``; a type it has none for (float8, say) is judged
+    at the coarsest it has."""
+    try:
+        return check_tolerance(dtype)
+    except ValueError:
+        return check_tolerance(torch.bfloat16)
 
 
 def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
@@ -51,20 +57,10 @@ def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
             f"{cause}")
 
 
-def full_precision_decides(status: str, twin_verdict: Equivalence | str | None) -> bool:
-    """A case run under ``Setup.autocast`` (its row's ``status``) and its twin run without
-    autocast at the run's precision: the twin's verdict stands where the twin differs from
-    the big batch, since the autocast precision's tolerance (ten times bfloat16's rounding)
-    would hide a split a few per cent off; the autocast run's stands elsewhere (its
-    rounding within its tolerance, or what only autocast does)."""
-    return (status == "ok" and twin_verdict is not None
-            and str(twin_verdict) not in ("", str(Equivalence.MATCHES)))
-
-
 def unresolved_below(dtype: torch.dtype, rtol: float) -> str:
     """What a ``matches`` at a precision coarser than float32 leaves open, where no twin
     without autocast was run (``grad-check run``: the script is the user's)."""
     if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
         return ""
-    return (f"in {name(dtype)} a split off by less than {rtol:.2g} matches too: run once in "
-            "float32 to resolve it")
+    return (f"in {dtype_name(dtype)} a split off by less than {rtol:.2g} matches too: run once "
+            "in float32 to resolve it")

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.verdicts import Equivalence, Status
+
 Row = dict[str, Any]
 
 
@@ -40,14 +42,15 @@ def aligned(lines: Sequence[Sequence[str]]) -> list[str]:
 
 
 def verdict_cell(row: Row) -> str:
-    if row["status"] == "ok":
-        return str(row["verdict"])
-    return "error" if row["status"] == "error" else str(row["status"])
+    """The verdict, or where the row was not judged, its status (``error``, ``skipped: why``,
+    ``different samples``)."""
+    return str(row["verdict"]) if row["status"] == Status.OK else str(row["status"])
 
 
 def worst_cell(row: Row) -> str:
     # Only where no scale explains the measurement do the worst tensors say something.
-    return str(row["worst_tensors"]).replace(";", " ") if row["verdict"] == "differs" else ""
+    return (str(row["worst_tensors"]).replace(";", " ")
+            if row["verdict"] == Equivalence.DIFFERS else "")
 
 
 def fix_cell(row: Row) -> str:
@@ -65,12 +68,9 @@ N_AND_K = (Cell("N", lambda row: str(row["world_size"])),
            Cell("k", lambda row: str(row["accum_steps"])))
 STEP = Cell("step", lambda row: str(row["step"]))
 POINT = Cell("point", lambda row: str(row["point"]))
-#: The Setup matrix's table (check.csv's rows).
-MATRIX_CELLS = (Cell("strategy", lambda row: str(row["strategy"])), *N_AND_K, STEP, POINT,
-                *VERDICT_CELLS, Cell("worst tensors", worst_cell), Cell("fix", fix_cell))
 
 
-def render(rows: Sequence[Row], steps: int = 1, cells: Sequence[Cell] = MATRIX_CELLS) -> str:
+def render(rows: Sequence[Row], steps: int, cells: Sequence[Cell]) -> str:
     """Aligned columns; the step column only when the setup has several steps."""
     shown = [cell for cell in cells if cell is not STEP or steps > 1]
     lines = [[cell.header for cell in shown], *([cell.of(row) for cell in shown]

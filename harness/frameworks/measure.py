@@ -30,28 +30,38 @@ import torch
 import torch.distributed as dist
 
 from harness.check import batches
-from harness.check.compare import Comparison, Pair, compare, worst_tensors
+from harness.check.compare import Comparison, Pair, compare
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
+from harness.check.judge import (
+    Cause,
+    Compared,
+    Judged,
+    at_full_precision,
+    judge_step,
+    judged_row,
+)
 from harness.check.load import prepared_model
-from harness.check.precision import case_precision, full_precision_decides
-from harness.check.precision import name as dtype_name
+from harness.check.precision import case_precision, tolerance
 from harness.check.reference import ReferenceStep, compute_reference, state_names
 from harness.check.setup import Setup
 from harness.check.step import run_dtype
+from harness.columns import POINTS
 from harness.errors import first_sentence
 from harness.fit import relative_error
 from harness.frameworks.capture import CapturedStep, StepCapture, watching_losses
-from harness.frameworks.columns import POINTS
+from harness.frameworks.columns import COLUMNS
 from harness.frameworks.fixes import framework_fix
 from harness.frameworks.registry import Applied, Framework, Job, Setting
 from harness.strategies.common import relative_spread
-from harness.tolerances import check_tolerance
+from harness.tolerances import dtype_name
+from harness.verdicts import Status
 
 #: Loggers that announce devices, plugins and hints on every training run.
 CHATTY_LOGGERS = ("accelerate", "transformers", "DeepSpeed", "deepspeed", "torch.distributed",
                   "torch.nn.parallel.distributed")
-NUMBERS = ("scale", "residual", "relative_error", "rank_spread", "recipe_scale",
-           "recipe_residual")
+#: A framework's own cells of a row with nothing measured (a setting it refused).
+UNMEASURED = {"relative_error": math.nan, "rank_spread": math.nan, "recipe_verdict": "",
+              "recipe_scale": math.nan, "recipe_residual": math.nan}
 #: The references run on the CPU of rank 0, whatever the frameworks trained on.
 CPU = torch.device("cpu")
 
@@ -127,32 +137,19 @@ def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: i
     others None. A framework that raises gives one ``error`` row with its exception.
 
     Under ``Setup.autocast`` the framework trains the setup again without it, and rows are
-    judged as the check judges them (:func:`at_full_precision`)."""
-    rows = measured_once(framework, setting, setup, accum_steps, dtype)
-    if setup.autocast is None:
-        return rows
-    twin = measured_once(framework, setting, replace(setup, autocast=None), accum_steps, dtype)
-    return at_full_precision(rows, twin) if rows is not None else None
-
-
-def at_full_precision(low: list[dict[str, Any]], full: list[dict[str, Any]]
-                      ) -> list[dict[str, Any]]:
-    """The framework's rows under autocast, each replaced by its twin's without autocast
-    where :func:`~harness.check.precision.full_precision_decides` says so; every row keeps
-    the autocast run's residual."""
-    twins = {(row["step"], row["point"]): row for row in full}
-    judged = []
-    for row in low:
-        twin = twins.get((row["step"], row["point"]))
-        decided = (twin if twin is not None and twin["status"] == "ok"
-                   and full_precision_decides(row["status"], twin["verdict"]) else row)
-        judged.append({**decided, "autocast_residual": row["residual"]})
-    return judged
+    judged as the check judges them (:func:`~harness.check.judge.at_full_precision`)."""
+    judged = measured_once(framework, setting, setup, accum_steps, dtype)
+    if setup.autocast is not None:
+        twin = measured_once(framework, setting, replace(setup, autocast=None), accum_steps,
+                             dtype)
+        judged = at_full_precision(judged, twin) if judged is not None else None
+    return None if judged is None else [judged_row(COLUMNS, row) for row in judged]
 
 
 def measured_once(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
-                  dtype: torch.dtype) -> list[dict[str, Any]] | None:
-    """:func:`measure`'s rows of one training, as the setup says (autocast or not)."""
+                  dtype: torch.dtype) -> list[Judged] | None:
+    """:func:`measure`'s judgements of one training, as the setup says (autocast or not);
+    each carries its training's own cells (what was passed, what it took)."""
     job = Job(setup, setting, accum_steps, training_dtype(framework, setup, dtype),
               StepCapture(), world_size=dist.get_world_size())
     applied, error = Applied(""), ""
@@ -172,11 +169,9 @@ def measured_once(framework: Framework, setting: Setting, setup: Setup, accum_st
     failure = next((e for _, _, e in everyone if e), "") or _step_count_error(
         captures, setup.steps, accum_steps)
     if failure:
-        return [{**identity, **dict.fromkeys(NUMBERS, math.nan), "step": 0, "point": "",
-                 "autocast_residual": math.nan,
-                 "precision": "", "verdict": "", "recipe_verdict": "", "worst_tensors": "",
-                 "fix": "", "error": failure, "status": "error"}]
-    return FrameworkJudge(framework, job, applied, captures).rows(identity)
+        return [Judged(0, "", status=Status.ERROR, error=failure,
+                       own={**identity, **UNMEASURED})]
+    return FrameworkJudge(framework, job, applied, captures).judged(identity)
 
 
 def _identity(framework: Framework, setting: Setting, job: Job, applied: Applied,
@@ -223,7 +218,7 @@ class FrameworkJudge:
         setup = job.setup
         self.dtype = run_dtype(setup, torch.float64)
         used = (job.samples,) * setup.steps
-        rtol = check_tolerance(self.dtype)
+        rtol = tolerance(self.dtype)
         self.plain = compute_reference(setup, self.dtype, CPU, used, rtol, setup.name)
         self.recipe = (compute_reference(
             replace(setup, before_step=clipping_before(applied.clip, setup.before_step)),
@@ -242,46 +237,47 @@ class FrameworkJudge:
                       if p.requires_grad}
         self.batchnorm = batchnorm_tensors(model)
 
-    def rows(self, identity: dict[str, Any]) -> list[dict[str, Any]]:
-        rows, gradient_scale = [], None
+    def judged(self, identity: dict[str, Any]) -> list[Judged]:
+        """Every step's rows, judged by the engine; the framework's own causes first."""
+        facts = Facts(world_size=self.job.world_size, accum_steps=self.job.accum_steps,
+                      reduces_in_buckets=self.framework.reduces_in_buckets,
+                      find_unused=self.framework.find_unused, batchnorm=self.batchnorm,
+                      unused=self.plain[0].unused, loss_combination=self.loss_combination)
+        judged: list[Judged] = []
         for step in range(self.job.setup.steps):
             precision = case_precision(self.job.dtype, self.job.setup,
                                        [self.plain[step].loss_dtype,
                                         *self.captures[0].loss_dtypes])
-            rtol = check_tolerance(precision)
-            for point in POINTS:
-                row, scale = self._row(step, point, rtol, gradient_scale)
-                rows.append({**identity, "step": step, "precision": dtype_name(precision),
-                             "autocast_residual": math.nan, **row})
-                if step == 0 and point == "grad" and scale is not None:
-                    gradient_scale = scale
-        return rows
+            rtol = tolerance(precision)
+            recipes = {point: self._compare(step, point, self.recipe[step], rtol)
+                       for point in POINTS}
+            compared = [self._compared(step, point, rtol, recipes[point], identity)
+                        for point in POINTS]
+            judged += judge_step(step, compared, precision, facts,
+                                 cause=self._cause(step, recipes))
+        return judged
 
-    def _row(self, step: int, point: str, rtol: float,
-             gradient_scale: float | None) -> tuple[dict[str, Any], float | None]:
-        """One row's numbers and fix; and the scale of a scaled step-0 gradient."""
+    def _compared(self, step: int, point: str, rtol: float, recipe: Comparison,
+                  identity: dict[str, Any]) -> Compared:
+        """One point against the plain big batch; the recipe's comparison, the ranks'
+        spread and the framework's own cells beside it."""
         plain = self._compare(step, point, self.plain[step], rtol)
-        recipe = self._compare(step, point, self.recipe[step], rtol)
         measured = [self._flat(c.steps[step], point, self.plain[step]) for c in self.captures]
         expected = self._flat_reference(point, self.plain[step])
         spread = relative_spread(measured[0], measured)
-        facts = Facts(world_size=self.job.world_size, accum_steps=self.job.accum_steps,
-                      reduces_in_buckets=self.framework.reduces_in_buckets,
-                      find_unused=self.framework.find_unused,
-                      batchnorm=self.batchnorm, unused=self.plain[0].unused, rtol=rtol,
-                      ranks_agree=spread <= rtol, gradient_scale=gradient_scale,
-                      loss_combination=self.loss_combination)
-        fix = framework_fix(point, plain, recipe, facts, self.framework, self.applied,
-                            self._learning_rates(step), self.job)
-        row = {"point": point, "verdict": str(plain.verdict), "scale": plain.scale,
-               "residual": plain.residual,
-               "relative_error": relative_error(measured[0], expected),
-               "rank_spread": spread,
-               "worst_tensors": worst_tensors(plain.errors.items(), rtol),
-               "recipe_verdict": str(recipe.verdict), "recipe_scale": recipe.scale,
-               "recipe_residual": recipe.residual, "fix": fix, "error": "", "status": "ok"}
-        scaled = str(plain.verdict) == "scaled" and point == "grad"
-        return row, plain.scale if scaled else None
+        own = {**identity, "relative_error": relative_error(measured[0], expected),
+               "rank_spread": spread, "recipe_verdict": str(recipe.verdict),
+               "recipe_scale": recipe.scale, "recipe_residual": recipe.residual}
+        return Compared(point, plain, ranks_agree=spread <= rtol, own=own)
+
+    def _cause(self, step: int, recipes: dict[str, Comparison]) -> Cause:
+        """The fix a row's two comparisons point to (harness/frameworks/fixes.py)."""
+        def cause(measured: Compared, facts: Facts, _judged) -> str:
+            return framework_fix(measured.point, measured.comparison, recipes[measured.point],
+                                 facts, self.framework, self.applied,
+                                 self._learning_rates(step), self.job)
+
+        return cause
 
     def _learning_rates(self, step: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The learning rates the framework's optimizer used and the big batch's."""

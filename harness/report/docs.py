@@ -59,12 +59,12 @@ def schema_parts() -> dict[str, DocPart]:
 
 
 def _check_columns() -> tuple[Column, ...]:
-    from harness.check.schema import COLUMNS
+    from harness.grad_check.schema import COLUMNS
     return COLUMNS
 
 
 def _script_columns() -> tuple[Column, ...]:
-    from harness.check.script.schema import COLUMNS
+    from harness.grad_check.script.schema import COLUMNS
     return COLUMNS
 
 

@@ -15,20 +15,31 @@ the report asks them too.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
     from torch import nn
 
-    from harness.context import RunContext
+    from harness.placement import Placement
     from harness.strategies.common import StepMeasurement, StepSpec, Trainer
 
 
-def _available(world_size: int, run: RunContext) -> str | None:
+class Run(Protocol):
+    """What a strategy needs of the run it measures in (a study's ``Run`` has it):
+    the subgroup a case of world size N runs on, the device, the backend's placement."""
+
+    device: torch.device
+    placement: Placement
+
+    def group(self, world_size: int) -> dist.ProcessGroup: ...
+
+
+def _available(world_size: int, run: Run) -> str | None:
     return None
 
 
@@ -61,11 +72,11 @@ class Strategy:
     sharded: bool = False
     #: Why the strategy cannot run at world size k here (a row's status), or None.
     #: The same answer on every rank, so that all skip a collective case together.
-    unavailable: Callable[[int, RunContext], str | None] = _available
+    unavailable: Callable[[int, Run], str | None] = _available
     #: One measured step of a StepSpec over k devices (None: the strategy has none).
-    measure: Callable[[StepSpec, int, RunContext], StepMeasurement | None] | None = None
+    measure: Callable[[StepSpec, int, Run], StepMeasurement | None] | None = None
     #: A model under the strategy over k devices, fed one micro-step at a time.
-    trainer: Callable[[nn.Module, int, RunContext], Trainer] | None = None
+    trainer: Callable[[nn.Module, int, Run], Trainer] | None = None
     #: grad-check: the :class:`harness.check.case.CaseModel` that runs a user's step under
     #: this strategy, from the strategy's own module (None: the check does not offer it),
     #: and one line for its --help.
@@ -87,9 +98,31 @@ class Strategy:
         return self.syncs[-1] if accum_steps > 1 else self.syncs[0]
 
 
-def _module(name: str) -> ModuleType:
-    """A strategy's module, imported on first use: it imports torch."""
-    return importlib.import_module(f"harness.strategies.{name}")
+# Each strategy's module imports torch: imported on first use, so that the specs answer
+# the report and --help without it.
+def _local() -> ModuleType:
+    from harness.strategies import local
+    return local
+
+
+def _ddp() -> ModuleType:
+    from harness.strategies import ddp
+    return ddp
+
+
+def _fsdp() -> ModuleType:
+    from harness.strategies import fsdp
+    return fsdp
+
+
+def _dp() -> ModuleType:
+    from harness.strategies import dp
+    return dp
+
+
+def _dp_emulated() -> ModuleType:
+    from harness.strategies import dp_emulated
+    return dp_emulated
 
 
 def _gloo_or_collective_ms(world_size: int) -> float:
@@ -102,56 +135,56 @@ def _one_process_ms(world_size: int) -> float:
     return 1.0 + 0.75 * world_size
 
 
-def _on_a_subgroup(name: str) -> dict[str, Any]:
-    """The spec's fields of a strategy whose case of world size N runs collectively on the
-    subgroup of ranks 0..N-1, read from its module's ``measure_step``, ``Trainer`` and
-    ``CheckCase``: a case's step, a trainer and a user's step, each on that subgroup."""
-    return {"collective": True, "step_ms": _gloo_or_collective_ms,
-            "syncs": ("every-micro-step", "no_sync"),
-            "measure": lambda spec, n, run: _module(name).measure_step(spec, run.group(n),
-                                                                       run.device),
-            "trainer": lambda module, n, run: _module(name).Trainer(module, run.group(n),
-                                                                    run.device),
-            "check_case": lambda: _module(name).CheckCase}
+#: The fields shared by the strategies whose case of world size N runs collectively on the
+#: subgroup of ranks 0..N-1.
+ON_A_SUBGROUP: dict[str, Any] = {"collective": True, "step_ms": _gloo_or_collective_ms,
+                                 "syncs": ("every-micro-step", "no_sync")}
 
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("local", "one process (local)",
              "one process, no reduction: the single-device reference",
              collective=False, step_ms=_one_process_ms, syncs=("none",), reference=True,
-             trainer=lambda module, k, run: _module("local").LocalTrainer(module, run.device),
-             check_case=lambda: _module("local").LocalCheckCase,
+             trainer=lambda module, k, run: _local().LocalTrainer(module, run.device),
+             check_case=lambda: _local().LocalCheckCase,
              check_description="one process playing every rank in turn (N x k pieces, each "
                                "rank's gradient averaged over the N as DDP does): "
                                "accumulation without communication"),
     Strategy("ddp", "DDP",
              "torch.nn.parallel.DistributedDataParallel over a process subgroup",
-             **_on_a_subgroup("ddp"),
+             **ON_A_SUBGROUP,
+             measure=lambda spec, n, run: _ddp().measure_step(spec, run.group(n), run.device),
+             trainer=lambda module, n, run: _ddp().DDPTrainer(module, run.group(n), run.device),
+             check_case=lambda: _ddp().DDPCheckCase,
              check_description="DistributedDataParallel on ranks 0..N-1, no_sync for the "
                                "first k-1 micro-steps"),
     Strategy("fsdp", "FSDP",
              "FSDP2 (torch.distributed.fsdp.fully_shard) over a process subgroup",
-             **_on_a_subgroup("fsdp"), sharded=True,
-             unavailable=lambda n, run: _module("fsdp").unavailable_reason(run.placement),
+             **ON_A_SUBGROUP, sharded=True,
+             measure=lambda spec, n, run: _fsdp().measure_step(spec, run.group(n), run.device),
+             trainer=lambda module, n, run: _fsdp().FSDPTrainer(module, run.group(n),
+                                                                run.device),
+             check_case=lambda: _fsdp().FSDPCheckCase,
+             unavailable=lambda n, run: _fsdp().unavailable_reason(run.placement),
              check_description="FSDP2 fully_shard on ranks 0..N-1; each rank compares its "
                                "own shard"),
     Strategy("dp-emulated", "DataParallel (CPU emulation)",
              "CPU emulation of DataParallel's scatter/replicate/gather dataflow",
              collective=False, step_ms=_one_process_ms, emulates="dp",
-             measure=lambda spec, k, run: _module("dp_emulated").measure_step(spec, k,
+             measure=lambda spec, k, run: _dp_emulated().measure_step(spec, k,
                                                                               run.device),
-             trainer=lambda module, k, run: _module("dp_emulated").EmulatedDPTrainer(
+             trainer=lambda module, k, run: _dp_emulated().EmulatedDPTrainer(
                  module, k, run.device)),
     Strategy("dp", "DataParallel",
              "torch.nn.DataParallel over CUDA devices (rows say 'skipped' without them)",
              collective=False, step_ms=_one_process_ms, row_device="cuda",
-             unavailable=lambda k, run: _module("dp").unavailable_reason(k),
-             measure=lambda spec, k, run: _module("dp").measure_step(spec, k),
-             trainer=lambda module, k, run: _module("dp").DPTrainer(module, k)),
+             unavailable=lambda k, run: _dp().unavailable_reason(k),
+             measure=lambda spec, k, run: _dp().measure_step(spec, k),
+             trainer=lambda module, k, run: _dp().DPTrainer(module, k)),
 )}
 
 
-def measure_step(strategy: str, spec: StepSpec, world_size: int, run: RunContext
+def measure_step(strategy: str, spec: StepSpec, world_size: int, run: Run
                  ) -> StepMeasurement | None:
     """One measured step of ``spec`` under ``strategy`` over ``world_size`` devices.
 
@@ -167,7 +200,7 @@ def row_device(strategy: str) -> str | None:
     return STRATEGIES[strategy].row_device
 
 
-def unavailable_reason(strategy: str, world_size: int, run: RunContext) -> str | None:
+def unavailable_reason(strategy: str, world_size: int, run: Run) -> str | None:
     return STRATEGIES[strategy].unavailable(world_size, run)
 
 

@@ -161,7 +161,3 @@ class DDPCheckCase(CaseModel):
         params = [param for _, param in self.inner.named_parameters()]
         tensors = [param.grad for param in params] if point == "grad" else params
         return same_on_every_rank([sampled_fingerprint(tensors)], self.group, self.device)
-
-
-#: What the strategy's spec asks of this module (harness/strategies/__init__.py).
-Trainer, CheckCase = DDPTrainer, DDPCheckCase

@@ -140,7 +140,3 @@ class FSDPCheckCase(CaseModel):
             return reference
         first, stop = shard_rows(self.rows[name], self.world_size, self.rank)
         return reference[first - first_row:stop - first_row]
-
-
-#: What the strategy's spec asks of this module (harness/strategies/__init__.py).
-Trainer, CheckCase = FSDPTrainer, FSDPCheckCase

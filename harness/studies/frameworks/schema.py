@@ -7,9 +7,8 @@ trained and on which data.
 
 from __future__ import annotations
 
-from harness.columns import Column
+from harness.columns import POINTS, Column
 from harness.frameworks.columns import COLUMNS as FRAMEWORK_COLUMNS
-from harness.frameworks.columns import POINTS
 
 __all__ = ["COLUMNS", "POINTS"]
 
@@ -24,5 +23,7 @@ _STUDY_COLUMNS = (
            "sequence full length (every micro-batch holds as many tokens); `token`, padded "
            "sequences of random lengths (micro-batches hold different numbers)"),
 )
-_AFTER = FRAMEWORK_COLUMNS.index(next(c for c in FRAMEWORK_COLUMNS if c.name == "code")) + 1
-COLUMNS = (*FRAMEWORK_COLUMNS[:_AFTER], *_STUDY_COLUMNS, *FRAMEWORK_COLUMNS[_AFTER:])
+#: A framework's row, its status in the column every study's CSV ends with.
+_ROW = tuple(column for column in FRAMEWORK_COLUMNS if column.name != "status")
+_AFTER = next(i for i, column in enumerate(_ROW) if column.name == "code") + 1
+COLUMNS = (*_ROW[:_AFTER], *_STUDY_COLUMNS, *_ROW[_AFTER:])

@@ -17,9 +17,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from harness.check.judge import Judged, judged_row
 from harness.context import RunContext
 from harness.frameworks import FRAMEWORKS
-from harness.frameworks.measure import NUMBERS, measure
+from harness.frameworks.columns import COLUMNS as FRAMEWORK_COLUMNS
+from harness.frameworks.measure import UNMEASURED, measure
 from harness.frameworks.registry import DEFAULT, INSTALL_HINT, Framework, Setting
 from harness.studies.base import Case, Study
 from harness.studies.frameworks.schema import COLUMNS
@@ -119,11 +121,12 @@ class FrameworksStudy(Study):
 
 
 def _unmeasured_row(framework: Framework, status: str) -> dict[str, Any]:
-    return {"framework": framework.name, "framework_version": framework.version(),
-            "setting": "", "code": "", "setup": "", "setup_code": "", "loss": "",
-            "world_size": WORLD_SIZE, "accum_steps": math.nan, "step": math.nan,
-            "model_dtype": "", "precision": "", "recipe": "", "point": "", "verdict": "",
-            "recipe_verdict": "", **dict.fromkeys(NUMBERS, math.nan),
-            "autocast_residual": math.nan, "worst_tensors": "",
-            "fix": "", "optimizer_steps": math.nan, "tokens_per_rank": "", "error": "",
-            "status": status}
+    """The row of a framework the run could not train (missing, or a launch of another
+    size): nothing judged, its status says why."""
+    unmeasured = Judged(math.nan, "", status=status,
+                        own={**UNMEASURED, "setting": "", "code": "", "model_dtype": "",
+                             "recipe": "", "optimizer_steps": math.nan, "tokens_per_rank": ""})
+    return {**judged_row(FRAMEWORK_COLUMNS, unmeasured, framework=framework.name,
+                         framework_version=framework.version(), world_size=WORLD_SIZE,
+                         accum_steps=math.nan),
+            "setup": "", "setup_code": "", "loss": ""}

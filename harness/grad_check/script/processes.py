@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from harness.check.script import capture
-from harness.check.script.splits import Split
 from harness.errors import USAGE_EXIT, error_file
+from harness.grad_check.script import capture
+from harness.grad_check.script.splits import Split
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S, describe_exit, error_line
 
@@ -101,7 +101,7 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Launch:
+class CommandLauncher:
     """How every run of one ``grad-check run`` is started."""
 
     steps: int

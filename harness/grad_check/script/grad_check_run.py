@@ -17,9 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code
-from harness.check.script.config import CSV_NAME, DEFAULT_STEPS, ScriptConfig
-from harness.check.script.schema import COLUMN_NAMES
-from harness.check.script.splits import PLACEHOLDERS, parse_split, parse_splits
 from harness.check.table import (
     N_AND_K,
     POINT,
@@ -32,6 +29,9 @@ from harness.check.table import (
 from harness.check.table import render as table_render
 from harness.config import add_timeout_flag
 from harness.errors import INTERRUPTED_EXIT, UsageError, refuse
+from harness.grad_check.script.config import CSV_NAME, DEFAULT_STEPS, ScriptConfig
+from harness.grad_check.script.schema import COLUMN_NAMES, case_label
+from harness.grad_check.script.splits import PLACEHOLDERS, parse_split, parse_splits
 from harness.options import CommandParser, check_out_folder, parse_float, parse_int
 
 PROG = "check.py run"
@@ -125,7 +125,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
 
 
 def main(argv: Sequence[str] | None = None, starter=None) -> int:
-    """``check.py run ...``; ``starter``: how a rank is started (harness/check/script/
+    """``check.py run ...``; ``starter``: how a rank is started (harness/grad_check/script/
     launch.py; a test's may fork instead of starting an interpreter)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -137,14 +137,14 @@ def main(argv: Sequence[str] | None = None, starter=None) -> int:
 
 
 def run(config: ScriptConfig, starter=None) -> int:
-    from harness.check.script.launch import Launch, start_subprocess
-    from harness.check.script.matrix import ReferenceFailed, ScriptCheck
     from harness.failure import STOPPED_EXIT
+    from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
+    from harness.grad_check.script.processes import CommandLauncher, start_subprocess
     from harness.launcher import Stopped, stopped_by_sigterm
     from harness.results import write_csv_atomic
 
-    launch = Launch(steps=config.steps, keep_going=config.keep_going, timeout=config.timeout,
-                    starter=starter or start_subprocess)
+    launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
+                             timeout=config.timeout, starter=starter or start_subprocess)
     say = (lambda line: None) if config.quiet else (
         lambda line: print(f"{PROG}: {line}", flush=True))
     try:
@@ -166,7 +166,7 @@ def run(config: ScriptConfig, starter=None) -> int:
     if not config.quiet:
         print(render(rows), flush=True)
         print(f"{PROG}: {len(rows)} rows -> {path}", flush=True)
-    return exit_code(rows, config.fail_on, PROG)
+    return exit_code(rows, config.fail_on, PROG, case_label)
 
 
 #: The console table: which split, then the check's own columns.

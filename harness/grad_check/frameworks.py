@@ -27,16 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.check import batches
-from harness.check.grad_check import notices
 from harness.check.load import validated_setups
 from harness.check.outcome import exit_code, rows_of
 from harness.check.setup import Setup
 from harness.check.table import N_AND_K, POINT, STEP, VERDICT_CELLS, Cell, fix_cell, render
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
-from harness.frameworks.columns import NAMES
+from harness.frameworks.columns import NAMES, case_label, judged_verdict
 from harness.frameworks.registry import DEFAULT, Framework, Setting
-from harness.launch import Launch, under_torchrun
+from harness.grad_check.cli import notices
 from harness.options import (
     check_out_folder,
     parse_float,
@@ -44,10 +43,11 @@ from harness.options import (
     parse_name_list,
     parse_nproc,
 )
+from harness.placement import Launch, under_torchrun
 
 CSV_NAME = "frameworks.csv"
-#: frameworks.csv: the setup's name, a framework's row, and its status.
-COLUMN_NAMES = ("setup", *NAMES, "status")
+#: frameworks.csv: the setup's name, then a framework's row.
+COLUMN_NAMES = ("setup", *NAMES)
 #: The console table: which framework and setting, then the check's verdict columns.
 CELLS = (Cell("framework", lambda row: f"{row['framework']} {row['framework_version']}"),
          Cell("setting", lambda row: str(row["setting"])), *N_AND_K, STEP, POINT,
@@ -150,11 +150,12 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
         if args.nproc is not None:
             from harness.launcher import launch_ranks
 
-            code = launch_ranks(world_size, list(argv), prog, module="harness.check",
+            code = launch_ranks(world_size, list(argv), prog, module="harness.grad_check",
                                 name_rank_of_bad_input=False, timeout=timeout,
                                 cwd=started_in)
             # The launcher judges the rows the ranks wrote, as grad-check's own does.
-            return code or exit_code(rows_of(out / CSV_NAME), args.fail_on, prog)
+            return code or exit_code(rows_of(out / CSV_NAME), args.fail_on, prog,
+                                     case_label, judged_verdict)
     except UsageError as error:
         return refuse(error, 0 if leader else 1, prog)
     return _run(FrameworksRun(setups, chosen, accum_steps, out, args.dtype, timeout,
@@ -189,7 +190,7 @@ def _run(run: FrameworksRun, prog: str) -> int:
         print(f"{prog}: {len(rows)} rows -> {run.out / CSV_NAME}")
     if launched_by_harness():  # the launcher judges the CSV
         return 0
-    return exit_code(rows, run.fail_on, prog)
+    return exit_code(rows, run.fail_on, prog, case_label, judged_verdict)
 
 
 def _measured_rows(run: FrameworksRun) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.check.load import validated_setups
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
 from harness.check.setup import Setup
@@ -27,13 +26,8 @@ from harness.errors import (
     record_error,
     refuse,
 )
-from harness.launch import (
-    Launch,
-    Placement,
-    choose_placement,
-    leader_from_environment,
-    under_torchrun,
-)
+from harness.grad_check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
+from harness.grad_check.schema import case_label
 from harness.options import (
     CommandParser,
     check_out_folder,
@@ -41,6 +35,13 @@ from harness.options import (
     parse_int_list,
     parse_name_list,
     parse_nproc,
+)
+from harness.placement import (
+    Launch,
+    Placement,
+    choose_placement,
+    leader_from_environment,
+    under_torchrun,
 )
 
 PROG = "check.py"
@@ -143,14 +144,14 @@ def _launch_from_environment() -> Launch:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # grad-check run -- COMMAND: a script of the user's own
-        from harness.check.script.grad_check_run import main as run_main
+        from harness.grad_check.script.grad_check_run import main as run_main
 
         return run_main(argv[1:])
     leader = leader_from_environment()
     try:
         args = build_parser().parse_args(argv)
         if args.frameworks:
-            from harness.check.frameworks import main as frameworks_main
+            from harness.grad_check.frameworks import main as frameworks_main
 
             return frameworks_main(args, argv, leader, PROG)
         config = config_from_args(args)
@@ -190,19 +191,19 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
 
     if not config.quiet:
         print(f"{PROG}: starting {nproc} rank(s)", flush=True)
-    code = launch_ranks(nproc, argv, PROG, module="harness.check",
+    code = launch_ranks(nproc, argv, PROG, module="harness.grad_check",
                         name_rank_of_bad_input=False, timeout=config.timeout,
                         cwd=started_in)
     if code != 0:
         return code
-    return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG)
+    return exit_code(rows_of(config.out / CSV_NAME), config.fail_on, PROG, case_label)
 
 
 def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
          placement: Placement, world_sizes: tuple[int, ...]) -> int:
     import torch.distributed as dist
 
-    from harness.check.matrix import CheckRun
+    from harness.grad_check.matrix import CheckRun
 
     run = CheckRun(config, setups, launch, placement, world_sizes)
     if launch.is_leader and not config.quiet:
@@ -227,11 +228,13 @@ def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
         raise
     if launch.is_leader and not config.quiet:
         from harness.check.table import render
+        from harness.grad_check.schema import CELLS
 
         for _, setup in setups:
             print(f"\n{setup.name}:\n" + render([row for row in run.rows
-                                                   if row["setup"] == setup.name], setup.steps))
+                                                   if row["setup"] == setup.name], setup.steps,
+                                                  CELLS))
         print(f"{PROG}: {len(run.rows)} rows -> {config.out / CSV_NAME}", flush=True)
     if launch.is_leader and not launched_by_harness():  # else the launcher judges the CSV
-        return exit_code(run.rows, config.fail_on, PROG)
+        return exit_code(run.rows, config.fail_on, PROG, case_label)
     return 0

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.check.script.config import ScriptConfig
-from harness.check.script.judge import SplitJudge, check_deterministic
-from harness.check.script.launch import Launch
-from harness.check.script.records import Captured
-from harness.check.script.splits import Split
 from harness.errors import UsageError
+from harness.grad_check.script.config import ScriptConfig
+from harness.grad_check.script.judge import SplitJudge, check_deterministic
+from harness.grad_check.script.processes import CommandLauncher
+from harness.grad_check.script.records import Captured
+from harness.grad_check.script.splits import Split
 
 
 class ReferenceFailed(Exception):
@@ -28,7 +28,7 @@ class ReferenceFailed(Exception):
 
 
 class ScriptCheck:
-    def __init__(self, config: ScriptConfig, launch: Launch,
+    def __init__(self, config: ScriptConfig, launch: CommandLauncher,
                  say: Callable[[str], None] = lambda _: None) -> None:
         self.config, self.launch, self.say = config, launch, say
 

@@ -14,23 +14,23 @@ from __future__ import annotations
 import collections
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.check.compare import Comparison, Pair, compare, compare_each, worst_tensors
-from harness.check.fix import Facts, named_value, suggest
-from harness.check.precision import lowest, unresolved_below
-from harness.check.precision import name as dtype_name
-from harness.check.script.records import Captured
-from harness.check.script.schema import DIFFERENT_SAMPLES
+from harness.check.compare import Comparison, Pair, compare, compare_each
+from harness.check.fix import Facts, named_value
+from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
+from harness.check.precision import lowest, tolerance
+from harness.columns import POINTS
 from harness.errors import UsageError
-from harness.tolerances import check_tolerance
-from harness.verdicts import Equivalence
+from harness.grad_check.script.records import Captured
+from harness.grad_check.script.schema import COLUMNS
+from harness.tolerances import dtype_name
+from harness.verdicts import Equivalence, Status
 
-POINTS = ("grad", "params")
-WHAT = {"grad": "gradient", "params": "update"}
 CPU = torch.device("cpu")
 #: Names shown where a list is named in a line.
 SHOWN = 3
@@ -48,15 +48,6 @@ def precision(*runs: Captured) -> torch.dtype:
     """The lowest floating type any of the runs used (parameters, gradients, losses,
     autocast)."""
     return lowest(dtype for run in runs for dtype in run.dtypes)
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The check's tolerance of ``dtype``; a type it has none for (float8, say) is judged
-    at the coarsest it has."""
-    try:
-        return check_tolerance(dtype)
-    except ValueError:
-        return check_tolerance(torch.bfloat16)
 
 
 def pairs(measured: Captured, reference: Captured, step: int, point: str) -> tuple[list[Pair],
@@ -175,19 +166,22 @@ class SplitJudge:
     global_batch: int
 
     def rows(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
+        return [self.row(judged) for judged in self.judged()]
+
+    def judged(self) -> list[Judged]:
+        judged: list[Judged] = []
         split = self.measured.run.split
         facts = Facts(world_size=split.world_size,
                       accum_steps=split.accum_steps, batchnorm=self.measured.batchnorm)
         captured = self.measured.steps if self.measured.stepped else 0
         for step in range(min(captured, self.reference.steps)):
             try:
-                rows += self.step_rows(step, facts)
+                judged += self.step_judged(step, facts)
             except Unmatched as unmatched:
-                return rows + self.error_rows(step, str(unmatched))
+                return judged + self.errors(step, str(unmatched))
         if captured < self.reference.steps:
-            rows += self.error_rows(captured, self.missing_step(captured))
-        return rows
+            judged += self.errors(captured, self.missing_step(captured))
+        return judged
 
     def missing_step(self, step: int) -> str:
         failure = self.measured.run.failure
@@ -198,29 +192,18 @@ class SplitJudge:
         return (f"the script ended after {step} optimizer step(s); the reference took "
                 f"{self.reference.steps}")
 
-    def step_rows(self, step: int, facts: Facts) -> list[dict[str, Any]]:
+    def step_judged(self, step: int, facts: Facts) -> list[Judged]:
         ours, theirs = self.measured.samples(step), self.reference.samples(step)
         if ours != theirs:
-            return [self.row(step, point, None, self.samples_fix(step, ours, theirs),
-                             DIFFERENT_SAMPLES) for point in POINTS]
+            fix = self.samples_fix(step, ours, theirs)
+            return [Judged(step, point, fix=fix, status=Status.DIFFERENT_SAMPLES)
+                    for point in POINTS]
         dtype = precision(self.measured, self.reference)
-        facts.rtol = rtol = tolerance(dtype)
+        rtol = tolerance(dtype)
         facts.piece_counts = self.measured.counts(step)
-        rows = []
-        grads = None
-        for point in POINTS:
-            comparison = compared(self.measured, self.reference, step, point, rtol)
-            agree = self.measured.ranks_agree(step, point)
-            fix = (learning_rate_fix(comparison, facts) if point == "params" and grads
-                   is not None and grads.verdict is Equivalence.MATCHES else
-                   self.fix(point, comparison, facts, agree))
-            if comparison.verdict is Equivalence.MATCHES and not fix:
-                fix = unresolved_below(dtype, rtol)
-            rows.append(self.row(step, point, comparison, fix, "ok", dtype=dtype, agree=agree))
-            grads = comparison if point == "grad" else grads
-            if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
-                facts.gradient_scale = comparison.scale  # what the later rows follow from
-        return rows
+        points = [Compared(point, compared(self.measured, self.reference, step, point, rtol),
+                           self.measured.ranks_agree(step, point)) for point in POINTS]
+        return judge_step(step, points, dtype, facts, cause=self.cause, say_unresolved=True)
 
     def samples_fix(self, step: int, ours: collections.Counter,
                     theirs: collections.Counter) -> str:
@@ -230,42 +213,37 @@ class SplitJudge:
         extra, missing = sample_difference(ours, theirs)
         return sampler_fix(step, extra, missing, sum(theirs.values()))
 
-    def fix(self, point: str, comparison: Comparison, facts: Facts,
-            agree: bool | None) -> str:
+    def cause(self, measured: Compared, facts: Facts, judged: Sequence[Judged]) -> str | None:
+        """What a script's step shows of a row's cause before the engine's fixes: an update
+        off although its gradient matched, ranks that disagree, active dropout."""
+        comparison = measured.comparison
+        gradient = judged[0].comparison if judged else None
+        if (measured.point == "params" and gradient is not None
+                and gradient.verdict is Equivalence.MATCHES):
+            return learning_rate_fix(comparison, facts)
         if comparison.verdict is Equivalence.MATCHES:
-            return ""
-        if agree is False:
-            return (f"the ranks held different {'gradients' if point == 'grad' else 'parameters'}"
-                    ": nothing averages the gradients over the N ranks before the step (wrap "
-                    "the model in DistributedDataParallel, or all-reduce them), or something "
-                    "changes it on some ranks; compare the ranks' gradients")
+            return None
+        if measured.ranks_agree is False:
+            held = "gradients" if measured.point == "grad" else "parameters"
+            return (f"the ranks held different {held}: nothing averages the gradients over "
+                    "the N ranks before the step (wrap the model in DistributedDataParallel, "
+                    "or all-reduce them), or something changes it on some ranks; compare the "
+                    "ranks' gradients")
         if self.measured.dropout:
             return (f"the model's dropout ({shown(self.measured.dropout)}) is active: each "
                     "split draws other masks, so no split can give the reference's step; set "
                     "its probability to 0 while checking")
-        return suggest(point, comparison, facts)
+        return None
 
-    def row(self, step: int, point: str, comparison: Comparison | None, fix: str,
-            status: str, error: str = "", dtype: torch.dtype | None = None,
-            agree: bool | None = None) -> dict[str, Any]:
+    def row(self, judged: Judged) -> dict[str, Any]:
         split = self.measured.run.split
-        rtol = tolerance(dtype) if dtype is not None else 0.0
-        return {
-            "split": split.label, "world_size": split.world_size,
-            "accum_steps": split.accum_steps,
-            "micro_batch": split.micro_batch(self.global_batch),
-            "reference": self.reference.run.split.label, "step": step, "point": point,
-            "verdict": str(comparison.verdict) if comparison else "",
-            "scale": comparison.scale if comparison else math.nan,
-            "residual": comparison.residual if comparison else math.nan,
-            "worst_tensors": worst_tensors(comparison.errors.items(), rtol) if comparison
-            else "",
-            "ranks_agree": "" if agree is None else agree,
-            "precision": dtype_name(dtype) if dtype is not None else "",
-            "reference_noise": self.reference_noise.get((step, point), math.nan),
-            "fix": fix, "status": status, "error": error,
-            "command": shlex.join(self.measured.run.command),
-        }
+        return judged_row(COLUMNS, judged, split=split.label, world_size=split.world_size,
+                          accum_steps=split.accum_steps,
+                          micro_batch=split.micro_batch(self.global_batch),
+                          reference=self.reference.run.split.label,
+                          reference_noise=self.reference_noise.get((judged.step, judged.point),
+                                                                   math.nan),
+                          command=shlex.join(self.measured.run.command))
 
-    def error_rows(self, step: int, error: str) -> list[dict[str, Any]]:
-        return [self.row(step, point, None, "", "error", error) for point in POINTS]
+    def errors(self, step: int, error: str) -> list[Judged]:
+        return [Judged(step, point, status=Status.ERROR, error=error) for point in POINTS]

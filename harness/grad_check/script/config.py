@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
-from harness.check.script.splits import (
+from harness.errors import UsageError
+from harness.grad_check.script.splits import (
     Split,
     check_divides,
     check_placeholders,
     substituted,
 )
-from harness.errors import UsageError
 from harness.options import check_known, check_timeout
 
 CSV_NAME = "script.csv"

@@ -10,10 +10,9 @@ rank (spread over all of them with ``Setup.loss_terms``) and shared by all cases
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -22,31 +21,31 @@ import torch.distributed as dist
 
 from harness.check import batches
 from harness.check.baseline import Baseline, UsedSamples
-from harness.check.case import CaseModel, case_model, not_finite_message
-from harness.check.compare import (
-    Comparison,
-    compare,
-    compare_each,
-    same_on_every_rank,
-    sampled_fingerprint,
-    worst_tensors,
+from harness.check.case import CaseModel, not_finite_message
+from harness.check.compare import compare, compare_each, same_on_every_rank, sampled_fingerprint
+from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
+from harness.check.judge import (
+    Cause,
+    Compared,
+    Judged,
+    at_full_precision,
+    judge_step,
+    judged_row,
 )
-from harness.check.config import CSV_NAME, CheckConfig
-from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination, suggest
 from harness.check.load import prepared_model
-from harness.check.precision import case_precision, full_precision_decides, unsplit_fix
-from harness.check.precision import name as dtype_name
+from harness.check.precision import case_precision, tolerance, unsplit_fix
 from harness.check.reference import ReferenceStep, state_names, window_of
-from harness.check.schema import COLUMN_NAMES
 from harness.check.setup import Setup
 from harness.check.spread import Spread
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.errors import UsageError, first_sentence, timed_out_in_collective
-from harness.launch import Launch, Placement
+from harness.grad_check.config import CSV_NAME, CheckConfig
+from harness.grad_check.schema import COLUMN_NAMES, COLUMNS
+from harness.placement import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.strategies import STRATEGIES
-from harness.tolerances import check_tolerance
-from harness.verdicts import Equivalence
+from harness.tolerances import dtype_name
+from harness.verdicts import Equivalence, Status, skipped
 
 
 class NotFinite(Exception):
@@ -58,7 +57,9 @@ class NotFinite(Exception):
 
 
 @dataclass(frozen=True)
-class Case:
+class MatrixCase:
+    """One case of the matrix: a strategy at N ranks x k micro-steps."""
+
     strategy: str
     world_size: int
     accum_steps: int
@@ -72,42 +73,16 @@ class Case:
         return f"{self.strategy} N={self.world_size} k={self.accum_steps}"
 
 
-@dataclass(frozen=True)
-class Measured:
-    """One step and point of a case, measured or not: what its CSV row is made from."""
-
-    step: int
-    point: str
-    comparison: Comparison | None = None
-    #: Whether the ranks held the same tensors (DDP's promise); None: not meant to.
-    ranks_agree: bool | None = None
-    fix: str = ""
-    status: str = "ok"
-    error: str = ""
-    #: The precision the row was judged at (None: unmeasured, the run's dtype).
-    precision: torch.dtype | None = None
-    #: Under Setup.autocast: the residual of the step as run under autocast (None without).
-    autocast_residual: float | None = None
+def case_model(strategy: str) -> type[CaseModel]:
+    """The class that runs a user's step under ``strategy``: the one its spec names."""
+    make = STRATEGIES[strategy].check_case
+    if make is None:
+        raise ValueError(f"strategy {strategy!r} has no check case")
+    return make()
 
 
-def at_full_precision(low: list[Measured], full: list[Measured]) -> list[Measured]:
-    """A case run under autocast (``low``) judged with its twin run without autocast at the
-    run's precision (``full``), by :func:`~harness.check.precision.full_precision_decides`.
-    Every row keeps the autocast run's residual beside it."""
-    twins = {(m.step, m.point): m for m in full}
-    judged = []
-    for measured in low:
-        twin = twins.get((measured.step, measured.point))
-        residual = measured.comparison.residual if measured.comparison else None
-        if twin is not None and twin.comparison is not None and full_precision_decides(
-                measured.status, twin.comparison.verdict):
-            measured = twin
-        judged.append(dataclasses.replace(measured, autocast_residual=residual))
-    return judged
-
-
-def matrix(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[Case]:
-    return [Case(strategy, n, k) for strategy in config.strategies for n in world_sizes
+def matrix(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[MatrixCase]:
+    return [MatrixCase(strategy, n, k) for strategy in config.strategies for n in world_sizes
             for k in config.accum_steps]
 
 
@@ -159,10 +134,10 @@ class SetupCheck:
         self.dtype = run_dtype(setup, self.config.torch_dtype)
         #: Under autocast, the same cases without it, at the run's precision: a split that
         #: differs there must not be hidden by the autocast precision's tolerance.
-        self.twin = (SetupCheck(run, target, dataclasses.replace(setup, autocast=None), groups)
+        self.twin = (SetupCheck(run, target, replace(setup, autocast=None), groups)
                      if setup.autocast is not None else None)
         check_step_device(setup, target, self.device)
-        self.rtol = check_tolerance(self.dtype)
+        self.rtol = tolerance(self.dtype)
         self.baseline = Baseline(setup, self.dtype, self.device, target, self.rtol,
                                  self._spread())
         initial = self.baseline.initial
@@ -196,7 +171,7 @@ class SetupCheck:
                              "different numbers; allowed: deterministic functions (seed inside "
                              "them, e.g. torch.manual_seed(0) in make_model)")
 
-    def used_samples(self, case: Case) -> UsedSamples:
+    def used_samples(self, case: MatrixCase) -> UsedSamples:
         """Samples of each step's global batch the case uses: all, unless --drop-last cuts
         some (each batch by its own size: later batches may be smaller than the first)."""
         if not self.config.drop_last:
@@ -225,7 +200,7 @@ class SetupCheck:
             rows += self.rows(case, measured)
         return rows
 
-    def expect(self, cases: list[Case]) -> None:
+    def expect(self, cases: list[MatrixCase]) -> None:
         """Tell the baseline what this rank's cases compare and which of them train."""
         for case in cases:
             self.baseline.expect_case(
@@ -233,32 +208,32 @@ class SetupCheck:
                                                          case.world_size, self.launch.rank),
                 trains=self._unavailable(case) is None)
 
-    def run_case(self, case: Case) -> list[Measured]:
+    def run_case(self, case: MatrixCase) -> list[Judged]:
         """The case's measurements, one per step and point."""
         reason = self._unavailable(case)
         if reason is not None:
-            return [Measured(step, point, status=f"skipped: {reason}")
+            return [Judged(step, point, status=skipped(reason))
                     for step in range(self.setup.steps) for point in self.points]
         try:
             return self._measure(case)
         except UsageError:
             raise
         except NotFinite as error:
-            return [Measured(error.step, point, status="error", error=str(error))
+            return [Judged(error.step, point, status=Status.ERROR, error=str(error))
                     for point in self.points]
         except Exception as error:  # noqa: BLE001 -- the user's step failing is a finding
             if timed_out_in_collective(f"{type(error).__name__}: {error}"):
                 raise  # another rank hung: no later case can run, the launch names it
-            return [Measured(0, point, status="error", error=first_sentence(error))
+            return [Judged(0, point, status=Status.ERROR, error=first_sentence(error))
                     for point in self.points]
 
-    def _unavailable(self, case: Case) -> str | None:
+    def _unavailable(self, case: MatrixCase) -> str | None:
         return case_model(case.strategy).unavailable(self.placement)
 
-    def _group(self, case: Case) -> dist.ProcessGroup | None:
+    def _group(self, case: MatrixCase) -> dist.ProcessGroup | None:
         return self.groups[case.world_size] if STRATEGIES[case.strategy].collective else None
 
-    def _measure(self, case: Case) -> list[Measured]:
+    def _measure(self, case: MatrixCase) -> list[Judged]:
         """Train the case's steps, each compared with the reference's."""
         used = self.used_samples(case)
         reference = self.baseline.reference(used)
@@ -266,15 +241,15 @@ class SetupCheck:
         model = case_model(case.strategy)(self.setup, self.baseline.model_for_case(),
                                            case.world_size, self.device, group)
         facts = self._facts(case, model, reference)
-        measured: list[Measured] = []
+        measured: list[Judged] = []
         for step, ref in enumerate(reference):
             window = window_of(self.setup, step, used, self.dtype, self.device)
             measured += self._measure_step(case, model, step, ref, window, facts, group)
         return measured
 
-    def _measure_step(self, case: Case, model: CaseModel, step: int, ref: ReferenceStep,
+    def _measure_step(self, case: MatrixCase, model: CaseModel, step: int, ref: ReferenceStep,
                       window: Any, facts: Facts, group: dist.ProcessGroup | None
-                      ) -> list[Measured]:
+                      ) -> list[Judged]:
         """One optimizer step of the case: its window's micro-steps, then each point
         compared and judged at the precision the step ran in."""
         samples = batches.sample_count(window, f"batch({step})")
@@ -285,21 +260,14 @@ class SetupCheck:
             return self._skipped_step(model, step, ref.skipped)
         precision = case_precision(self.dtype, self.setup,
                                    [ref.loss_dtype, *model.whole.loss_dtypes])
-        facts.rtol = rtol = check_tolerance(precision)
+        rtol = tolerance(precision)
         grads = compare(model.grad_pairs(ref), model.param_names, group, self.device, rtol)
-        compared = [("grad", grads, model.ranks_agree("grad"))]
+        compared = [Compared("grad", grads, model.ranks_agree("grad"))]
         self.baseline.before_optimizer_step()
         model.step()
         compared += self._compare_after_step(model, ref, group, rtol)
-        measured = []
-        for point, comparison, agree in compared:
-            facts.ranks_agree = agree
-            fix = self._fix(point, comparison, facts, model.whole.edits_in_forward)
-            measured.append(Measured(step, point, comparison, agree, fix, precision=precision))
-            if step == 0 and point == "grad" and comparison.verdict is Equivalence.SCALED:
-                # The step's later rows (and every later step's) follow from it.
-                facts.gradient_scale = comparison.scale
-        return measured
+        return judge_step(step, compared, precision, facts,
+                          cause=self._cause(model.whole.edits_in_forward))
 
     def _scaler_skipped(self, model: CaseModel, group: dist.ProcessGroup | None) -> bool:
         """Whether the case's GradScaler skips this step on any rank (all skip together:
@@ -312,36 +280,37 @@ class SetupCheck:
         return bool(skips.item())
 
     def _skipped_step(self, model: CaseModel, step: int,
-                      reference_skipped: bool) -> list[Measured]:
+                      reference_skipped: bool) -> list[Judged]:
         """A step the GradScaler skipped: nothing to fit (its gradient is not finite). Alike
         in the big batch and the case, as it must be, the rows say so; in one of them only,
         the case failed."""
         self.baseline.before_optimizer_step()
         model.step()
         if reference_skipped and model.whole.scaler is not None:
-            status, error = (f"skipped: the GradScaler skipped step {step} in the big batch "
-                             "and in the case alike (a non-finite gradient)", "")
+            status, error = (skipped(f"the GradScaler skipped step {step} in the big batch "
+                                     "and in the case alike (a non-finite gradient)"), "")
         else:
             where = "big batch only" if reference_skipped else "case only"
-            status, error = "error", (f"the GradScaler skipped step {step} in the {where}: "
-                                      "a gradient, unscaled, was not finite there alone")
-        return [Measured(step, point, status=status, error=error) for point in self.points]
+            status, error = Status.ERROR, (f"the GradScaler skipped step {step} in the "
+                                           f"{where}: a gradient, unscaled, was not finite "
+                                           "there alone")
+        return [Judged(step, point, status=status, error=error) for point in self.points]
 
     def _compare_after_step(self, model: CaseModel, ref: ReferenceStep,
-                            group: dist.ProcessGroup | None, rtol: float) -> list[tuple]:
-        """(point, comparison, ranks agree) of the parameters after the step, and of the
-        buffers when the model has any, against the reference's."""
+                            group: dist.ProcessGroup | None, rtol: float) -> list[Compared]:
+        """The parameters after the step, and the buffers when the model has any, against
+        the reference's."""
         update = compare(model.update_pairs(ref, model.param_names), model.param_names,
                          group, self.device, rtol)
-        compared = [("params", update, model.ranks_agree("params"))]
+        compared = [Compared("params", update, model.ranks_agree("params"))]
         if model.buffer_names:
             buffers = compare_each(model.update_pairs(ref, model.buffer_names),
                                    model.buffer_names, self.exact_buffers, group,
                                    self.device, rtol)
-            compared.append(("buffers", buffers, None))
+            compared.append(Compared("buffers", buffers))
         return compared
 
-    def _refuse_not_finite(self, model: CaseModel, step: int, case: Case,
+    def _refuse_not_finite(self, model: CaseModel, step: int, case: MatrixCase,
                            group: dist.ProcessGroup | None) -> None:
         """Every rank of the case raises together (so none waits in a collective) when any
         rank's loss or gradient was not finite: a NaN matches nothing, not even a NaN."""
@@ -352,25 +321,29 @@ class SetupCheck:
             raise NotFinite(step, not_finite_message(float(first), step, case.world_size,
                                                       case.accum_steps))
 
-    def _facts(self, case: Case, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
+    def _facts(self, case: MatrixCase, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
         return Facts(world_size=case.world_size, reduces_in_buckets=model.reduces_in_buckets,
                      accum_steps=case.accum_steps, batchnorm=batchnorm_tensors(model.inner),
                      unused=reference[0].unused,
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)
 
-    def _fix(self, point: str, comparison: Comparison, facts: Facts,
-             edits_in_micro_step: set[str]) -> str:
-        """Only rank 0 writes rows, so only rank 0 looks for a fix (it may forward pieces)."""
-        if not self.launch.is_leader:
-            return ""
-        if facts.world_size == facts.accum_steps == 1:
-            return unsplit_fix(point, comparison, self.setup)
-        if edits_in_micro_step and comparison.verdict is not Equivalence.MATCHES:
-            return micro_step_edit_fix(edits_in_micro_step)
-        return suggest(point, comparison, facts)
+    def _cause(self, edits_in_micro_step: set[str]) -> Cause:
+        """What only the matrix knows of a row's cause: nothing is split at N = 1, k = 1,
+        or the custom micro_step edits what the forward saw. Only rank 0 writes rows, so
+        only rank 0 looks for a fix (the engine's may forward pieces)."""
+        def cause(measured: Compared, facts: Facts, _judged) -> str | None:
+            if not self.launch.is_leader:
+                return ""
+            if facts.world_size == facts.accum_steps == 1:
+                return unsplit_fix(measured.point, measured.comparison, self.setup)
+            if edits_in_micro_step and measured.comparison.verdict is not Equivalence.MATCHES:
+                return micro_step_edit_fix(edits_in_micro_step)
+            return None
 
-    def _loss_combination(self, window, samples: int, case: Case):
+        return cause
+
+    def _loss_combination(self, window, samples: int, case: MatrixCase):
         """How the loss of the step's window combines its pieces' losses: measured once per
         step, when a row of it first asks (the ``grad`` and ``params`` rows share it)."""
         pieces = case.world_size * case.accum_steps
@@ -383,33 +356,14 @@ class SetupCheck:
 
         return combination
 
-    def rows(self, case: Case, measured: list[Measured]) -> list[dict[str, Any]]:
+    def rows(self, case: MatrixCase, measured: list[Judged]) -> list[dict[str, Any]]:
         """The case's CSV rows, on rank 0 ([] on the other ranks)."""
         if not self.launch.is_leader:
             return []
         # Rows left unmeasured (a skipped or failed step) are said at the case's precision.
         judged = next((m.precision for m in measured if m.precision is not None), self.dtype)
-        return [row_of(self.setup.name, case, self.dtype, m, judged, self.baseline.kind)
+        return [judged_row(COLUMNS, replace(m, precision=m.precision or judged),
+                           setup=self.setup.name, strategy=case.strategy,
+                           world_size=case.world_size, accum_steps=case.accum_steps,
+                           dtype=dtype_name(self.dtype), reference=self.baseline.kind)
                 for m in measured]
-
-
-def row_of(setup: str, case: Case, dtype: torch.dtype, measured: Measured,
-           case_precision: torch.dtype, reference: str) -> dict[str, Any]:
-    """One row of check.csv (``reference``: which big-batch reference it was compared
-    with, :attr:`Baseline.kind`)."""
-    comparison = measured.comparison
-    precision = measured.precision or case_precision
-    return {
-        "setup": setup, "strategy": case.strategy, "world_size": case.world_size,
-        "accum_steps": case.accum_steps, "step": measured.step, "point": measured.point,
-        "verdict": str(comparison.verdict) if comparison else "",
-        "scale": comparison.scale if comparison else math.nan,
-        "residual": comparison.residual if comparison else math.nan,
-        "worst_tensors": (worst_tensors(comparison.errors.items(), check_tolerance(precision))
-                          if comparison else ""),
-        "ranks_agree": "" if measured.ranks_agree is None else measured.ranks_agree,
-        "fix": measured.fix, "dtype": dtype_name(dtype), "status": measured.status,
-        "error": measured.error, "precision": dtype_name(precision), "reference": reference,
-        "autocast_residual": (math.nan if measured.autocast_residual is None
-                              else measured.autocast_residual),
-    }

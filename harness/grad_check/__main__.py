@@ -1,4 +1,4 @@
-"""``python -m harness.check``: what ``check.py --nproc`` starts on every rank."""
+"""``python -m harness.grad_check``: what ``check.py --nproc`` starts on every rank."""
 
 import sys
 
@@ -8,7 +8,7 @@ if __name__ == "__main__":
     # Ctrl-C reaches every rank too: the launcher says "interrupted" once; a rank says
     # nothing, even when it comes while the rank is still importing.
     try:
-        from harness.check.grad_check import main
+        from harness.grad_check.cli import main
 
         code = main()
     except KeyboardInterrupt:

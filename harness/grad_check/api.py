@@ -1,6 +1,6 @@
 """The check from Python, for a regression test in your own CI.
 
-    from harness.check import assert_matches
+    from harness.grad_check import assert_matches
 
     def test_my_step_equals_the_big_batch_step():
         assert_matches("my_pkg.my_module:make_setup", world_sizes=(1, 2), accum_steps=(1, 4))
@@ -12,7 +12,7 @@ raises ``AssertionError`` with the console table of the rows that do not match.
 own: ``"module.path:function"`` (imported as ``grad-check`` imports it), a function
 returning a :class:`Setup`, or a :class:`Setup`; functions a rank cannot import (those
 of a notebook or ``python -c``, lambdas, nested functions) are sent by value
-(harness/check/sending.py). ``local`` runs in the calling process, on no process group
+(harness/grad_check/sending.py). ``local`` runs in the calling process, on no process group
 (one the caller has is left alone); ``ddp`` and ``fsdp`` start ``max(world_sizes)`` ranks
 themselves, which meet through a file in a temporary folder (gloo on CPU, nccl where
 every rank has a GPU), and are stopped as soon as one of them fails. The ranks are
@@ -39,25 +39,26 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from harness.check.config import CHECK_STRATEGIES, CheckConfig
 from harness.check.load import check_batches, check_model, check_scheduler, load_setup
-from harness.check.matrix import CheckRun
-from harness.check.schema import COLUMN_NAMES
-from harness.check.sending import received, refuse_unguarded_caller, sent
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError, error_file
-from harness.launch import Launch, choose_placement
+from harness.grad_check.config import CHECK_STRATEGIES, CheckConfig
+from harness.grad_check.matrix import CheckRun
+from harness.grad_check.schema import CELLS, COLUMN_NAMES
+from harness.grad_check.sending import received, refuse_unguarded_caller, sent
+from harness.placement import Launch, choose_placement
 from harness.ranks import Failure, describe_exit, describe_hang, run_ranks
 from harness.strategies import STRATEGIES
+from harness.verdicts import Equivalence, Status
 
 #: What ``setup`` may be: see the module's docstring.
 SetupSource = str | Callable[[], Setup] | Setup
 #: Modules the rank server imports once, before the first ranks are forked from it: every
 #: later launch starts ranks that have them already (torch's DDP imports torch._dynamo on
 #: first use, seconds on a small machine).
-PRELOADED = ["harness.check.api", "torch._dynamo"]
+PRELOADED = ["harness.grad_check.api", "torch._dynamo"]
 ROWS_FILE = "rows.pkl"
 #: Marks a rank's error line as bad input rather than a failure of the rank.
 BAD_INPUT = "bad input: "
@@ -108,10 +109,11 @@ def assert_matches(setup: SetupSource, **options: Any) -> pd.DataFrame:
     """:func:`check`, raising ``AssertionError`` unless every row matches the big-batch
     step (skipped rows aside); the message is the console table of the other rows."""
     rows = check(setup, **options)
-    failing = rows[(rows["verdict"] != "matches") & ~rows["status"].str.startswith("skipped")]
+    failing = rows[(rows["verdict"] != Equivalence.MATCHES)
+                   & ~rows["status"].str.startswith(Status.SKIPPED)]
     if len(failing):
         name = rows["setup"].iloc[0]
-        table = render(failing.to_dict("records"), int(rows["step"].max()) + 1)
+        table = render(failing.to_dict("records"), int(rows["step"].max()) + 1, CELLS)
         raise AssertionError(f"{name}: {len(failing)} of {len(rows)} rows do not match the "
                              f"big-batch step:\n{table}")
     return rows

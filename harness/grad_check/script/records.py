@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from harness.check.script.capture import summary_file, tensors_file
-from harness.check.script.launch import Run
+from harness.grad_check.script.capture import summary_file, tensors_file
+from harness.grad_check.script.processes import Run
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,172 @@
+"""One judge for every front-end: a step's comparisons in, judged rows out.
+
+Each front-end of the check (the Setup matrix, ``--frameworks``, ``grad-check run``) runs
+steps its own way and hands the engine only what it measured: for each point of a step,
+the comparison of the measured tensors with the big batch's (compare.py) and whether the
+ranks agreed; the precision the step ran in; the facts a fix is read from (fix.py).
+:func:`judge_step` turns those into :class:`Judged` rows by one set of rules: the
+tolerance of the precision, a fix from the front-end's own causes or else the engine's,
+and every later row of a case whose step-0 gradient is a pure multiple said to follow
+from it. :func:`judged_row` writes a judgement as a row of a front-end's CSV: the columns
+every judged row shares (harness/columns.py ``JUDGED``) filled from it, the front-end's
+own from the cells it measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from harness.check.compare import Comparison, worst_tensors
+from harness.check.fix import Facts, suggest
+from harness.check.precision import tolerance, unresolved_below
+from harness.columns import Column
+from harness.tolerances import dtype_name
+from harness.verdicts import Equivalence, Status
+
+#: A point as a sentence names it.
+WHAT = {"grad": "gradient", "params": "update", "buffers": "buffers"}
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One point of a step as a front-end measured it."""
+
+    point: str
+    comparison: Comparison
+    #: Whether every rank held the same tensors there (None: the ranks are not meant to).
+    ranks_agree: bool | None = None
+    #: The front-end's own cells that belong with this comparison (e.g. the frameworks'
+    #: comparison under the framework's recipe).
+    own: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The engine's judgement of one step and point: what a row of every front-end says."""
+
+    step: int
+    point: str
+    comparison: Comparison | None = None
+    #: The precision the row is judged at (None: a row with nothing measured, say so).
+    precision: torch.dtype | None = None
+    fix: str = ""
+    status: str = Status.OK
+    error: str = ""
+    ranks_agree: bool | None = None
+    #: Under autocast, the residual of the step as run under it (None without autocast).
+    autocast_residual: float | None = None
+    own: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        return str(self.comparison.verdict) if self.comparison else ""
+
+    @property
+    def scale(self) -> float:
+        return self.comparison.scale if self.comparison else math.nan
+
+    @property
+    def residual(self) -> float:
+        return self.comparison.residual if self.comparison else math.nan
+
+    @property
+    def worst_tensors(self) -> str:
+        if self.comparison is None:
+            return ""
+        rtol = tolerance(self.precision) if self.precision is not None else 0.0
+        return worst_tensors(self.comparison.errors.items(), rtol)
+
+    @property
+    def precision_name(self) -> str:
+        return dtype_name(self.precision) if self.precision is not None else ""
+
+    @property
+    def autocast_residual_cell(self) -> float:
+        return math.nan if self.autocast_residual is None else self.autocast_residual
+
+
+#: A front-end's own cause of a row's difference, tried before the engine's fixes: the
+#: fix text ("" for none), or None to leave the row to :func:`~harness.check.fix.suggest`.
+#: It is given the rows of the step judged so far (the update's cause may depend on
+#: whether the gradient matched).
+Cause = Callable[[Compared, Facts, Sequence[Judged]], "str | None"]
+
+
+def no_cause(_compared: Compared, _facts: Facts, _judged: Sequence[Judged]) -> str | None:
+    return None
+
+
+def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, facts: Facts,
+               cause: Cause = no_cause, say_unresolved: bool = False) -> list[Judged]:
+    """The rows of one step, in the order of ``compared``.
+
+    ``facts`` is the case's, carried from step to step: a scaled step-0 gradient is kept in
+    it, and every later row it does not explain by itself says so. ``say_unresolved``: a
+    ``matches`` at a precision coarser than float32 says what its tolerance cannot resolve
+    (for a front-end that runs no twin without autocast)."""
+    facts.rtol = rtol = tolerance(precision)
+    judged: list[Judged] = []
+    for measured in compared:
+        facts.ranks_agree = measured.ranks_agree
+        fix = cause(measured, facts, judged)
+        if fix is None:
+            fix = suggest(measured.point, measured.comparison, facts)
+        if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
+            fix = unresolved_below(precision, rtol)
+        judged.append(Judged(step, measured.point, measured.comparison, precision, fix,
+                             ranks_agree=measured.ranks_agree, own=measured.own))
+        if (step == 0 and measured.point == "grad"
+                and measured.comparison.verdict is Equivalence.SCALED):
+            facts.gradient_scale = measured.comparison.scale
+    return judged
+
+
+def judged_row(columns: Sequence[Column], judged: Judged, **cells: Any) -> dict[str, Any]:
+    """A row of the CSV whose schema is ``columns``: each column the engine judges read from
+    ``judged``, every other from ``judged.own`` and then ``cells``. A column left unfilled,
+    or a cell no column holds, is a bug of the front-end, raised here."""
+    given = {**judged.own, **cells}
+    unknown = set(given) - {column.name for column in columns}
+    if unknown:
+        raise KeyError(f"cells of no column: {', '.join(sorted(unknown))}")
+    row = {}
+    for column in columns:
+        if column.name in given:
+            row[column.name] = given[column.name]
+        elif column.judged is not None:
+            row[column.name] = column.judged(judged)
+        else:
+            raise KeyError(f"column {column.name!r} left unfilled")
+    return row
+
+
+def at_full_precision(low: Sequence[Judged], full: Sequence[Judged]) -> list[Judged]:
+    """A case run under autocast (``low``) judged with its twin run without autocast at the
+    run's precision (``full``), by :func:`full_precision_decides`; every row keeps the
+    autocast run's residual beside it."""
+    twins = {(judged.step, judged.point): judged for judged in full}
+    decided = []
+    for judged in low:
+        twin = twins.get((judged.step, judged.point))
+        residual = judged.comparison.residual if judged.comparison else None
+        if twin is not None and twin.comparison is not None and full_precision_decides(
+                judged.status, twin.comparison.verdict):
+            judged = twin
+        decided.append(replace(judged, autocast_residual=residual))
+    return decided
+
+
+def full_precision_decides(status: str, twin_verdict: Equivalence | str | None) -> bool:
+    """A case run under ``Setup.autocast`` (its row's ``status``) and its twin run without
+    autocast at the run's precision: the twin's verdict stands where the twin differs from
+    the big batch, since the autocast precision's tolerance (ten times bfloat16's rounding)
+    would hide a split a few per cent off; the autocast run's stands elsewhere (its
+    rounding within its tolerance, or what only autocast does)."""
+    return (status == Status.OK and twin_verdict is not None
+            and str(twin_verdict) not in ("", str(Equivalence.MATCHES)))
+

@@ -1,0 +1,47 @@
+"""The columns of ``script.csv``, each declared once with its unit and meaning: the split,
+then the columns every judged row has (harness/columns.py ``JUDGED``), then its own."""
+
+from __future__ import annotations
+
+from harness import columns as shared
+from harness.columns import Column
+from harness.verdicts import Status
+
+COLUMNS: tuple[Column, ...] = (
+    Column("split", "`NxK`", "N ranks x k micro-steps per optimizer step"),
+    shared.WORLD_SIZE.described("N: ranks the command ran on (processes with torchrun's "
+                                "variables; 1: one plain process)"),
+    shared.ACCUM_STEPS.described("k: micro-steps per optimizer step, the command's `{accum}`"),
+    Column("micro_batch", "samples", "b = G / (N*k): samples per rank and micro-step, the "
+           "command's `{batch}`"),
+    Column("reference", "`NxK`", "the split every other is compared with (`--reference`); "
+           "its own rows compare its second run with its first"),
+    *shared.judged_columns(
+        step="optimizer step compared, from 0: the script's own steps, each on the script's "
+             "own next global batch",
+        point="what is compared: the gradients the optimizer received (after the script's "
+              "clipping or unscaling), or the parameters after its step, as updates from "
+              "where the reference started the step",
+        verdict="against the reference split's step: the same, a pure multiple s of it, or "
+                "no multiple; empty where the row could not be judged",
+        ranks_agree="whether every rank held the same tensors at that point (sampled "
+                    "fingerprints); empty at N = 1",
+        precision="the lowest floating type the reference's and the split's runs used "
+                  "(parameters, gradients, losses, autocast): the row's tolerance is that "
+                  "type's",
+        status=f"`ok`, `{Status.DIFFERENT_SAMPLES}` (the split's step fed other samples than "
+               "the reference's: its fix names the sampler, and no verdict is given), or "
+               "`error`",
+        error="why the split's run gave no capture of the step: the failing rank and its "
+              "line (`rank 1: Type: first sentence`), else empty"),
+    Column("reference_noise", "ratio",
+           "`||second - first|| / ||second||` of the reference's two runs at this step and "
+           "point: what rerunning the same split moves"),
+    Column("command", "text", "the command as run at this split, placeholders substituted"),
+)
+COLUMN_NAMES = tuple(column.name for column in COLUMNS)
+
+
+def case_label(row: dict) -> str:
+    """How a failing row names its case: the split, N and k."""
+    return f"split {row['split']} (N={row['world_size']} k={row['accum_steps']})"
