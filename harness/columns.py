@@ -37,8 +37,10 @@ def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
     return tuple(c.name for c in columns)
 
 
-#: The values of a verdict against the big batch (:class:`harness.verdicts.Equivalence`).
-EQUIVALENCES = ", ".join(f"`{value}`" for value in Equivalence)
+#: The values of a verdict against the big batch, as a fit gives them
+#: (:class:`harness.verdicts.Equivalence`).
+EQUIVALENCES = ", ".join(f"`{value}`" for value in (Equivalence.MATCHES, Equivalence.SCALED,
+                                                    Equivalence.DIFFERS))
 
 WORLD_SIZE = Column("world_size", "ranks", "N: ranks the global batch is split across")
 ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")

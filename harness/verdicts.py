@@ -30,6 +30,9 @@ class Equivalence(StrEnum):
     SCALED = "scaled"
     #: No multiple of the reference explains it.
     DIFFERS = "differs"
+    #: The ranks ended the step holding different tensors, where only rank 0's were
+    #: compared with the reference: whatever rank 0's say, the others' differ.
+    RANKS_DIFFER = "ranks differ"
 
 
 class Status(StrEnum):
@@ -40,13 +43,15 @@ class Status(StrEnum):
     ERROR = "error"
     #: Not run here: written ``skipped: why``.
     SKIPPED = "skipped"
-    #: The split's step fed other samples than the reference's (``grad-check run``): a
-    #: gradient would differ for a reason no loss fix touches, so no verdict is given.
-    DIFFERENT_SAMPLES = "different samples"
+    #: The gradient was all zero in the case and in the reference: nothing was compared.
+    NO_GRADIENT = "no gradient"
+    #: The step moved no parameter in the case or in the reference, at a learning rate
+    #: other than 0: nothing was compared.
+    NO_UPDATE = "no update"
 
 
 #: Statuses that fail a check's exit code whatever ``--fail-on`` says: nothing was checked.
-FAILING_STATUSES = frozenset({Status.ERROR, Status.DIFFERENT_SAMPLES})
+FAILING_STATUSES = frozenset({Status.ERROR, Status.NO_GRADIENT, Status.NO_UPDATE})
 
 
 def skipped(why: str) -> str:

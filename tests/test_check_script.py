@@ -18,7 +18,7 @@ from torch import nn
 
 from harness.check.outcome import exit_code
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import capture
+from harness.grad_check.script import capture, naming, samples
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.grad_check_run import main, render
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
@@ -120,21 +120,19 @@ def test_padding_does_not_change_a_samples_fingerprint():
     tokens = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 0, 0, 0]])
     mask = (tokens != 0).long()
     shorter = tokens[:, :3]
-    with_mask = [capture.row_fingerprint(row)
-                 for row in capture.sample_rows(tokens, capture.matching_mask(tokens, {
-                     "attention_mask": mask}))]
-    alone = [capture.row_fingerprint(row)
-             for row in capture.sample_rows(shorter, capture.matching_mask(shorter, {
-                 "attention_mask": mask[:, :3]}))]
+    with_mask = [samples.row_fingerprint(row)
+                 for row in samples.sample_rows(tokens, {"attention_mask": mask}, None)]
+    alone = [samples.row_fingerprint(row)
+             for row in samples.sample_rows(shorter, {"attention_mask": mask[:, :3]}, None)]
     assert with_mask == alone
     assert with_mask[0] != with_mask[1]
 
 
 def test_the_first_tensor_is_found_inside_a_batch_handed_whole():
     x = torch.ones(2, 3)
-    assert capture.first_tensor((([x, torch.zeros(2)], 7), {})) is x
-    assert capture.first_tensor(((), {"input_ids": x, "labels": torch.zeros(2)})) is x
-    assert capture.first_tensor(((1, "a"), {})) is None
+    assert samples.first_tensor((([x, torch.zeros(2)], 7), {})) is x
+    assert samples.first_tensor(((), {"input_ids": x, "labels": torch.zeros(2)})) is x
+    assert samples.first_tensor(((1, "a"), {})) is None
 
 
 def test_parameters_are_named_by_the_model_inside_its_wrappers():
@@ -145,11 +143,11 @@ def test_parameters_are_named_by_the_model_inside_its_wrappers():
 
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     wrapped = Wrapper(Wrapper(model))
-    found = capture.owner(list(wrapped.parameters()))
+    found = naming.owner(list(wrapped.parameters()))
     assert found is model
     assert [name for name, _ in found.named_parameters()] == ["0.weight", "0.bias", "2.weight",
                                                               "2.bias"]
-    assert capture.stripped("layers.0._fsdp_wrapped_module._orig_mod.weight") == \
+    assert naming.stripped("layers.0._fsdp_wrapped_module._orig_mod.weight") == \
         "layers.0.weight"
 
 
@@ -163,7 +161,7 @@ def test_a_model_whose_part_holds_every_parameter_keeps_its_own_names():
 
     for _ in range(3):  # whichever holder the search meets first
         model = TiedLM()
-        assert capture.owner(list(model.parameters())) is model
+        assert naming.owner(list(model.parameters())) is model
 
 
 def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
@@ -180,9 +178,9 @@ def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
 
     seen = capture.Capture(tmp_path, steps=1, keep_going=True, timeout=10)
     args, kwargs = seen.before_step(optimizer, (optimizer, closure), {})
-    assert not list(tmp_path.glob("step0.grad.pt"))  # nothing read before the closure ran
+    assert not list(tmp_path.glob("*step0.grad.pt"))  # nothing read before the closure ran
     args[1]()
-    written = torch.load(capture.tensors_file(tmp_path, 0, "grad"))
+    written = torch.load(capture.tensors_file(tmp_path, 0, 0, "grad"))
     assert torch.equal(written["weight"], model.weight.grad)
     assert written["weight"].abs().sum() > 0
 
@@ -197,28 +195,41 @@ def gradients(step: int) -> dict[str, torch.Tensor]:
             "b": torch.randn(3, generator=generator, dtype=torch.float64)}
 
 
-def written_capture(folder: Path, split: Split, grads=gradients, samples=("s0", "s1"),
+#: The samples of a global batch of G = 8.
+EIGHT = tuple(f"s{i}" for i in range(8))
+
+
+def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1) -> Captured:
+                    lr=0.1, forwards=None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
-    steps; every rank fed ``samples`` (split among them) and counted ``counts``."""
+    steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
+    gradient digests are ``fingerprints[r]``."""
     folder.mkdir(parents=True)
     params = {name: torch.zeros_like(tensor) for name, tensor in gradients(0).items()}
-    torch.save(params, capture.tensors_file(folder, 0, "initial"))
+    torch.save(params, capture.tensors_file(folder, 0, 0, "initial"))
     records = []
     for step in range(2):
         grad = grads(step)
-        torch.save(grad, capture.tensors_file(folder, step, "grad"))
+        torch.save(grad, capture.tensors_file(folder, 0, step, "grad"))
         params = {name: params[name] - lr * grad[name] for name in NAMES}
-        torch.save(params, capture.tensors_file(folder, step, "params"))
-        records.append({"samples": list(samples), "counts": list(counts),
-                        "grad_fingerprint": 1.0, "params_fingerprint": 1.0})
+        torch.save(params, capture.tensors_file(folder, 0, step, "params"))
+        records.append({"optimizer": 0, "step": step,
+                        "samples": [[name, name, "pad"] for name in samples],
+                        "counts": list(counts), "lrs": [lr], "clips": [],
+                        "forwards": split.accum_steps,
+                        "grad_digests": dict.fromkeys(NAMES, 1.0),
+                        "params_digests": dict.fromkeys(NAMES, 1.0)})
     for rank in range(split.world_size):
+        digest = (fingerprints or [1.0] * split.world_size)[rank]
         own = [dict(record, samples=record["samples"][rank::split.world_size],
-                    grad_fingerprint=(fingerprints or [1.0] * split.world_size)[rank])
+                    forwards=(forwards or [split.accum_steps] * split.world_size)[rank],
+                    grad_digests=dict.fromkeys(NAMES, digest))
                for record in records]
-        torch.save({"rank": rank, "steps": 2, "records": own, "names": list(NAMES),
-                    "dtypes": list(dtypes), "batchnorm": [], "dropout": []},
+        torch.save({"rank": rank, "world_size": split.world_size,
+                    "optimizers": [{"kind": "SGD", "names": list(NAMES), "steps": 2}],
+                    "records": own, "dtypes": list(dtypes), "unknown": [], "batchnorm": [],
+                    "dropout": []},
                    capture.summary_file(folder, rank))
     return Captured.read(Run(split, ("python", "t.py"), folder, 0.0, None))
 
@@ -283,15 +294,139 @@ def test_unequal_token_counts_behind_a_difference_name_the_window_count(tmp_path
     assert "(42 in all)" in rows[0]["fix"]
 
 
-def test_a_step_that_fed_other_samples_is_named_not_judged(tmp_path):
-    rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s7"))
-    assert {row["status"] for row in rows} == {Status.DIFFERENT_SAMPLES}
-    assert {row["verdict"] for row in rows} == {""}
-    assert "step 0 fed 1 sample(s) the reference's step did not and left out 1 of its 2" in \
+def different(step: int) -> dict[str, torch.Tensor]:
+    """A gradient no single scale turns into the reference's (other data would give one)."""
+    grad = gradients(step)
+    return {"w": grad["w"] * 1.3, "b": grad["b"] * 0.6}
+
+
+def test_other_samples_never_turn_a_matching_gradient_into_anything_else(tmp_path):
+    """A fingerprint is a heuristic: where the gradient matches, it is the verdict (a model
+    whose samples the capture reads differently at each split still matches)."""
+    rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s7", *EIGHT[2:]))
+    assert {row["verdict"] for row in rows} == {"matches"}
+    assert {row["status"] for row in rows} == {"ok"}
+    assert exit_code(rows, "differs", "check.py run", case_label) == 0
+
+
+def test_other_samples_explain_a_gradient_that_differs(tmp_path):
+    rows = rows_of(tmp_path, Split(2, 1), grads=different, samples=("s0", "s9", *EIGHT[2:]))
+    assert (rows[0]["verdict"], rows[0]["status"]) == ("differs", "ok")
+    assert "step 0 fed 1 sample(s) the reference's step did not and left out 1 of its 8" in \
         rows[0]["fix"]
     assert "sampler" in rows[0]["fix"]
+    assert exit_code(rows, "differs", "check.py run", case_label) == 1
+
+
+def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
+    reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
+    twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"),
+                            grads=different)
+    rows = SplitJudge(twice, reference, {}, 2).rows()
+    assert rows[0]["verdict"] == "differs"
+    assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
+    assert "not sharded" in rows[0]["fix"]
+    assert "ACCELERATE_USE_CPU=true" in rows[0]["fix"] and "--use_cpu" in rows[0]["fix"]
+
+
+def test_a_repeat_in_place_of_a_sample_is_named_as_a_sampler_that_pads(tmp_path):
+    """A sampler that pads a rank's share with a repeat feeds the same distinct samples
+    and one too many: counted with repeats, they are not the reference's."""
+    rows = rows_of(tmp_path, Split(2, 1), grads=different, samples=(*EIGHT[:7], "s1"))
+    assert rows[0]["verdict"] == "differs"
+    assert rows[0]["fix"].startswith("step 0 fed 1 sample(s) more than once")
+
+
+def test_a_sample_fed_twice_is_another_set_of_samples(tmp_path):
+    """Every sample of the reference's step, and one of them again: the same set, not the
+    same samples counted with repeats."""
+    rows = rows_of(tmp_path, Split(2, 1), grads=different, samples=(*EIGHT, "s1"))
+    assert rows[0]["fix"].startswith("step 0 fed 9 sample(s) over all ranks where the "
+                                     "reference's fed 8")
+
+
+def test_fewer_samples_than_g_name_the_accumulation_argument(tmp_path):
+    rows = rows_of(tmp_path, Split(1, 2), grads=different, samples=EIGHT[:4])
+    assert "step 0 fed 4 sample(s) over all ranks where the reference's fed 8" in rows[0]["fix"]
+    assert "accumulation or batch argument" in rows[0]["fix"]
+
+
+def test_a_per_rank_seed_is_named(tmp_path):
+    """nanoGPT's pattern: each rank seeds its own stream, so rank 0 feeds the reference's
+    samples and rank 1 new ones."""
+    ours = ("s0", "n0", "s1", "n1", "s2", "n2", "s3", "n3")  # rank 0 takes 0, 2, ...
+    rows = rows_of(tmp_path, Split(2, 1), grads=different, samples=ours)
+    assert "rank 0 fed samples of the reference's step while the other 1 rank(s)" in \
+        rows[0]["fix"]
+    assert "seed" in rows[0]["fix"]
+
+
+def test_padding_without_a_mask_is_not_content(tmp_path):
+    """Rows padded to the longest of their micro-batch with no attention_mask (LitGPT):
+    the same samples, padded differently at each split, are the same samples."""
+    from harness.grad_check.script.explain import same_samples
+
+    def rows(*tensors):
+        return [samples.sample(torch.tensor(t)) for t in tensors]
+
+    whole = rows([5, 6, 7, 0, 0], [8, 9, 0, 0, 0], [4, 4, 4, 4, 4])
+    split = rows([5, 6, 7], [8, 9, 0], [4, 4, 4, 4, 4])  # another micro-batch, shorter pad
+    assert same_samples(split, whole)
+    assert not same_samples(rows([5, 6, 7], [8, 9, 1], [4, 4, 4, 4, 4]), whole)
+
+
+def test_packed_rows_are_cut_into_their_sequences():
+    """Padding-free batches: one row per micro-batch, position_ids restart per sequence."""
+    packed = torch.tensor([[5, 6, 7, 8, 9]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    cut = list(samples.sample_rows(packed, {"position_ids": positions}, None))
+    assert [row.tolist() for row in cut] == [[5, 6, 7], [8, 9]]
+    bounds = list(samples.sample_rows(packed, {"cu_seqlens": torch.tensor([0, 3, 5])}, None))
+    assert [row.tolist() for row in bounds] == [[5, 6, 7], [8, 9]]
+
+
+def test_sequence_first_inputs_are_cut_along_the_batch_axis():
+    steps = torch.arange(24.0).reshape(4, 3, 2)  # (T, b, F) with b = 3
+    rows = list(samples.sample_rows(steps, {}, micro_batch=3))
+    assert len(rows) == 3 and torch.equal(rows[1], steps[:, 1])
+
+
+def test_a_meta_tensor_is_not_read():
+    meta = torch.empty(2, 3, device="meta")
+    assert not samples.readable(meta)
+
+
+def test_a_partial_window_is_named_and_given_no_loss_divisor_fix(tmp_path):
+    """The epoch's remainder stepped with loss / k: the step is scaled, and multiplying the
+    loss by k would break every full window."""
+    rows = rows_of(tmp_path, Split(1, 2), grads=lambda s: {n: 0.5 * t for n, t in
+                                                             gradients(s).items()},
+                   forwards=[1])
+    assert rows[0]["verdict"] == "scaled"
+    assert rows[0]["fix"].startswith("step 0 is a partial window")
+    assert "multiply the loss" not in rows[0]["fix"]
+
+
+def test_an_all_zero_gradient_compares_nothing_and_fails(tmp_path):
+    def zero(step: int) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(t) for name, t in gradients(step).items()}
+
+    reference = written_capture(tmp_path / "reference", Split(1, 1), grads=zero)
+    again = written_capture(tmp_path / "again", Split(1, 1), grads=zero)
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), grads=zero), reference,
+                      check_deterministic(reference, again), 8).rows()
+    assert [row["status"] for row in rows[:2]] == ["no gradient", "no update"]
+    assert {row["verdict"] for row in rows} == {""}
     assert exit_code(rows, "error", "check.py run", case_label) == 1
-    assert Status.DIFFERENT_SAMPLES in render(rows)
+
+
+def test_an_update_at_learning_rate_0_is_skipped_not_failed(tmp_path):
+    reference = written_capture(tmp_path / "reference", Split(1, 1), lr=0.0)
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), lr=0.0), reference,
+                      {}, 8).rows()
+    assert rows[0]["verdict"] == "matches"
+    assert rows[1]["status"].startswith("skipped: the learning rate was 0")
+    assert exit_code(rows, "differs", "check.py run", case_label) == 0
 
 
 def test_the_reference_gradient_with_another_update_names_the_learning_rate(tmp_path):
@@ -301,29 +436,20 @@ def test_the_reference_gradient_with_another_update_names_the_learning_rate(tmp_
     assert "scheduler" in rows[1]["fix"]
 
 
-def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
-    reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
-    twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"))
-    rows = SplitJudge(twice, reference, {}, 2).rows()
-    assert rows[0]["status"] == Status.DIFFERENT_SAMPLES
-    assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
-    assert "not sharded" in rows[0]["fix"]
-
-
-def test_a_sample_fed_twice_is_another_set_of_samples(tmp_path):
-    """A sampler that pads a rank's share with a repeat feeds the same distinct samples
-    and one too many: counted with repeats, they are not the reference's."""
-    rows = rows_of(tmp_path, Split(2, 1), samples=("s0", "s1", "s1", "s1"))
-    assert rows[0]["status"] == Status.DIFFERENT_SAMPLES
-    assert rows[0]["fix"].startswith("step 0 fed 2 sample(s) the reference's step did not")
-
-
 def test_ranks_that_disagree_are_named(tmp_path):
     rows = rows_of(tmp_path, Split(2, 1), grads=lambda s: {n: 1.5 * t.sin() for n, t in
                                                              gradients(s).items()},
                    fingerprints=[1.0, 2.0])
     assert rows[0]["ranks_agree"] is False
     assert "nothing averages the gradients over the N ranks" in rows[0]["fix"]
+
+
+def test_ranks_that_disagree_are_a_verdict_even_where_rank_0_matches(tmp_path):
+    """Clipping on rank 0 only: rank 0's step is the reference's, rank 1's is not."""
+    rows = rows_of(tmp_path, Split(2, 1), fingerprints=[1.0, 2.0])
+    assert rows[0]["verdict"] == "ranks differ" and rows[0]["ranks_agree"] is False
+    assert rows[0]["fix"].startswith("rank(s) 1 held other gradients than rank 0 (w, b)")
+    assert exit_code(rows, "differs", "check.py run", case_label) == 1
 
 
 def test_a_reference_that_does_not_repeat_itself_is_refused(tmp_path):

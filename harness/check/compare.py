@@ -77,6 +77,9 @@ class Comparison:
     verdict: Equivalence
     #: Every tensor's relative error after the fitted scale, by name.
     errors: dict[str, float]
+    #: Both sides were all zero: the verdict compared nothing (a loss without gradient,
+    #: a step that moved no parameter).
+    nothing: bool = False
 
     @property
     def scale(self) -> float:
@@ -200,7 +203,8 @@ def compare(pairs: Sequence[Pair], names: Sequence[str], group: dist.ProcessGrou
                 else (0.0 if not math.isnan(scale) else math.nan))
     fit = ScaleFit(scale=scale, residual=residual)
     errors = _tensor_errors(names, residuals, sums[:, 1], sums[:, 2], scale)
-    return Comparison(fit, equivalence_verdict(fit, rtol), errors)
+    nothing = rr <= ZERO_NORM**2 and mm <= ZERO_NORM**2
+    return Comparison(fit, equivalence_verdict(fit, rtol), errors, nothing)
 
 
 def compare_each(pairs: Sequence[Pair], names: Sequence[str], exact: set[str],

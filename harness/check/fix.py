@@ -55,6 +55,8 @@ class Facts:
     #: labelled tokens): a loss that divides each micro-batch by its own count weighs
     #: micro-batches of different counts unequally, which no single scale explains.
     piece_counts: tuple[int, ...] = ()
+    #: The big batch's learning rates at this step (a step at rate 0 moves nothing).
+    learning_rates: tuple[float, ...] = ()
 
 
 def batchnorm_tensors(model: nn.Module) -> set[str]:
@@ -169,9 +171,21 @@ def suggest(point: str, comparison: Comparison, facts: Facts) -> str:
     if _follows_gradient_scale(point, comparison, facts):
         return (f"step 0's gradient is scaled by {facts.gradient_scale:.6g}, which "
                 f"this row follows from: {scale_fix('grad', facts.gradient_scale, facts)}")
+    if comparison.verdict is Equivalence.SCALED and comparison.scale == 0:
+        return zero_fix(point)
     if comparison.verdict is Equivalence.SCALED and not math.isnan(comparison.scale):
         return scale_fix(point, comparison.scale, facts)
     return differs_fix(comparison, facts)
+
+
+def zero_fix(point: str) -> str:
+    """Nothing where the big batch has something: no scale of the loss brings it back."""
+    if point == "grad":
+        return ("the gradient is all zero where the big batch's is not: nothing flowed back "
+                "to the parameters in this case (an output detached or computed without "
+                "autograd, a loss of no sample, a gradient zeroed before the step)")
+    return ("the step moved no parameter where the big batch's step did (a learning rate of "
+            "0 here only, a skipped step, a gradient zeroed before the step)")
 
 
 def measure_loss_combination(model: nn.Module, loss, window, per_piece: int, pieces: int,

@@ -26,7 +26,7 @@ from harness.check.fix import Facts, suggest
 from harness.check.precision import tolerance, unresolved_below
 from harness.columns import Column
 from harness.tolerances import dtype_name
-from harness.verdicts import Equivalence, Status
+from harness.verdicts import Equivalence, Status, skipped
 
 #: A point as a sentence names it.
 WHAT = {"grad": "gradient", "params": "update", "buffers": "buffers"}
@@ -61,10 +61,16 @@ class Judged:
     #: Under autocast, the residual of the step as run under it (None without autocast).
     autocast_residual: float | None = None
     own: Mapping[str, Any] = field(default_factory=dict)
+    #: The ranks disagree where only rank 0's tensors were compared: a verdict of its own.
+    ranks_differ: bool = False
 
     @property
     def verdict(self) -> str:
-        return str(self.comparison.verdict) if self.comparison else ""
+        if self.comparison is None:
+            return ""
+        if self.ranks_differ:
+            return str(Equivalence.RANKS_DIFFER)
+        return str(self.comparison.verdict)
 
     @property
     def scale(self) -> float:
@@ -102,16 +108,22 @@ def no_cause(_compared: Compared, _facts: Facts, _judged: Sequence[Judged]) -> s
 
 
 def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, facts: Facts,
-               cause: Cause = no_cause, say_unresolved: bool = False) -> list[Judged]:
+               cause: Cause = no_cause, say_unresolved: bool = False,
+               rank_zero_only: bool = False) -> list[Judged]:
     """The rows of one step, in the order of ``compared``.
 
     ``facts`` is the case's, carried from step to step: a scaled step-0 gradient is kept in
-    it, and every later row it does not explain by itself says so. ``say_unresolved``: a
+    it, and every later row it does not explain by itself says so. A point where both sides
+    were all zero compared nothing, and says so instead of a verdict. ``say_unresolved``: a
     ``matches`` at a precision coarser than float32 says what its tolerance cannot resolve
-    (for a front-end that runs no twin without autocast)."""
+    (for a front-end that runs no twin without autocast). ``rank_zero_only``: the front-end
+    compared rank 0's tensors alone, so ranks that disagree are the row's verdict."""
     facts.rtol = rtol = tolerance(precision)
     judged: list[Judged] = []
     for measured in compared:
+        if measured.comparison.nothing:
+            judged.append(nothing_compared(step, measured, precision, facts))
+            continue
         facts.ranks_agree = measured.ranks_agree
         fix = cause(measured, facts, judged)
         if fix is None:
@@ -119,11 +131,33 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
         if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
             fix = unresolved_below(precision, rtol)
         judged.append(Judged(step, measured.point, measured.comparison, precision, fix,
-                             ranks_agree=measured.ranks_agree, own=measured.own))
+                             ranks_agree=measured.ranks_agree, own=measured.own,
+                             ranks_differ=rank_zero_only and measured.ranks_agree is False))
         if (step == 0 and measured.point == "grad"
                 and measured.comparison.verdict is Equivalence.SCALED):
             facts.gradient_scale = measured.comparison.scale
     return judged
+
+
+def nothing_compared(step: int, measured: Compared, precision: torch.dtype,
+                     facts: Facts) -> Judged:
+    """A point all zero on both sides: no verdict (a run that compared nothing is not a
+    match), unless the step's learning rate was 0, where no update is expected."""
+    if measured.point == "grad":
+        status, fix = Status.NO_GRADIENT, (
+            "the gradient is all zero, here and in the big batch alike: nothing was compared "
+            "(a loss with no gradient, e.g. a cross-entropy over a single class; every "
+            "parameter frozen; a gradient zeroed before it was read)")
+    elif facts.learning_rates and all(rate == 0 for rate in facts.learning_rates):
+        status, fix = skipped("the learning rate was 0 at this step (a warm-up from 0): no "
+                              "update to compare"), ""
+    else:
+        status, fix = Status.NO_UPDATE, (
+            "the step moved no parameter, here and in the big batch alike, at a learning "
+            "rate other than 0: nothing was compared (a clip to 0, a gradient zeroed before "
+            "the step, a step the optimizer skipped)")
+    return Judged(step, measured.point, None, precision, fix, status,
+                  ranks_agree=measured.ranks_agree, own=measured.own)
 
 
 def judged_row(columns: Sequence[Column], judged: Judged, **cells: Any) -> dict[str, Any]:

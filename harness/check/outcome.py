@@ -23,8 +23,8 @@ Row = dict[str, Any]
 #: always fails: nothing was checked.
 FAIL_ON = {
     "error": frozenset(),
-    "differs": frozenset({Equivalence.DIFFERS}),
-    "scaled": frozenset({Equivalence.DIFFERS, Equivalence.SCALED}),
+    "differs": frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER}),
+    "scaled": frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER, Equivalence.SCALED}),
 }
 #: A pure scale is sometimes meant (a summed loss with the learning rate divided to
 #: match), and the params rows then say whether it is compensated; a difference no

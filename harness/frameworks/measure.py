@@ -249,6 +249,7 @@ class FrameworkJudge:
                                        [self.plain[step].loss_dtype,
                                         *self.captures[0].loss_dtypes])
             rtol = tolerance(precision)
+            facts.learning_rates = self.plain[step].lrs
             recipes = {point: self._compare(step, point, self.recipe[step], rtol)
                        for point in POINTS}
             compared = [self._compared(step, point, rtol, recipes[point], identity)

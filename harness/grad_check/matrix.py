@@ -261,6 +261,7 @@ class SetupCheck:
         precision = case_precision(self.dtype, self.setup,
                                    [ref.loss_dtype, *model.whole.loss_dtypes])
         rtol = tolerance(precision)
+        facts.learning_rates = ref.lrs
         grads = compare(model.grad_pairs(ref), model.param_names, group, self.device, rtol)
         compared = [Compared("grad", grads, model.ranks_agree("grad"))]
         self.baseline.before_optimizer_step()

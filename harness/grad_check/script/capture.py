@@ -1,40 +1,44 @@
 """What ``grad-check run`` runs inside each of the user's processes, before their script.
 
 ``startup/sitecustomize.py`` installs a :class:`Capture` when :data:`FOLDER_VARIABLE`
-names a folder; the user's code is not changed. Through torch's global hooks it sees:
+names a folder; the user's code is not changed. Through torch's global hooks and a few
+wrapped functions it sees:
 
-- every ``optimizer.step()`` (``register_optimizer_step_pre_hook`` / ``_post_hook``):
-  the gradients as the optimizer receives them (after the loop's clipping and
-  unscaling), and the parameters after the step, for the first S steps. Names come
-  from the innermost module that holds the optimizer's parameters (a DDP, compile or
-  Lightning wrapper around it adds nothing to them); FSDP2's DTensors are gathered
-  whole. Rank 0 writes the tensors, one file per step and point, so that at most one
-  copy of the gradients is held at a time; every rank writes a fingerprint of them, so
-  that ranks that disagree show;
-- every outermost call of a module with parameters (a model, not a loss module) with
-  autograd on (``register_module_forward_pre_hook`` and a forward hook given the
-  keyword arguments): a fingerprint of each sample, row
-  by row, of its first tensor argument (the tokens its ``attention_mask`` keeps, where
-  it has one: padding differs between splits, samples do not), and the tokens its
-  ``labels`` count (those not -100);
-- every ``backward``: the loss's type.
+- every optimizer the script steps (``register_optimizer_step_pre_hook`` /
+  ``_post_hook``), known by the parameters it holds, so that one re-created over the same
+  parameters is the same optimizer; a wrapper's step that calls an inner optimizer's
+  counts once, for the wrapper. For each of the first S steps of each: the gradient at
+  the end of its window, before anything edits it (on entry to ``clip_grad_norm_`` or
+  ``clip_grad_value_``, after ``GradScaler.unscale_``, else as ``step()`` receives it),
+  how far a clip scaled it, the learning rates, and the parameters after the step. Rank
+  0 writes the tensors, one file per optimizer, step and point; every rank writes a
+  digest of each tensor, so that ranks that disagree show, and where;
+- every training forward (a module with parameters called outermost, with autograd on,
+  in training mode, on input data rather than activations, and not while a backward
+  recomputes it): a fingerprint of each sample it fed (harness/grad_check/script/
+  samples.py) and the tokens its ``labels`` count. A step's samples are the forwards, since
+  the optimizer's last step, of the modules holding its parameters;
+- the floating types that ran: parameters, gradients, losses, and every module's output
+  (autocast entered inside ``forward``, a layer cast by hand).
 
-After step S every rank writes its summary, waits for the others' (so that none is
-still inside a collective of step S), and the process ends with exit code 0
-(``--keep-going``: the script goes on; the summary is written at exit). A setup that
-cannot be captured is refused by name, exit code 2, with one line for the launcher.
+The capture never raises inside the user's code: what it cannot read it records as
+unknown. Once every optimizer alive has taken S steps, every rank writes its summary,
+waits for the others' (so that none is still inside a collective of step S), and the
+process ends with exit code 0 (``--keep-going``: the script goes on; the summary is
+written at exit). A setup that cannot be captured is refused by name, exit code 2, with
+one line for the launcher.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
-import hashlib
+import functools
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +53,11 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from harness.check.compare import sampled_fingerprint
 from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, error_file, first_sentence
+from harness.grad_check.script import samples, wrappers
+from harness.grad_check.script.naming import owner, parameter_names, stripped
+from harness.grad_check.script.tracked import Tracked, Window, digests, norm, whole
 
 #: The folder a run's captures go to; the capture is installed only where it is set.
 FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
@@ -61,10 +67,8 @@ STEPS_VARIABLE = "GRAD_CHECK_STEPS"
 KEEP_GOING_VARIABLE = "GRAD_CHECK_KEEP_GOING"
 #: Seconds a rank waits at step S for the other ranks' summaries.
 TIMEOUT_VARIABLE = "GRAD_CHECK_TIMEOUT"
-#: Module attributes that wrappers put between a model and its parameters' names.
-WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-#: Labels of this value are not counted (cross-entropy's default ``ignore_index``).
-IGNORE_INDEX = -100
+#: The split's micro-batch b, where the samples' axis is found by its size.
+MICRO_BATCH_VARIABLE = "GRAD_CHECK_MICRO_BATCH"
 #: Seconds between looks for the other ranks' summaries.
 POLL_S = 0.01
 
@@ -73,10 +77,11 @@ def summary_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.pt"
 
 
-def tensors_file(folder: Path, step: int, point: str) -> Path:
-    """Rank 0's tensors: ``initial`` (the parameters before step 0), or step's ``grad``
-    or ``params``."""
-    return folder / (f"{point}.pt" if point == "initial" else f"step{step}.{point}.pt")
+def tensors_file(folder: Path, optimizer: int, step: int, point: str) -> Path:
+    """Rank 0's tensors of one optimizer: ``initial`` (its parameters before its step 0),
+    or a step's ``grad`` or ``params``."""
+    stem = "initial" if point == "initial" else f"step{step}.{point}"
+    return folder / f"optimizer{optimizer}.{stem}.pt"
 
 
 class Refused(Exception):
@@ -90,122 +95,43 @@ def save_atomically(value: Any, path: Path) -> None:
     os.replace(temporary, path)
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2 (DTensor) shard, gathered from every rank (a collective:
-    every rank calls it, in the same order); any other tensor as it is."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
-
-
-def stripped(name: str) -> str:
-    for segment in WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
-
-
-def owner(parameters: list[nn.Parameter]) -> nn.Module | None:
-    """The model the optimizer's parameters belong to, the same however it is wrapped: of
-    the live modules that hold all of them, the outermost, then, while it wraps a single
-    child that holds them all too (DDP's ``module``, torch.compile's ``_orig_mod``, a
-    framework's wrapper, a LightningModule around its one network), that child. Where no
-    module holds them all, the one that holds the most. Found once, among every module
-    alive: the optimizer knows its tensors, not their module."""
-    wanted = {id(p) for p in parameters}
-    parents: dict[int, list[nn.Module]] = {}
-    found: list[nn.Module] = []
-    # type(), not isinstance(): a deprecated object of torch answers isinstance with a warning.
-    for module in (o for o in gc.get_objects() if issubclass(type(o), nn.Module)):
-        for child in module._modules.values():
-            if child is not None:
-                parents.setdefault(id(child), []).append(module)
-        if any(p is not None and id(p) in wanted for p in module._parameters.values()):
-            found.append(module)
-    held: dict[int, int] = {}  # every holder and its ancestors: how many they hold
-    by_id: dict[int, nn.Module] = {}
-    while found:
-        module = found.pop()
-        if id(module) not in held:
-            held[id(module)] = len(wanted & {id(p) for p in module.parameters()})
-            by_id[id(module)] = module
-            found += parents.get(id(module), [])
-    if not held:
+def never_raising(hook: Callable) -> Callable:
+    """A hook that records what it could not read instead of raising into user code (a
+    refusal, deliberate, still ends the process)."""
+    @functools.wraps(hook)
+    def guarded(self: Capture, *args, **kwargs):
+        try:
+            return hook(self, *args, **kwargs)
+        except Refused as refusal:
+            self.refuse(str(refusal))
+        except Exception as error:  # noqa: BLE001 -- the user's run must go on
+            self.unknown.add(f"{hook.__name__}: {first_sentence(error)}")
         return None
-    whole = {key for key, count in held.items() if count == len(wanted)}
-    if not whole:
-        return by_id[max(held, key=lambda key: (held[key], type(by_id[key]).__name__))]
-    outermost = [by_id[key] for key in whole
-                 if not any(id(parent) in whole for parent in parents.get(key, []))]
-    models = {id(model): model for model in (unwrapped(m, whole) for m in outermost)}
-    return min(models.values(), key=lambda model: (sum(1 for _ in model.parameters()),
-                                                   type(model).__name__))
 
-
-def unwrapped(module: nn.Module, whole: set[int]) -> nn.Module:
-    """``module``'s single child, and so on, for as long as that child holds them all."""
-    while True:
-        children = [child for child in module._modules.values() if child is not None]
-        if len(children) != 1 or id(children[0]) not in whole:
-            return module
-        module = children[0]
-
-
-def sample_rows(first: torch.Tensor, mask: torch.Tensor | None) -> Iterator[torch.Tensor]:
-    """Each sample of ``first`` (its rows), only the positions ``mask`` keeps where given."""
-    rows = first.detach().cpu()
-    rows = rows.reshape(1) if rows.dim() == 0 else rows
-    kept = mask.detach().cpu().bool() if mask is not None else None
-    for i in range(rows.shape[0]):
-        yield rows[i][kept[i]] if kept is not None else rows[i]
-
-
-def row_fingerprint(row: torch.Tensor) -> str:
-    data = row.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def first_tensor(value: Any) -> torch.Tensor | None:
-    """The first tensor in ``value``, depth first through tuples, lists and dicts (a
-    framework's wrapper may be called with the whole batch, ``[x, y]``)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (tuple, list)) or isinstance(value, dict):
-        for item in items:
-            found = first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def matching_mask(first: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
-    """The call's ``attention_mask`` where it masks ``first`` position by position."""
-    mask = kwargs.get("attention_mask")
-    if (isinstance(mask, torch.Tensor) and first.dim() >= 2 and mask.dim() == 2
-            and tuple(mask.shape) == tuple(first.shape[:2])):
-        return mask
-    return None
+    return guarded
 
 
 class Capture:
     """The capture of one process: rank ``RANK`` of ``WORLD_SIZE`` (0 of 1 without them)."""
 
-    def __init__(self, folder: Path, steps: int, keep_going: bool, timeout: float) -> None:
+    def __init__(self, folder: Path, steps: int, keep_going: bool, timeout: float,
+                 micro_batch: int | None = None) -> None:
         self.folder, self.steps, self.keep_going, self.timeout = (folder, steps, keep_going,
                                                                   timeout)
+        self.micro_batch = micro_batch
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        #: Optimizer steps finished, counted at the outermost step (a wrapper's step that
-        #: calls the wrapped optimizer's counts once).
-        self.done = 0
-        self.step_depth = 0
-        self.forward_depth = 0
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.parameters: list[nn.Parameter] = []
-        self.names: list[str] = []
-        self.facts: dict[str, Any] = {}
+        self.tracked: list[Tracked] = []
+        #: Optimizers constructed and still alive, with where their first window starts.
+        self.constructed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: Identities (parameter sets) seen stepping inside another optimizer's step.
+        self.inner: set[frozenset[int]] = set()
+        self.window = Window()
+        self.step_depth = self.forward_depth = self.backward_depth = 0
+        self.facts: dict[str, set[str]] = {"batchnorm": set(), "dropout": set()}
         self.dtypes: set[str] = set()
+        self.unknown: set[str] = set()
         self.records: list[dict[str, Any]] = []
-        self.current = self._fresh_record()
         self.written = False
 
     # ------------------------------------------------------------------ hooks
@@ -214,14 +140,9 @@ class Capture:
         register_optimizer_step_post_hook(self.after_step)
         register_module_forward_pre_hook(self.entering_module)
         register_module_forward_hook(self.leaving_module, with_kwargs=True, always_call=True)
-        original_backward = torch.autograd.backward
-
-        def backward(tensors, *args, **kwargs):
-            self.saw_backward(tensors)
-            return original_backward(tensors, *args, **kwargs)
-
-        # Tensor.backward() calls torch.autograd.backward too.
-        torch.autograd.backward = backward
+        wrappers.wrap_construction(self)
+        wrappers.wrap_backward(self)
+        wrappers.wrap_clipping(self)
         original_hook = sys.excepthook
 
         def excepthook(kind, error, traceback):
@@ -231,31 +152,36 @@ class Capture:
         sys.excepthook = excepthook
         atexit.register(self.write_summary)
 
+    @never_raising
+    def before_editing(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Keep each gradient as it is now, where this window has not kept it yet."""
+        if self.recording:
+            self.window.keep_gradients(parameters)
+
     @property
     def recording(self) -> bool:
-        return self.done < self.steps
+        return not self.written
 
+    @never_raising
     def before_step(self, optimizer: torch.optim.Optimizer, args: tuple,
                     kwargs: dict) -> tuple[tuple, dict] | None:
         """Before the outermost step: the gradients, or, where the step is given a closure
         (Lightning passes one that runs the last micro-step's backward and the clipping),
         a closure that reads them once it has run."""
         self.step_depth += 1
-        if self.step_depth > 1 or not self.recording:
+        key = identity_of(optimizer)
+        if self.step_depth > 1:
+            self.inner.add(key)
             return None
-        try:
-            if self.optimizer is None:
-                self._first_step(optimizer)
-            elif optimizer is not self.optimizer:
-                raise Refused(f"the script steps two optimizers ({type(self.optimizer).__name__}"
-                              f" and {type(optimizer).__name__}); allowed: scripts that step "
-                              "one optimizer")
-        except Refused as refusal:
-            self.refuse(str(refusal))
+        if not self.recording:
+            return None
+        tracked = self._tracked(optimizer, key)
+        if tracked.steps >= self.steps:  # captured already: the script goes on (--keep-going)
+            return None
         # args[0] is the optimizer itself, args[1] a positional closure.
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            self.read_gradients()
+            self.read_gradients(tracked, optimizer)
             return None
         called = []
 
@@ -263,117 +189,159 @@ class Capture:
             loss = closure()
             if not called:  # an optimizer that calls it again (LBFGS) moved on from there
                 called.append(True)
-                self.read_gradients()
+                self.read_gradients(tracked, optimizer)
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_gradients}
         return (args[0], closure_then_gradients, *args[2:]), kwargs
 
-    def read_gradients(self) -> None:
-        """The gradients the optimizer receives: fingerprinted, and written by rank 0."""
-        grads = [p.grad for p in self.parameters]
-        self.dtypes.update(str(p.dtype) for p in self.parameters)
-        self.dtypes.update(str(g.dtype) for g in grads if g is not None)
+    @never_raising
+    def read_gradients(self, tracked: Tracked, optimizer: torch.optim.Optimizer) -> None:
+        """The window's gradient, before any clip: digested, and written by rank 0."""
+        received = [p.grad for p in tracked.parameters]
+        before = [self.window.kept.get(id(p), grad)
+                  for p, grad in zip(tracked.parameters, received, strict=True)]
+        self.dtypes.update(str(p.dtype) for p in tracked.parameters)
+        self.dtypes.update(str(g.dtype) for g in before if g is not None)
         gathered = {name: None if g is None else whole(g).detach()
-                    for name, g in zip(self.names, grads, strict=True)}
-        self.current["grad_fingerprint"] = sampled_fingerprint(gathered.values())
+                    for name, g in zip(tracked.names, before, strict=True)}
+        record = tracked.open_record(self.window, optimizer)
+        record["grad_digests"] = digests(gathered)
+        if record["clips"]:
+            record["before_norm"] = norm(gathered.values())
+            record["received_norm"] = norm(whole(g) for g in received if g is not None)
         if self.rank == 0:
-            save_atomically(gathered, tensors_file(self.folder, self.done, "grad"))
+            save_atomically(gathered, tensors_file(self.folder, tracked.index, tracked.steps,
+                                                   "grad"))
 
+    @never_raising
     def after_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
         self.step_depth -= 1
-        if self.step_depth > 0 or not self.recording or optimizer is not self.optimizer:
+        if self.step_depth > 0 or not self.recording:
             return
-        params = self._parameters_now()
-        self.current["params_fingerprint"] = sampled_fingerprint(params.values())
+        tracked = self._by_key(identity_of(optimizer))
+        if tracked is None:
+            return
+        if tracked.record is None:  # a step not captured: its window is done with too
+            tracked.since = self.window.forwards
+            self.window.forget(tracked.parameters, self.oldest_window())
+            return
+        params = tracked.parameters_now()
+        tracked.record["params_digests"] = digests(params)
         if self.rank == 0:
-            save_atomically(params, tensors_file(self.folder, self.done, "params"))
-        self.records.append(self.current)
-        self.current = self._fresh_record()
-        self.done += 1
-        if self.done == self.steps and not self.keep_going:
+            save_atomically(params, tensors_file(self.folder, tracked.index, tracked.steps,
+                                                 "params"))
+        self.records.append(tracked.close_record(self.window))
+        self.window.forget(tracked.parameters, self.oldest_window())
+        if not self.keep_going and self.captured_enough():
             self.stop()
 
     def entering_module(self, _module: nn.Module, _args) -> None:
         self.forward_depth += 1
 
-    def leaving_module(self, module: nn.Module, args: tuple, kwargs: dict, _result) -> None:
-        self.forward_depth -= 1
-        # A model, not a loss module (nn.MSELoss holds no parameters): its first argument
-        # is the model's output, whose rounding depends on the batch it came from.
-        if (self.forward_depth == 0 and self.recording and torch.is_grad_enabled()
-                and next(module.parameters(), None) is not None):
-            self.saw_batch(args, kwargs)
+    def leaving_module(self, module: nn.Module, args: tuple, *rest) -> None:
+        """After a module's call; ``rest`` is (kwargs, result), or (result,) where the
+        call raised (torch then calls the hook without the keyword arguments)."""
+        self.forward_depth = max(0, self.forward_depth - 1)
+        kwargs = rest[0] if len(rest) == 2 and isinstance(rest[0], dict) else {}
+        if self.recording:
+            self.saw_module(module, args, kwargs, rest[-1] if rest else None)
 
-    def saw_batch(self, args: tuple, kwargs: dict) -> None:
-        """An outermost training forward: its samples, its counted labels, autocast."""
-        first = first_tensor((args, kwargs))
-        if first is not None:
-            self.current["samples"] += [row_fingerprint(row) for row in
-                                        sample_rows(first, matching_mask(first, kwargs))]
-        labels = kwargs.get("labels")
-        if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-            self.current["counts"].append(int((labels != IGNORE_INDEX).sum()))
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                self.dtypes.add(str(torch.get_autocast_dtype(device)))
+    @never_raising
+    def saw_module(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
+        output = samples.first_tensor(result)
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            self.dtypes.add(str(output.dtype))
+        if (self.forward_depth == 0 and torch.is_grad_enabled() and module.training
+                and self.backward_depth == 0):
+            self.saw_forward(module, args, kwargs)
+
+    def saw_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """An outermost training forward: its samples and its counted labels, where its
+        input is data (not another module's output) the capture can read."""
+        first = samples.first_tensor((args, kwargs))
+        if first is None or not samples.is_data(first) or not samples.readable(first):
+            return
+        held = self.window.parameters_of(module)
+        if not held:
+            return
+        self.window.forwarded(held, samples.samples_of(first, kwargs, self.micro_batch),
+                              samples.labelled_count(kwargs))
 
     def saw_backward(self, tensors) -> None:
         """The type of each loss backpropagated: a float32 loss of a float64 model rounds
         like float32, and its rows are judged at float32's tolerance."""
-        if not self.recording:
+        if not self.recording or self.backward_depth:
             return
-        for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors):
+        for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 self.dtypes.add(str(tensor.dtype))
 
-    # ------------------------------------------------------------------ steps
-    def _first_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Name the optimizer's parameters, refuse what cannot be read, keep the initial
-        parameters."""
-        self.optimizer = optimizer
-        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        refuse_flat_parameters(self.parameters)
-        model = owner(self.parameters)
-        by_id = ({id(p): stripped(name) for name, p in model.named_parameters()}
-                 if model is not None else {})
-        if len(by_id.keys() & {id(p) for p in self.parameters}) < len(self.parameters):
+    # ------------------------------------------------------------------ optimizers
+    def _by_key(self, key: frozenset[int]) -> Tracked | None:
+        return next((tracked for tracked in self.tracked if tracked.key == key), None)
+
+    def _tracked(self, optimizer: torch.optim.Optimizer, key: frozenset[int]) -> Tracked:
+        """The optimizer's identity, named and its initial parameters kept at its first
+        step (an optimizer re-created over the same parameters is the same one)."""
+        tracked = self._by_key(key)
+        if tracked is not None:
+            return tracked
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        refuse_flat_parameters(parameters)
+        model = owner(parameters)
+        groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+        names = parameter_names(parameters, model, groups)
+        if any(name.startswith("param_groups.") for name in names):
             refuse_moduleless_parameters()
-        self.names = [by_id.get(id(p), f"param_groups.{g}.{i}")
-                      for g, group in enumerate(optimizer.param_groups)
-                      for i, p in enumerate(group["params"])]
-        # What a fix is read from besides the tensors (harness/check/fix.py: Facts).
-        self.facts = {
-            "batchnorm": sorted(stripped(n) for n in batchnorm_tensors(model)) if model else [],
-            "dropout": [stripped(name) for name, module in (model.named_modules() if model
-                                                            else ())
-                        if isinstance(module, nn.modules.dropout._DropoutNd)
-                        and module.p > 0 and module.training],
-        }
-        initial = self._parameters_now()
+        since = self.constructed.get(optimizer, 0)
+        tracked = Tracked(len(self.tracked), type(optimizer).__name__, key, parameters, names,
+                          since)
+        self.tracked.append(tracked)
+        if model is not None:
+            self._learn_facts(model)
+        initial = tracked.parameters_now()
         if self.rank == 0:
-            save_atomically(initial, tensors_file(self.folder, 0, "initial"))
+            save_atomically(initial, tensors_file(self.folder, tracked.index, 0, "initial"))
+        return tracked
 
-    def _parameters_now(self) -> dict[str, torch.Tensor]:
-        return {name: whole(p).detach() for name, p in zip(self.names, self.parameters,
-                                                           strict=True)}
+    def _learn_facts(self, model: nn.Module) -> None:
+        """What a fix is read from besides the tensors (harness/check/fix.py: Facts)."""
+        self.facts["batchnorm"] |= {stripped(n) for n in batchnorm_tensors(model)}
+        self.facts["dropout"] |= {stripped(name) for name, module in model.named_modules()
+                                  if isinstance(module, nn.modules.dropout._DropoutNd)
+                                  and module.p > 0 and module.training}
 
-    @staticmethod
-    def _fresh_record() -> dict[str, Any]:
-        return {"samples": [], "counts": [], "grad_fingerprint": None,
-                "params_fingerprint": None}
+    def oldest_window(self) -> int:
+        """The first forward any optimizer's next step may still count."""
+        starts = [tracked.since for tracked in self.tracked]
+        keys = {tracked.key for tracked in self.tracked}
+        starts += [since for optimizer, since in list(self.constructed.items())
+                   if identity_of(optimizer) not in keys]  # not stepped yet
+        return min(starts, default=self.window.forwards)
+
+    def captured_enough(self) -> bool:
+        """Every optimizer alive (not one stepped inside another's step) has taken S steps:
+        one that never steps lets the script run to its end."""
+        done = {tracked.key for tracked in self.tracked if tracked.steps >= self.steps}
+        if len(done) < len(self.tracked):
+            return False
+        alive = {identity_of(optimizer) for optimizer in list(self.constructed)}
+        return all(key in done or key in self.inner or not key for key in alive)
 
     # ------------------------------------------------------------------ the end
     def summary(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size, "steps": self.done,
-                "records": self.records, "names": self.names, "dtypes": sorted(self.dtypes),
-                **self.facts}
+        return {"rank": self.rank, "world_size": self.world_size,
+                "optimizers": [tracked.summary() for tracked in self.tracked],
+                "records": self.records, "dtypes": sorted(self.dtypes),
+                "unknown": sorted(self.unknown),
+                **{name: sorted(values) for name, values in self.facts.items()}}
 
     def write_summary(self) -> None:
         """Once, where this process stepped an optimizer: a process that never did (a
         DataLoader worker, a launcher of the script) must not stand for the rank."""
-        if self.written or self.optimizer is None:
+        if self.written or not self.tracked:
             return
         self.written = True
         save_atomically(self.summary(), summary_file(self.folder, self.rank))
@@ -413,6 +381,12 @@ class Capture:
         os._exit(code)
 
 
+def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """An optimizer is known by the trainable parameters it holds."""
+    return frozenset(id(p) for group in optimizer.param_groups for p in group["params"]
+                     if getattr(p, "requires_grad", False))
+
+
 def refuse_flat_parameters(parameters: Iterable[nn.Parameter]) -> None:
     if any(type(p).__name__ == "FlatParameter" for p in parameters):
         raise Refused("FullyShardedDataParallel (FSDP1) hands the optimizer flat parameters, "
@@ -436,9 +410,11 @@ def install_from_environment() -> Capture | None:
     folder = os.environ.get(FOLDER_VARIABLE)
     if not folder or INSTALLED is not None:
         return INSTALLED
+    micro_batch = os.environ.get(MICRO_BATCH_VARIABLE)
     INSTALLED = Capture(Path(folder), int(os.environ.get(STEPS_VARIABLE, "2")),
                         os.environ.get(KEEP_GOING_VARIABLE) == "1",
-                        float(os.environ.get(TIMEOUT_VARIABLE, "300")))
+                        float(os.environ.get(TIMEOUT_VARIABLE, "300")),
+                        int(micro_batch) if micro_batch else None)
     INSTALLED.install()
     return INSTALLED
 

@@ -144,7 +144,8 @@ def run(config: ScriptConfig, starter=None) -> int:
     from harness.results import write_csv_atomic
 
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
-                             timeout=config.timeout, starter=starter or start_subprocess)
+                             timeout=config.timeout, starter=starter or start_subprocess,
+                             global_batch=config.global_batch)
     say = (lambda line: None) if config.quiet else (
         lambda line: print(f"{PROG}: {line}", flush=True))
     try:

@@ -1,17 +1,20 @@
-"""Rows from the captures: the same data first, then the check's own comparison and fixes.
+"""Rows from the captures: each optimizer's steps compared with the reference's, judged by
+the check's engine.
 
 The reference split ran twice: its two runs must agree (:func:`check_deterministic`),
-and how far they are apart is each row's ``reference_noise``. Each other split's steps
-are then compared with the reference's first run, step by step, with the check's engine
-(harness/check/compare.py: least-squares scale, residual, verdict at the tolerance of
-the lowest precision either run used; fix.py: the fix). A step whose samples differ
-from the reference's is named as such instead: its gradient would differ for a reason
-no loss fix touches.
+and how far they are apart is each row's ``reference_noise``. Each other split's
+optimizers are paired with the reference's (by the order of their first step and the
+tensors they hold), and each of their steps is compared with the engine's compare
+(harness/check/compare.py: least-squares scale, residual, verdict at the tolerance of the
+lowest precision either run used) and judged by its judge (harness/check/judge.py). What
+only a script's step shows explains a difference before the engine's fixes do: other
+samples (explain.py: the fingerprints explain, they never overrule a measurement), a
+partial window, ranks that disagree, active dropout, an update off although its gradient
+matched, a clip that hid the gradient's scale.
 """
 
 from __future__ import annotations
 
-import collections
 import math
 import shlex
 from collections.abc import Sequence
@@ -21,86 +24,75 @@ from typing import Any
 import torch
 
 from harness.check.compare import Comparison, Pair, compare, compare_each
-from harness.check.fix import Facts, named_value
+from harness.check.fix import Facts, named_value, suggest
 from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
 from harness.check.precision import lowest, tolerance
 from harness.columns import POINTS
 from harness.errors import UsageError
+from harness.grad_check.script import explain
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
-from harness.tolerances import dtype_name
+from harness.tolerances import close, dtype_name
 from harness.verdicts import Equivalence, Status
 
 CPU = torch.device("cpu")
 #: Names shown where a list is named in a line.
 SHOWN = 3
+#: (optimizer, step, point) -> the reference's noise there.
+Noise = dict[tuple[int, int, str], float]
 
 
 class Unmatched(Exception):
     """The split's optimizer holds other tensors than the reference's: nothing to fit."""
 
 
-def shown(names: list[str]) -> str:
+def shown(names: Sequence[str]) -> str:
     return ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
 
 
 def precision(*runs: Captured) -> torch.dtype:
     """The lowest floating type any of the runs used (parameters, gradients, losses,
-    autocast)."""
+    every module's output)."""
     return lowest(dtype for run in runs for dtype in run.dtypes)
 
 
-def pairs(measured: Captured, reference: Captured, step: int, point: str) -> tuple[list[Pair],
-                                                                                 list[str]]:
+def pairs(measured: Captured, reference: Captured, optimizer: int, step: int,
+          point: str) -> tuple[list[Pair], list[str]]:
     """Each tensor of ``point`` at ``step`` against the reference's; parameters as updates
     from where the reference started the step."""
-    names = reference.names
-    if measured.names != names:
-        extra = [name for name in measured.names if name not in names]
-        missing = [name for name in names if name not in measured.names]
-        raise Unmatched("the optimizer holds other tensors than at the reference"
-                        + (f" ({shown(extra)} only here" if extra else " (")
-                        + (f"; {shown(missing)} only there)" if missing else ")"))
-    ours, theirs = measured.tensors(step, point), reference.tensors(step, point)
-    origin = reference.before(step) if point == "params" else {}
+    names = reference.names(optimizer)
+    if optimizer >= len(measured.optimizers) or measured.names(optimizer) != names:
+        raise Unmatched(unmatched(measured, reference, optimizer))
+    ours = measured.tensors(optimizer, step, point)
+    theirs = reference.tensors(optimizer, step, point)
+    origin = reference.before(optimizer, step) if point == "params" else {}
     return [Pair(name, ours[name], theirs[name], origin.get(name)) for name in names], names
 
 
-def compared(measured: Captured, reference: Captured, step: int, point: str,
+def unmatched(measured: Captured, reference: Captured, optimizer: int) -> str:
+    label = reference.label(optimizer)
+    if optimizer >= len(measured.optimizers):
+        return (f"the reference steps {len(reference.optimizers)} optimizer(s), this split "
+                f"{len(measured.optimizers)}: {label} never stepped here")
+    ours, theirs = measured.names(optimizer), reference.names(optimizer)
+    extra = [name for name in ours if name not in theirs]
+    missing = [name for name in theirs if name not in ours]
+    return (f"{label} holds other tensors than at the reference"
+            + (f" ({shown(extra)} only here" if extra else " (")
+            + (f"; {shown(missing)} only there)" if missing else ")"))
+
+
+def compared(measured: Captured, reference: Captured, optimizer: int, step: int, point: str,
              rtol: float) -> Comparison:
-    found, names = pairs(measured, reference, step, point)
+    found, names = pairs(measured, reference, optimizer, step, point)
     return compare(found, names, None, CPU, rtol)
 
 
-def noise(again: Captured, first: Captured, step: int, point: str, rtol: float) -> float:
+def noise(again: Captured, first: Captured, optimizer: int, step: int, point: str,
+          rtol: float) -> float:
     """``||again - first|| / ||again||`` at scale 1 (updates for ``params``)."""
-    found, names = pairs(again, first, step, point)
+    found, names = pairs(again, first, optimizer, step, point)
     return compare_each(found, names, set(), None, CPU, rtol).residual
-
-
-def sample_difference(measured: collections.Counter, reference: collections.Counter
-                      ) -> tuple[int, int]:
-    """(samples fed that the reference did not feed, reference samples left out), counted
-    with repeats: a sample fed twice where the reference fed it once is one too many."""
-    return sum((measured - reference).values()), sum((reference - measured).values())
-
-
-def unsharded_fix(step: int, world_size: int, each: int) -> str:
-    return (f"in step {step} every one of the {world_size} ranks fed the same {each} "
-            "sample(s): the data is not sharded across the ranks (no DistributedSampler, or "
-            "a framework that did not take the run as distributed, e.g. Accelerate on a "
-            "machine without GPUs unless Accelerator(cpu=True)); shard it so that the ranks "
-            "together feed each step's G samples once")
-
-
-def sampler_fix(step: int, extra: int, missing: int, total: int) -> str:
-    return (f"step {step} fed {extra} sample(s) the reference's step did not and left out "
-            f"{missing} of its {total}: the sampler does not give every split the same global "
-            "batch (a per-rank shuffle, a DistributedSampler with drop_last or padding, a "
-            "seed that depends on the rank or on N, a shuffle drawn from the global random "
-            "state); give each step the same G samples at every split, e.g. a seeded "
-            "DataLoader(shuffle=True, generator=torch.Generator().manual_seed(0)) or "
-            "DistributedSampler(shuffle=True, seed=0), over a dataset whose length N divides")
 
 
 def learning_rate_fix(update: Comparison, facts: Facts) -> str:
@@ -117,7 +109,7 @@ def learning_rate_fix(update: Comparison, facts: Facts) -> str:
                 "step")
     return ("the gradient matches but the update does not: the optimizer's state or settings "
             "differ from the reference's (a scheduler, an lr or weight decay set from N or k, "
-            "state carried from an earlier step)")
+            "state carried from an earlier step, a clip that bound differently)")
 
 
 def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
@@ -129,111 +121,179 @@ def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
                       "kernels (torch.use_deterministic_algorithms(True))")
 
 
-def check_deterministic(first: Captured, again: Captured) -> dict[tuple[int, str], float]:
+def check_deterministic(first: Captured, again: Captured) -> Noise:
     """Refuse a reference whose two runs differ beyond its precision's tolerance; else the
-    noise between them, by (step, point)."""
+    noise between them, by (optimizer, step, point)."""
     label = first.run.split.label
-    if again.steps != first.steps:
-        raise not_deterministic(label, f"stepped {first.steps} then {again.steps} time(s)",
-                                first.dropout)
+    steps = [first.steps(o) for o in range(len(first.optimizers))]
+    if steps != [again.steps(o) for o in range(len(again.optimizers))]:
+        raise not_deterministic(label, f"stepped {first.total_steps} then {again.total_steps} "
+                                "time(s)", first.dropout)
     rtol = tolerance(precision(first, again))
-    measured: dict[tuple[int, str], float] = {}
-    for step in range(first.steps):
-        if first.samples(step) != again.samples(step):
-            raise not_deterministic(label, f"fed other samples in step {step}", first.dropout)
-        for point in POINTS:
-            try:
-                comparison = compared(again, first, step, point, rtol)
-            except Unmatched as unmatched:
-                raise not_deterministic(label, str(unmatched), first.dropout) from None
-            if comparison.verdict is not Equivalence.MATCHES:
-                distance = noise(again, first, step, point, rtol)
-                raise not_deterministic(
-                    label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, "
-                    f"beyond {dtype_name(precision(first, again))}'s tolerance {rtol:g})",
-                    first.dropout)
-            measured[(step, point)] = noise(again, first, step, point, rtol)
+    measured: Noise = {}
+    for optimizer, count in enumerate(steps):
+        for step in range(count):
+            if not explain.same_samples(again.samples(optimizer, step),
+                                        first.samples(optimizer, step)):
+                raise not_deterministic(label, f"fed other samples in step {step}",
+                                        first.dropout)
+            for point in POINTS:
+                measured[(optimizer, step, point)] = _repeated(first, again, optimizer, step,
+                                                               point, rtol)
     return measured
+
+
+def _repeated(first: Captured, again: Captured, optimizer: int, step: int, point: str,
+              rtol: float) -> float:
+    """How far the reference's second run is from its first at one point; refused beyond
+    the precision's tolerance."""
+    label = first.run.split.label
+    try:
+        comparison = compared(again, first, optimizer, step, point, rtol)
+    except Unmatched as unmatched_:
+        raise not_deterministic(label, str(unmatched_), first.dropout) from None
+    distance = noise(again, first, optimizer, step, point, rtol)
+    if comparison.verdict is not Equivalence.MATCHES:
+        raise not_deterministic(
+            label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, beyond "
+            f"{dtype_name(precision(first, again))}'s tolerance {rtol:g})", first.dropout)
+    return distance
 
 
 @dataclass
 class SplitJudge:
-    """The rows of one split: each step x point against the reference's first run."""
+    """The rows of one split: each optimizer's steps x points against the reference's first
+    run."""
 
     measured: Captured
     reference: Captured
-    reference_noise: dict[tuple[int, str], float]
+    reference_noise: Noise
     global_batch: int
 
     def rows(self) -> list[dict[str, Any]]:
         return [self.row(judged) for judged in self.judged()]
 
     def judged(self) -> list[Judged]:
+        if not self.measured.stepped:
+            return self.errors(0, 0, self.missing_step(0, 0))
         judged: list[Judged] = []
-        split = self.measured.run.split
-        facts = Facts(world_size=split.world_size,
-                      accum_steps=split.accum_steps, batchnorm=self.measured.batchnorm)
-        captured = self.measured.steps if self.measured.stepped else 0
-        for step in range(min(captured, self.reference.steps)):
-            try:
-                judged += self.step_judged(step, facts)
-            except Unmatched as unmatched:
-                return judged + self.errors(step, str(unmatched))
-        if captured < self.reference.steps:
-            judged += self.errors(captured, self.missing_step(captured))
+        for optimizer in range(len(self.reference.optimizers)):
+            judged += self.optimizer_judged(optimizer)
         return judged
 
-    def missing_step(self, step: int) -> str:
+    def optimizer_judged(self, optimizer: int) -> list[Judged]:
+        split = self.measured.run.split
+        facts = Facts(world_size=split.world_size, accum_steps=split.accum_steps,
+                      batchnorm=self.measured.batchnorm)
+        wanted = self.reference.steps(optimizer)
+        taken = (self.measured.steps(optimizer)
+                 if optimizer < len(self.measured.optimizers) else 0)
+        judged: list[Judged] = []
+        for step in range(min(wanted, taken)):
+            try:
+                judged += self.step_judged(optimizer, step, facts)
+            except Unmatched as unmatched_:
+                return judged + self.errors(optimizer, step, str(unmatched_))
+        if taken < wanted:
+            judged += self.errors(optimizer, taken, self.missing_step(optimizer, taken))
+        return judged
+
+    def missing_step(self, optimizer: int, step: int) -> str:
         failure = self.measured.run.failure
         if failure is not None:
             return str(failure)
         if not self.measured.stepped:
             return "the script ended without stepping an optimizer"
-        return (f"the script ended after {step} optimizer step(s); the reference took "
-                f"{self.reference.steps}")
+        if optimizer >= len(self.measured.optimizers):
+            return unmatched(self.measured, self.reference, optimizer)
+        return (f"the script ended after {step} step(s) of "
+                f"{self.reference.label(optimizer)}; the reference took "
+                f"{self.reference.steps(optimizer)}")
 
-    def step_judged(self, step: int, facts: Facts) -> list[Judged]:
-        ours, theirs = self.measured.samples(step), self.reference.samples(step)
-        if ours != theirs:
-            fix = self.samples_fix(step, ours, theirs)
-            return [Judged(step, point, fix=fix, status=Status.DIFFERENT_SAMPLES)
-                    for point in POINTS]
+    def step_judged(self, optimizer: int, step: int, facts: Facts) -> list[Judged]:
         dtype = precision(self.measured, self.reference)
         rtol = tolerance(dtype)
-        facts.piece_counts = self.measured.counts(step)
-        points = [Compared(point, compared(self.measured, self.reference, step, point, rtol),
-                           self.measured.ranks_agree(step, point)) for point in POINTS]
-        return judge_step(step, points, dtype, facts, cause=self.cause, say_unresolved=True)
+        facts.piece_counts = self.measured.counts(optimizer, step)
+        facts.learning_rates = tuple(self.reference.learning_rates(optimizer, step))
+        own = self.own_cells(optimizer, step)
+        points = [Compared(point, compared(self.measured, self.reference, optimizer, step,
+                                           point, rtol),
+                           self.measured.ranks_agree(optimizer, step, point),
+                           {**own, "reference_noise": self.reference_noise.get(
+                               (optimizer, step, point), math.nan)})
+                  for point in POINTS]
+        return judge_step(step, points, dtype, facts, cause=self.cause(optimizer, step),
+                          say_unresolved=True, rank_zero_only=True)
 
-    def samples_fix(self, step: int, ours: collections.Counter,
-                    theirs: collections.Counter) -> str:
-        each = [collections.Counter(record["samples"]) for record in self.measured.records(step)]
-        if len(each) > 1 and each[0] and all(rank == each[0] for rank in each):
-            return unsharded_fix(step, len(each), sum(each[0].values()))
-        extra, missing = sample_difference(ours, theirs)
-        return sampler_fix(step, extra, missing, sum(theirs.values()))
+    def own_cells(self, optimizer: int, step: int) -> dict[str, Any]:
+        clips = self.measured.clips(optimizer, step)
+        return {"optimizer": self.reference.label(optimizer),
+                "clip": "; ".join(dict.fromkeys(clips)),
+                "clip_factor": self.measured.clip_factor(optimizer, step) if clips else math.nan}
 
-    def cause(self, measured: Compared, facts: Facts, judged: Sequence[Judged]) -> str | None:
-        """What a script's step shows of a row's cause before the engine's fixes: an update
-        off although its gradient matched, ranks that disagree, active dropout."""
-        comparison = measured.comparison
-        gradient = judged[0].comparison if judged else None
-        if (measured.point == "params" and gradient is not None
-                and gradient.verdict is Equivalence.MATCHES):
-            return learning_rate_fix(comparison, facts)
-        if comparison.verdict is Equivalence.MATCHES:
-            return None
-        if measured.ranks_agree is False:
-            held = "gradients" if measured.point == "grad" else "parameters"
-            return (f"the ranks held different {held}: nothing averages the gradients over "
-                    "the N ranks before the step (wrap the model in DistributedDataParallel, "
-                    "or all-reduce them), or something changes it on some ranks; compare the "
-                    "ranks' gradients")
-        if self.measured.dropout:
-            return (f"the model's dropout ({shown(self.measured.dropout)}) is active: each "
-                    "split draws other masks, so no split can give the reference's step; set "
-                    "its probability to 0 while checking")
+    def cause(self, optimizer: int, step: int):
+        """What a script's step shows of a row's cause before the engine's fixes."""
+        def cause(measured: Compared, facts: Facts, judged: Sequence[Judged]) -> str | None:
+            comparison = measured.comparison
+            gradient = judged[0].comparison if judged else None
+            if comparison.verdict is Equivalence.MATCHES and measured.ranks_agree is not False:
+                return None
+            if measured.ranks_agree is False:
+                return self.ranks_fix(optimizer, step, measured.point)
+            if (why := self.data_fix(optimizer, step)) is not None:
+                return why
+            if self.measured.dropout:
+                return (f"the model's dropout ({shown(self.measured.dropout)}) is active: "
+                        "each split draws other masks, so no split can give the reference's "
+                        "step; set its probability to 0 while checking")
+            if (measured.point == "params" and gradient is not None
+                    and gradient.verdict is Equivalence.MATCHES):
+                return learning_rate_fix(comparison, facts)
+            return self.clip_note(optimizer, step, measured, facts)
+
+        return cause
+
+    def data_fix(self, optimizer: int, step: int) -> str | None:
+        """Other samples, or a window the data ran out in, where the samples show one."""
+        ours = [record["samples"] for record in self.measured.records(optimizer, step)]
+        theirs = self.reference.samples(optimizer, step)
+        if not explain.same_samples([s for rank in ours for s in rank], theirs):
+            return explain.samples_fix(step, ours, theirs, self.global_batch)
+        forwards = self.measured.forwards(optimizer, step)
+        split = self.measured.run.split
+        short = any(0 < count < split.accum_steps for count in forwards)
+        if short or (theirs and len(theirs) < self.global_batch):
+            return explain.partial_window_fix(step, len(theirs), self.global_batch, forwards,
+                                              split.accum_steps)
         return None
+
+    def ranks_fix(self, optimizer: int, step: int, point: str) -> str:
+        disagreement = self.measured.disagreement(optimizer, step, point)
+        ranks = ", ".join(map(str, disagreement.ranks)) if disagreement else "some"
+        tensors = shown(list(disagreement.tensors)) if disagreement else "some tensors"
+        held = "gradients" if point == "grad" else "parameters"
+        return (f"rank(s) {ranks} held other {held} than rank 0 ({tensors}): nothing averages "
+                "the gradients over the N ranks before the step (wrap the model in "
+                "DistributedDataParallel, or all-reduce them), or something changes them on "
+                "some ranks only (a clip, a scheduler or a condition on the rank)")
+
+    def clip_note(self, optimizer: int, step: int, measured: Compared,
+                  facts: Facts) -> str | None:
+        """A scaled gradient whose scale the window's clip undid: the engine's fix, and that
+        the clip hid it at this step (the optimizer received the reference's gradient)."""
+        comparison = measured.comparison
+        clips = self.measured.clips(optimizer, step)
+        if measured.point != "grad" or comparison.verdict is not Equivalence.SCALED or not clips:
+            return None
+        ours = self.measured.clip_factor(optimizer, step)
+        theirs = self.reference.clip_factor(optimizer, step)
+        received = ours * comparison.scale / theirs if theirs else math.nan
+        if not close(received, 1.0, facts.rtol):
+            return None
+        return (f"{suggest('grad', comparison, facts)}; at this step {clips[0]} hid it: "
+                "it scaled this gradient and the reference's to the same norm, so the "
+                "optimizer received the reference's gradient (a clip that does not bind "
+                "lets the scale through)")
 
     def row(self, judged: Judged) -> dict[str, Any]:
         split = self.measured.run.split
@@ -241,9 +301,12 @@ class SplitJudge:
                           accum_steps=split.accum_steps,
                           micro_batch=split.micro_batch(self.global_batch),
                           reference=self.reference.run.split.label,
-                          reference_noise=self.reference_noise.get((judged.step, judged.point),
-                                                                   math.nan),
                           command=shlex.join(self.measured.run.command))
 
-    def errors(self, step: int, error: str) -> list[Judged]:
-        return [Judged(step, point, status=Status.ERROR, error=error) for point in POINTS]
+    def errors(self, optimizer: int, step: int, error: str) -> list[Judged]:
+        label = (self.reference.label(optimizer)
+                 if optimizer < len(self.reference.optimizers) else "")
+        own = {"optimizer": label, "clip": "", "clip_factor": math.nan,
+               "reference_noise": math.nan}
+        return [Judged(step, point, status=Status.ERROR, error=error, own=own)
+                for point in POINTS]

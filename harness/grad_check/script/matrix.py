@@ -41,12 +41,25 @@ class ScriptCheck:
         first = self.reference_run(scratch / "reference-1", 1)
         again = self.reference_run(scratch / "reference-2", 2)
         noise = check_deterministic(first, again)
+        self.say_what_the_reference_left_out(first)
         rows: list[dict[str, Any]] = []
         for split in self.config.splits:
             measured = again if split == reference else self.run(split, scratch / split.label,
                                                                  "split")
             rows += SplitJudge(measured, first, noise, self.config.global_batch).rows()
         return rows
+
+    def say_what_the_reference_left_out(self, first: Captured) -> None:
+        """Steps fewer than --steps (the script ended first), and what the capture could not
+        read, each in a line: the rows cover what was captured, no more."""
+        for optimizer in range(len(first.optimizers)):
+            taken = first.steps(optimizer)
+            if taken < self.config.steps:
+                self.say(f"the reference's script ended after {taken} step(s) of "
+                         f"{first.label(optimizer)}, fewer than --steps "
+                         f"{self.config.steps}: its rows compare {taken}")
+        for line in first.unknown:
+            self.say(f"the capture could not read everything (recorded as unknown): {line}")
 
     def run(self, split: Split, folder: Path, what: str, attempt: str = "") -> Captured:
         command = self.config.command_of(split)

@@ -110,6 +110,8 @@ class CommandLauncher:
     starter: Starter = start_subprocess
     #: False: the command alone, without the capture (the benchmark's bare runs).
     capture: bool = True
+    #: G, so that each rank's capture knows the split's micro-batch (its samples' axis).
+    global_batch: int | None = None
 
     def run(self, split: Split, command: Sequence[str], folder: Path) -> Run:
         """Run ``command`` on ``split.world_size`` ranks, its capture into ``folder``."""
@@ -126,6 +128,9 @@ class CommandLauncher:
             for rank in range(n):
                 environment = self.environment(rank, n, store.port if store else 0, folder,
                                                run_id)
+                if self.capture and self.global_batch:
+                    environment[capture.MICRO_BATCH_VARIABLE] = str(
+                        split.micro_batch(self.global_batch))
                 processes.append(self.starter(list(command), environment,
                                               folder / f"rank{rank}.log"))
             failure = self.watch(processes, folder, start + self.timeout)

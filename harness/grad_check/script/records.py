@@ -1,9 +1,9 @@
 """A run's capture, read back in the launcher process: every rank's summary, rank 0's
-tensors (one file per step and point, loaded when compared)."""
+tensors (one file per optimizer, step and point, loaded when compared)."""
 
 from __future__ import annotations
 
-import collections
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -11,7 +11,16 @@ from typing import Any
 import torch
 
 from harness.grad_check.script.capture import summary_file, tensors_file
+from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import Run
+
+
+@dataclass(frozen=True)
+class RankDisagreement:
+    """Ranks whose tensors differ from rank 0's at one point, and which tensors."""
+
+    ranks: tuple[int, ...]
+    tensors: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -39,48 +48,112 @@ class Captured:
     def stepped(self) -> bool:
         return any(summary is not None for summary in self.summaries)
 
+    # ---------------------------------------------------------------- optimizers
     @property
-    def steps(self) -> int:
-        """Optimizer steps captured on every rank."""
-        return min((summary or {}).get("steps", 0) for summary in self.summaries)
+    def optimizers(self) -> list[dict[str, Any]]:
+        """Each optimizer rank 0 stepped, in the order of its first step."""
+        return list(self.first.get("optimizers", []))
+
+    def label(self, optimizer: int) -> str:
+        every = self.optimizers
+        others = [o["names"] for i, o in enumerate(every) if i != optimizer]
+        return optimizer_label(every[optimizer]["kind"], every[optimizer]["names"], others)
+
+    def names(self, optimizer: int) -> list[str]:
+        return list(self.optimizers[optimizer]["names"])
+
+    def steps(self, optimizer: int) -> int:
+        """Steps of ``optimizer`` captured on every rank."""
+        return min((len(self._records_of(summary, optimizer)) for summary in self.summaries),
+                   default=0)
 
     @property
-    def names(self) -> list[str]:
-        return list(self.first.get("names", []))
+    def total_steps(self) -> int:
+        return sum(self.steps(o) for o in range(len(self.optimizers)))
 
+    # ---------------------------------------------------------------- tensors
+    def tensors(self, optimizer: int, step: int, point: str) -> dict[str, torch.Tensor | None]:
+        """Rank 0's ``grad`` or ``params`` of one step, or its ``initial`` parameters."""
+        return torch.load(tensors_file(self.run.folder, optimizer, step, point),
+                          map_location="cpu", weights_only=True)
+
+    def before(self, optimizer: int, step: int) -> dict[str, torch.Tensor | None]:
+        """The parameters this run started the optimizer's ``step`` from."""
+        if step == 0:
+            return self.tensors(optimizer, 0, "initial")
+        return self.tensors(optimizer, step - 1, "params")
+
+    # ---------------------------------------------------------------- records
+    @staticmethod
+    def _records_of(summary: dict[str, Any] | None, optimizer: int) -> list[dict[str, Any]]:
+        return [r for r in (summary or {}).get("records", []) if r["optimizer"] == optimizer]
+
+    def records(self, optimizer: int, step: int) -> list[dict[str, Any]]:
+        """Every rank's record of the optimizer's ``step``, in rank order."""
+        return [self._records_of(summary, optimizer)[step] for summary in self.summaries
+                if summary]
+
+    def samples(self, optimizer: int, step: int) -> list[list[str]]:
+        """The samples the step's training forwards fed, over all ranks and micro-steps."""
+        return [sample for record in self.records(optimizer, step)
+                for sample in record["samples"]]
+
+    def counts(self, optimizer: int, step: int) -> tuple[int, ...]:
+        """The labelled tokens of each of the step's training forwards, over all ranks."""
+        return tuple(count for record in self.records(optimizer, step)
+                     for count in record["counts"])
+
+    def forwards(self, optimizer: int, step: int) -> list[int]:
+        """Each rank's training forwards in the step's window (its micro-steps)."""
+        return [record["forwards"] for record in self.records(optimizer, step)]
+
+    def learning_rates(self, optimizer: int, step: int) -> list[float]:
+        return list(self.records(optimizer, step)[0]["lrs"])
+
+    def clips(self, optimizer: int, step: int) -> list[str]:
+        return list(self.records(optimizer, step)[0]["clips"])
+
+    def clip_factor(self, optimizer: int, step: int) -> float:
+        """``||received|| / ||before the clip||`` on rank 0 (1 where nothing was clipped)."""
+        record = self.records(optimizer, step)[0]
+        before, received = record.get("before_norm"), record.get("received_norm")
+        if before is None or received is None:
+            return 1.0
+        return received / before if before > 0 else math.nan
+
+    def disagreement(self, optimizer: int, step: int, point: str) -> RankDisagreement | None:
+        """The ranks whose tensors at ``point`` differ from rank 0's (None: all agree, or
+        one rank)."""
+        key = "grad_digests" if point == "grad" else "params_digests"
+        records = self.records(optimizer, step)
+        if len(records) < 2:
+            return None
+        first = records[0][key]
+        differing = {rank: [name for name, digest in record[key].items()
+                            if not _same(digest, first.get(name))]
+                     for rank, record in enumerate(records[1:], start=1)}
+        differing = {rank: names for rank, names in differing.items() if names}
+        if not differing:
+            return None
+        tensors = dict.fromkeys(name for names in differing.values() for name in names)
+        return RankDisagreement(tuple(differing), tuple(tensors))
+
+    def ranks_agree(self, optimizer: int, step: int, point: str) -> bool | None:
+        """Whether every rank held the same tensors at ``point`` (None at N = 1)."""
+        if len(self.summaries) < 2:
+            return None
+        return self.disagreement(optimizer, step, point) is None
+
+    # ---------------------------------------------------------------- facts
     @cached_property
     def dtypes(self) -> set[torch.dtype]:
         names = {name for summary in self.summaries if summary for name in summary["dtypes"]}
         return {getattr(torch, name.removeprefix("torch.")) for name in names}
 
-    def tensors(self, step: int, point: str) -> dict[str, torch.Tensor | None]:
-        """Rank 0's ``grad`` or ``params`` of ``step``, or its ``initial`` parameters."""
-        return torch.load(tensors_file(self.run.folder, step, point), map_location="cpu",
-                          weights_only=True)
-
-    def before(self, step: int) -> dict[str, torch.Tensor | None]:
-        """The parameters this run started ``step`` from."""
-        return self.tensors(0, "initial") if step == 0 else self.tensors(step - 1, "params")
-
-    def records(self, step: int) -> list[dict[str, Any]]:
-        """Every rank's record of ``step``."""
-        return [summary["records"][step] for summary in self.summaries if summary]
-
-    def samples(self, step: int) -> collections.Counter[str]:
-        """The samples the step's training forwards fed, over all ranks and micro-steps."""
-        return collections.Counter(sample for record in self.records(step)
-                                   for sample in record["samples"])
-
-    def counts(self, step: int) -> tuple[int, ...]:
-        """The labelled tokens of each of the step's training forwards, over all ranks."""
-        return tuple(count for record in self.records(step) for count in record["counts"])
-
-    def ranks_agree(self, step: int, point: str) -> bool | None:
-        """Whether every rank held the same tensors at ``point`` (None at N = 1)."""
-        if len(self.summaries) < 2:
-            return None
-        key = "grad_fingerprint" if point == "grad" else "params_fingerprint"
-        return len({record[key] for record in self.records(step)}) == 1
+    @property
+    def unknown(self) -> list[str]:
+        return sorted({line for summary in self.summaries if summary
+                       for line in summary.get("unknown", [])})
 
     @property
     def dropout(self) -> list[str]:
@@ -89,3 +162,10 @@ class Captured:
     @property
     def batchnorm(self) -> set[str]:
         return set(self.first.get("batchnorm", []))
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Two digests of one tensor: equal, or both of a tensor that is not there."""
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))

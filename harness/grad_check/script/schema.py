@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from harness import columns as shared
 from harness.columns import Column
-from harness.verdicts import Status
+from harness.verdicts import Equivalence, Status
 
 COLUMNS: tuple[Column, ...] = (
     Column("split", "`NxK`", "N ranks x k micro-steps per optimizer step"),
@@ -16,24 +16,37 @@ COLUMNS: tuple[Column, ...] = (
            "command's `{batch}`"),
     Column("reference", "`NxK`", "the split every other is compared with (`--reference`); "
            "its own rows compare its second run with its first"),
+    Column("optimizer", "text",
+           "the optimizer stepped, by its type (and, where the script steps several, the part "
+           "of the model its parameters share: `AdamW(head)`); one re-created over the same "
+           "parameters is the same optimizer"),
     *shared.judged_columns(
         step="optimizer step compared, from 0: the script's own steps, each on the script's "
              "own next global batch",
-        point="what is compared: the gradients the optimizer received (after the script's "
-              "clipping or unscaling), or the parameters after its step, as updates from "
+        point="what is compared: the window's gradient before anything edits it (on entry "
+              "to the script's first clip, after a GradScaler's unscale, else as the "
+              "optimizer receives it), or the parameters after the step, as updates from "
               "where the reference started the step",
-        verdict="against the reference split's step: the same, a pure multiple s of it, or "
-                "no multiple; empty where the row could not be judged",
+        verdict=("against the reference split's step: the same, a pure multiple s of it, or "
+                 "no multiple; `ranks differ` where the split's ranks ended the step holding "
+                 "different tensors (rank 0's are the ones compared); empty where the row "
+                 "could not be judged", shared.EQUIVALENCES + f", `{Equivalence.RANKS_DIFFER}`"),
         ranks_agree="whether every rank held the same tensors at that point (sampled "
                     "fingerprints); empty at N = 1",
         precision="the lowest floating type the reference's and the split's runs used "
                   "(parameters, gradients, losses, autocast): the row's tolerance is that "
                   "type's",
-        status=f"`ok`, `{Status.DIFFERENT_SAMPLES}` (the split's step fed other samples than "
-               "the reference's: its fix names the sampler, and no verdict is given), or "
-               "`error`",
+        status=f"`ok`; `{Status.NO_GRADIENT}` or `{Status.NO_UPDATE}` where the gradient (the "
+               "update) was all zero in the split and in the reference, so that nothing was "
+               "compared; `skipped: why` for an update at learning rate 0; or `error`",
         error="why the split's run gave no capture of the step: the failing rank and its "
               "line (`rank 1: Type: first sentence`), else empty"),
+    Column("clip", "text",
+           "the clip the script called in this step's window (`clip_grad_norm_(max_norm=1)`), "
+           "else empty: the gradient compared is the one before it"),
+    Column("clip_factor", "ratio",
+           "`||gradient received|| / ||gradient before the clip||` in this split: below 1 "
+           "where the clip bound; empty without a clip"),
     Column("reference_noise", "ratio",
            "`||second - first|| / ||second||` of the reference's two runs at this step and "
            "point: what rerunning the same split moves"),

@@ -1,0 +1,145 @@
+"""The capture's bookkeeping: each optimizer it tracks, and the window of micro-steps
+that each optimizer's next step ends (the forwards fed since its last step, the gradients
+kept before a clip or an unscale edits them, the clips called)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.check.compare import sampled_fingerprint
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 (DTensor) shard, gathered from every rank (a collective:
+    every rank calls it, in the same order); any other tensor as it is."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else tensor
+
+
+def digests(tensors: dict[str, torch.Tensor | None]) -> dict[str, float]:
+    """A sampled fingerprint of each tensor: ranks holding the same tensors get the same
+    numbers, and the tensors where two ranks differ show by name."""
+    return {name: sampled_fingerprint([tensor]) for name, tensor in tensors.items()}
+
+
+def norm(tensors: Iterable[torch.Tensor | None]) -> float:
+    """The float64 2-norm of the tensors together."""
+    total = 0.0
+    for tensor in tensors:
+        if tensor is not None and tensor.is_floating_point():
+            total += float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)) ** 2
+    return math.sqrt(total)
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    rates = []
+    for group in optimizer.param_groups:
+        try:
+            rates.append(float(group.get("lr", math.nan)))
+        except (TypeError, ValueError):
+            rates.append(math.nan)
+    return rates
+
+
+@dataclass
+class Forward:
+    """One training forward: the parameters its module holds, the samples it fed and the
+    labelled tokens it counted."""
+
+    held: frozenset[int]
+    samples: list[list[str]]
+    count: int | None
+
+
+@dataclass
+class Window:
+    """What happened since the optimizers' last steps."""
+
+    #: Forwards seen so far, numbered from 0 (a key of :attr:`events`).
+    forwards: int = 0
+    events: dict[int, Forward] = field(default_factory=dict)
+    #: Gradients kept before a clip or an unscale edited them, by parameter id.
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Each clip called, with the parameters it was given.
+    clips: list[tuple[str, set[int]]] = field(default_factory=list)
+    #: Inside a clip (one clip calls another: the outermost is the script's).
+    clipping: bool = False
+    held_by: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def parameters_of(self, module: nn.Module) -> frozenset[int]:
+        held = self.held_by.get(module)
+        if held is None:
+            held = frozenset(id(p) for p in module.parameters())
+            self.held_by[module] = held
+        return held
+
+    def forwarded(self, held: frozenset[int], fed: list[list[str]], count: int | None) -> None:
+        self.events[self.forwards] = Forward(held, fed, count)
+        self.forwards += 1
+
+    def keep_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        for parameter in parameters:
+            if parameter.grad is not None and id(parameter) not in self.kept:
+                self.kept[id(parameter)] = parameter.grad.detach().clone()
+
+    def clipped(self, text: str, parameters: Iterable[nn.Parameter]) -> None:
+        self.clips.append((text, {id(p) for p in parameters}))
+
+    def clips_of(self, key: frozenset[int]) -> list[str]:
+        return [text for text, held in self.clips if held & key]
+
+    def forget(self, parameters: Iterable[nn.Parameter], oldest: int) -> None:
+        """An optimizer stepped: its gradients and clips are done with, and forwards
+        before ``oldest`` (the earliest window still open) are no longer needed."""
+        ids = {id(p) for p in parameters}
+        for key in ids:
+            self.kept.pop(key, None)
+        self.clips = [(text, held - ids) for text, held in self.clips if held - ids]
+        for index in [index for index in self.events if index < oldest]:
+            del self.events[index]
+
+
+@dataclass
+class Tracked:
+    """One optimizer, known by its parameters; ``since``: the first forward of its window."""
+
+    index: int
+    kind: str
+    key: frozenset[int]
+    parameters: list[nn.Parameter]
+    names: list[str]
+    since: int = 0
+    steps: int = 0
+    record: dict[str, Any] | None = None
+
+    def open_record(self, window: Window, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The record of the step about to be taken: its window's forwards, clips and
+        learning rates."""
+        fed = [event for index, event in sorted(window.events.items())
+               if index >= self.since and event.held & self.key]
+        self.record = {"optimizer": self.index, "step": self.steps,
+                       "samples": [sample for event in fed for sample in event.samples],
+                       "forwards": len(fed),
+                       "counts": [event.count for event in fed if event.count is not None],
+                       "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key)}
+        return self.record
+
+    def close_record(self, window: Window) -> dict[str, Any]:
+        record, self.record = self.record, None
+        self.steps += 1
+        self.since = window.forwards
+        return record
+
+    def parameters_now(self) -> dict[str, torch.Tensor]:
+        return {name: whole(p).detach() for name, p in zip(self.names, self.parameters,
+                                                           strict=True)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"kind": self.kind, "names": list(self.names), "steps": self.steps}

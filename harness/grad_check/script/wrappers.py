@@ -1,0 +1,99 @@
+"""The functions of torch the capture wraps, each to see one thing the global hooks do not:
+an optimizer constructed, a backward running (and its loss's type), a clip or an unscale
+about to edit the window's gradient. Each wrapper calls the original with the same
+arguments and returns what it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from harness.grad_check.script.capture import Capture
+
+#: The clips whose entry ends a window: the gradient is read before them.
+CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+def wrap_construction(capture: Capture) -> None:
+    """Every optimizer constructed, with the forward its first window starts at."""
+    original = torch.optim.Optimizer.__init__
+
+    @functools.wraps(original)
+    def __init__(optimizer, *args, **kwargs):
+        original(optimizer, *args, **kwargs)
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly held
+            capture.constructed[optimizer] = capture.window.forwards
+
+    torch.optim.Optimizer.__init__ = __init__
+
+
+def wrap_backward(capture: Capture) -> None:
+    """A backward, to know its loss's type and that a forward inside it recomputes
+    (activation checkpointing) rather than feeds new samples."""
+    for name in ("backward", "grad"):
+        original = getattr(torch.autograd, name)
+
+        def during(*args, _original=original, **kwargs):
+            capture.saw_backward(args[0] if args else kwargs.get("tensors",
+                                                                 kwargs.get("outputs")))
+            capture.backward_depth += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                capture.backward_depth -= 1
+
+        setattr(torch.autograd, name, functools.wraps(original)(during))
+
+
+def wrap_clipping(capture: Capture) -> None:
+    """The window's gradient is read on entry to the first clip, or once a GradScaler has
+    unscaled it: what the loss made, before anything edits it."""
+    from torch.nn.utils import clip_grad
+
+    for name in CLIPS:
+        original = getattr(clip_grad, name, None)
+        if original is not None:
+            wrapped = functools.wraps(original)(functools.partial(clipping, capture, name,
+                                                                  original))
+            setattr(clip_grad, name, wrapped)
+            setattr(torch.nn.utils, name, wrapped)
+    unscale = torch.amp.GradScaler.unscale_
+
+    @functools.wraps(unscale)
+    def unscale_(scaler, optimizer):
+        result = unscale(scaler, optimizer)
+        capture.before_editing(p for g in optimizer.param_groups for p in g["params"])
+        return result
+
+    torch.amp.GradScaler.unscale_ = unscale_
+
+
+def clipping(capture: Capture, name: str, original, parameters, *args, **kwargs):
+    """A clip of the script's: the window's gradient kept first (the outermost clip only:
+    clip_grad_norm_ calls clip_grads_with_norm_)."""
+    held = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    outermost = not capture.window.clipping
+    if outermost:
+        capture.before_editing(held)
+        capture.window.clipped(clip_text(name, args, kwargs), held)
+    capture.window.clipping = True
+    try:
+        return original(held, *args, **kwargs)
+    finally:
+        capture.window.clipping = not outermost
+
+
+def clip_text(name: str, args: tuple, kwargs: dict) -> str:
+    """``clip_grad_norm_(max_norm=1)``: the clip and its bound, as the script called it."""
+    bound = {"clip_grad_norm_": "max_norm", "clip_grad_value_": "clip_value",
+             "clip_grads_with_norm_": "max_norm"}[name]
+    value = kwargs.get(bound, args[0] if args else None)
+    with contextlib.suppress(TypeError, ValueError):
+        value = f"{float(value):g}"
+    return f"{name}({bound}={value})"
+
+
