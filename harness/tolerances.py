@@ -198,6 +198,13 @@ CHECK_TOLERANCE: dict[str, float] = {
 }
 
 
+#: Two gradients clipped to the same norm by ``clip_grad_norm_`` have scales within the
+#: clip's own epsilon (it divides by the norm plus 1e-6) of each other, whatever their
+#: scales before: closer than this, a binding clip explains the scale (or hid it), far
+#: below the 1/k or 1/N a wrong accumulation gives.
+CLIPPED_ALIKE = 1e-4
+
+
 def check_tolerance(dtype: torch.dtype) -> float:
     """The tolerance of ``check.py``'s verdicts on numbers computed in ``dtype``."""
     return _for_dtype(CHECK_TOLERANCE, dtype, "check tolerance")

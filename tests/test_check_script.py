@@ -31,7 +31,6 @@ from harness.grad_check.script.splits import (
     parse_splits,
     substituted,
 )
-from harness.verdicts import Status
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
 COMMAND = [sys.executable, SCRIPT, "--batch-size", "{batch}", "--grad-accum", "{accum}"]

@@ -16,13 +16,8 @@ from harness.check.compare import Comparison
 from harness.check.fix import Facts, suggest
 from harness.frameworks.data import IGNORE
 from harness.frameworks.registry import Applied, Framework, Job
-from harness.tolerances import close
+from harness.tolerances import CLIPPED_ALIKE, close
 from harness.verdicts import Equivalence
-
-#: Two gradients clipped to the same norm have scales within the clip's own epsilon
-#: (1e-6 of the norm) of each other, whatever their scales before: closer than this, a
-#: binding clip explains the scale, far below the 1/k or 1/N a wrong accumulation gives.
-CLIPPED_ALIKE = 1e-4
 
 
 def framework_fix(point: str, plain: Comparison, recipe: Comparison, facts: Facts,

@@ -253,15 +253,19 @@ class Capture:
         output = samples.first_tensor(result)
         if isinstance(output, torch.Tensor) and output.is_floating_point():
             self.dtypes.add(str(output.dtype))
-        if (self.forward_depth == 0 and torch.is_grad_enabled() and module.training
-                and self.backward_depth == 0):
+        if self.forward_depth > 0:
+            return
+        if torch.is_grad_enabled() and module.training and self.backward_depth == 0:
             self.saw_forward(module, args, kwargs)
+        if isinstance(output, torch.Tensor) and samples.readable(output):
+            self.window.produced(output)
 
     def saw_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """An outermost training forward: its samples and its counted labels, where its
         input is data (not another module's output) the capture can read."""
         first = samples.first_tensor((args, kwargs))
-        if first is None or not samples.is_data(first) or not samples.readable(first):
+        if (first is None or not samples.is_data(first) or not samples.readable(first)
+                or self.window.is_activation(first)):
             return
         held = self.window.parameters_of(module)
         if not held:

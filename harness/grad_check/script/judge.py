@@ -32,7 +32,7 @@ from harness.errors import UsageError
 from harness.grad_check.script import explain
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
-from harness.tolerances import close, dtype_name
+from harness.tolerances import CLIPPED_ALIKE, close, dtype_name
 from harness.verdicts import Equivalence, Status
 
 CPU = torch.device("cpu")
@@ -288,7 +288,7 @@ class SplitJudge:
         ours = self.measured.clip_factor(optimizer, step)
         theirs = self.reference.clip_factor(optimizer, step)
         received = ours * comparison.scale / theirs if theirs else math.nan
-        if not close(received, 1.0, facts.rtol):
+        if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):
             return None
         return (f"{suggest('grad', comparison, facts)}; at this step {clips[0]} hid it: "
                 "it scaled this gradient and the reference's to the same norm, so the "

@@ -4,6 +4,7 @@ kept before a clip or an unscale edits them, the clips called)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterable
@@ -72,6 +73,22 @@ class Window:
     #: Inside a clip (one clip calls another: the outermost is the script's).
     clipping: bool = False
     held_by: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    #: The outputs of outermost module calls still alive: a later call whose input shares
+    #: one's memory (``features.detach()``) is fed an activation, not data.
+    outputs: list[weakref.ref] = field(default_factory=list)
+
+    def produced(self, output: torch.Tensor) -> None:
+        self.outputs = [ref for ref in self.outputs if ref() is not None]
+        with contextlib.suppress(TypeError, RuntimeError):
+            self.outputs.append(weakref.ref(output))
+
+    def is_activation(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shares its memory with a live output of a module call."""
+        with contextlib.suppress(RuntimeError):
+            pointer = tensor.untyped_storage().data_ptr()
+            return any(output is not None and output.untyped_storage().data_ptr() == pointer
+                       for output in (ref() for ref in self.outputs))
+        return False
 
     def parameters_of(self, module: nn.Module) -> frozenset[int]:
         held = self.held_by.get(module)

@@ -1,0 +1,216 @@
+"""Training scripts that real users write, for ``grad-check run``'s verdicts, one per
+``--case``; each trains a small model on a fixed dataset with DDP from N > 1 on, and a
+DistributedSampler shuffled with one seed, so that every split feeds the same samples.
+
+Correct scripts (each must match at every split):
+
+- ``composite``: a model of two modules called one after the other, a loss module with a
+  parameter of its own, an evaluation forward with autograd on every step, a forward on
+  the meta device first (as a FLOP counter does), and a stateless SGD re-created every step;
+- ``checkpointed``: a sequence-first GRU (its samples on axis 1) whose head runs under
+  activation checkpointing, reentrant and not;
+- ``bf16-layer``: a float32 model whose middle layer runs under bfloat16 autocast entered
+  inside its ``forward``.
+
+Scripts with a bug (each must read what it is):
+
+- ``clipped-no-divide``: the loss not divided by k, under a clip that binds;
+- ``one-logit``: cross-entropy over a single logit, whose gradient is zero;
+- ``two-optimizers``: the head has an optimizer of its own and a loss not divided by k;
+- ``clip-on-rank-0``: rank 0 alone clips before the step;
+- ``remainder``: the dataset ends in a window of fewer micro-steps than k, stepped with
+  the loss divided by k.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
+         "two-optimizers", "clip-on-rank-0", "remainder")
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=CASES, required=True)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    return parser.parse_args()
+
+
+class Scaled(nn.Module):
+    """A loss module with a parameter of its own (a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((output * self.temperature - target) ** 2).mean()
+
+
+class Recurrent(nn.Module):
+    """A sequence-first GRU and a head run under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(3, 5).double()
+        self.head = nn.Linear(5, 1).double()
+
+    def forward(self, sequences: torch.Tensor) -> torch.Tensor:  # (T, b, 3)
+        hidden, _ = self.gru(sequences)
+        last = checkpoint(self.head, hidden[-1], use_reentrant=False)
+        return checkpoint(torch.tanh, last, use_reentrant=True).squeeze(1)
+
+
+def wrapped(module: nn.Module, distributed: bool) -> nn.Module:
+    return DistributedDataParallel(module) if distributed else module
+
+
+def data(case: str) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    samples = 24 if case == "remainder" else 64
+    x = torch.randn(samples, 4, generator=generator, dtype=torch.float64)
+    if case == "one-logit":
+        return TensorDataset(x, torch.zeros(samples, dtype=torch.long))
+    if case == "checkpointed":
+        sequences = torch.randn(samples, 6, 3, generator=generator, dtype=torch.float64)
+        return TensorDataset(sequences, sequences.sum(dim=(1, 2)).sin())
+    return TensorDataset(x, x.sum(dim=1).sin())
+
+
+def main() -> None:
+    args = arguments()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    torch.manual_seed(0)
+    dataset = data(args.case)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
+    batches = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    step = TRAINERS[args.case](args, distributed, rank)
+    done = 0
+    while True:  # epochs, until --steps optimizer steps
+        for index, (x, y) in enumerate(batches, start=1):
+            last = index % args.grad_accum == 0 or index == len(batches)
+            step(x, y, last)
+            done += last
+            if done == args.steps:
+                return
+
+
+def composite(args, distributed: bool, rank: int):
+    encoder = wrapped(nn.Sequential(nn.Linear(4, 8), nn.Tanh()).double(), distributed)
+    head = wrapped(nn.Linear(8, 1).double(), distributed)
+    loss_module = wrapped(Scaled(), distributed)
+    parameters = [*encoder.parameters(), *head.parameters(), *loss_module.parameters()]
+    with torch.device("meta"):  # as a FLOP counter runs the model before training
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))(torch.empty(2, 4))
+
+    def step(x, y, last: bool) -> None:
+        loss = loss_module(head(encoder(x)).squeeze(1), y) / args.grad_accum
+        loss.backward()
+        if last:
+            torch.optim.SGD(parameters, lr=0.1).step()  # stateless: re-created each step
+            for p in parameters:
+                p.grad = None
+            encoder.eval(), head.eval()
+            head(encoder(x)).sum()  # an evaluation forward, autograd on
+            encoder.train(), head.train()
+
+    return step
+
+
+def single_model(module: nn.Module, distributed: bool, clip: float | None = None,
+                 divide: bool = True, loss=nn.functional.mse_loss, clip_ranks=None,
+                 inputs=lambda x: x):
+    def make(args, dist_on: bool, rank: int):
+        model = wrapped(module, distributed and dist_on)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y, last: bool) -> None:
+            output = model(inputs(x))
+            output = output.squeeze(1) if output.dim() > 1 and output.shape[1] == 1 else output
+            value = loss(output, y)
+            (value / args.grad_accum if divide else value).backward()
+            if last:
+                if clip is not None and (clip_ranks is None or rank in clip_ranks):
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad()
+
+        return step
+
+    return make
+
+
+class HalfLayer(nn.Module):
+    """float32, but its middle layer runs under bfloat16 autocast, entered in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x.float()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = torch.tanh(self.middle(hidden))
+        return self.last(hidden.float())
+
+
+def bf16_layer(args, distributed: bool, rank: int):
+    torch.manual_seed(0)
+    return single_model(HalfLayer(), True, loss=lambda o, y: nn.functional.mse_loss(
+        o, y.float()))(args, distributed, rank)
+
+
+def two_optimizers(args, distributed: bool, rank: int):
+    body = wrapped(nn.Sequential(nn.Linear(4, 8), nn.Tanh()).double(), distributed)
+    head = wrapped(nn.Linear(8, 1).double(), distributed)
+    body_optimizer = torch.optim.SGD(body.parameters(), lr=0.1)
+    head_optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def step(x, y, last: bool) -> None:
+        features = body(x)
+        loss = nn.functional.mse_loss(head(features.detach()).squeeze(1), y)
+        loss.backward()  # the head's loss is not divided by k
+        (nn.functional.mse_loss(features.sum(dim=1), y) / args.grad_accum).backward()
+        if last:
+            body_optimizer.step()
+            head_optimizer.step()
+            body_optimizer.zero_grad(), head_optimizer.zero_grad()
+
+    return step
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+TRAINERS = {
+    "composite": composite,
+    "checkpointed": lambda args, d, rank: single_model(
+        Recurrent(), True, inputs=lambda x: x.transpose(0, 1))(args, d, rank),
+    "bf16-layer": bf16_layer,
+    "clipped-no-divide": lambda args, d, rank: single_model(mlp(), True, clip=0.05,
+                                                            divide=False)(args, d, rank),
+    "one-logit": lambda args, d, rank: single_model(
+        nn.Linear(4, 1).double(), True,
+        loss=lambda o, y: nn.functional.cross_entropy(o.reshape(-1, 1), y))(args, d, rank),
+    "two-optimizers": two_optimizers,
+    "clip-on-rank-0": lambda args, d, rank: single_model(mlp(), True, clip=0.05,
+                                                         clip_ranks={0})(args, d, rank),
+    "remainder": lambda args, d, rank: single_model(mlp(), True)(args, d, rank),
+}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""``grad-check run`` on the scripts users really write (tests/script_cases.py): correct
+ones read ``matches`` at every split, buggy ones read what their bug is.
+
+Every case runs in one child (tests/script_runs.py: ranks forked from it), once, and the
+tests read its rows. What each should read follows from how its script was written, not
+from the harness's code: a loss not divided by k has a gradient k times the big batch's
+whatever a clip then does to it; cross-entropy over a single class has no gradient;
+rank 0 alone clipping leaves rank 1 on other parameters; a remainder of 8 samples
+stepped at k = 2 as one micro-batch with the loss halved is half the big batch's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.scheduling import launching
+from tests.script_runs import python, run_checks
+
+CASES = Path(__file__).resolve().parent / "script_cases.py"
+SPLITS = "1x1,1x2,2x1"
+#: Each case: its own options; the global batch is 16 samples unless it says otherwise.
+RUNS = {
+    "composite": [],
+    "checkpointed": [],
+    "bf16-layer": [],
+    "clipped-no-divide": ["--splits", "1x2"],
+    "one-logit": ["--splits", "1x2", "--steps", "1"],
+    "two-optimizers": ["--splits", "1x2", "--steps", "1"],
+    "clip-on-rank-0": ["--splits", "2x1", "--steps", "1"],
+    "remainder": ["--splits", "1x2,2x1"],
+}
+
+
+@pytest.fixture(scope="module")
+@launching(seconds=14)
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cases")
+    calls = [(["--global-batch", "16", "--splits", SPLITS, *options, "--",
+               *python(CASES, "--case", case, "--batch-size", "{batch}",
+                       "--grad-accum", "{accum}")], folder / case)
+             for case, options in RUNS.items()]
+    return dict(zip(RUNS, run_checks(calls), strict=True))
+
+
+@pytest.mark.parametrize("case", ["composite", "checkpointed"])
+def test_correct_scripts_match_at_every_split(runs, case):
+    """Two modules, a loss module with a parameter, an evaluation forward with autograd
+    on, a meta-device forward, an optimizer re-created each step; a sequence-first GRU
+    under activation checkpointing: none changes the step, none is another sample."""
+    done = runs[case]
+    assert done.code == 0, done.stdout + done.stderr
+    assert set(done.rows["verdict"]) == {"matches"}
+    assert set(done.rows["status"]) == {"ok"}
+    assert "leaving_module" not in done.stdout + done.stderr  # the capture warned nothing
+
+
+def test_low_precision_inside_forward_is_the_precision_judged(runs):
+    done = runs["bf16-layer"]
+    assert done.code == 0, done.stdout + done.stderr
+    assert set(done.rows["precision"]) == {"bfloat16"}
+    assert set(done.rows["verdict"]) == {"matches"}
+
+
+def test_a_clip_that_binds_does_not_hide_a_missing_division_by_k(runs):
+    done = runs["clipped-no-divide"]
+    grad = done.row("1x2")
+    assert grad["verdict"] == "scaled" and grad["scale"] == pytest.approx(2.0, rel=1e-9)
+    assert grad["fix"].startswith("divide the loss by 2 = k")
+    assert "clip_grad_norm_(max_norm=0.05) hid it" in grad["fix"]
+    assert grad["clip"] == "clip_grad_norm_(max_norm=0.05)" and grad["clip_factor"] < 1
+    # The clip scaled both to the same norm: the update is the reference's at this step,
+    # but for the clip's own epsilon (it divides by the norm plus 1e-6).
+    update = done.row("1x2", point="params")
+    assert update["scale"] == pytest.approx(1.0, abs=1e-4)
+    assert update["fix"].startswith("step 0's gradient is scaled by 2")
+
+
+def test_a_gradient_of_zeros_is_no_gradient_and_fails(runs):
+    done = runs["one-logit"]
+    assert done.code == 1
+    assert set(done.rows["status"]) == {"no gradient", "no update"}
+    assert set(done.rows["verdict"].fillna("")) == {""}
+    assert "no gradient" in done.stderr
+
+
+def test_every_optimizer_is_captured_even_with_one_step(runs):
+    done = runs["two-optimizers"]
+    rows = done.rows[done.rows["split"] == "1x2"]
+    by_optimizer = dict(zip(rows["optimizer"] + " " + rows["point"], rows["verdict"],
+                            strict=True))
+    assert by_optimizer == {"SGD(0) grad": "matches", "SGD(0) params": "matches",
+                            "SGD(weight) grad": "scaled", "SGD(weight) params": "scaled"}
+    head = rows[(rows["optimizer"] == "SGD(weight)") & (rows["point"] == "grad")].iloc[0]
+    assert head["scale"] == pytest.approx(2.0) and head["fix"] == "divide the loss by 2 = k"
+
+
+def test_ranks_that_end_a_step_apart_are_a_verdict_that_fails(runs):
+    done = runs["clip-on-rank-0"]
+    assert done.code == 1
+    update = done.row("2x1", point="params")
+    assert update["verdict"] == "ranks differ" and not update["ranks_agree"]
+    assert update["fix"].startswith("rank(s) 1 held other parameters than rank 0")
+    assert done.row("2x1")["verdict"] == "matches"  # DDP gave every rank one gradient
+
+
+def test_a_partial_window_is_named_not_given_a_loss_divisor_fix(runs):
+    done = runs["remainder"]
+    last = done.row("1x2", step=1)
+    assert last["verdict"] == "scaled" and last["scale"] == pytest.approx(0.5)
+    assert last["fix"].startswith("step 1 is a partial window")
+    assert "multiply the loss" not in last["fix"]
+    assert done.row("1x2", step=0)["verdict"] == "matches"
+    assert set(done.rows[done.rows["split"] == "2x1"]["verdict"]) == {"matches"}
