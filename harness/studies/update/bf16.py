@@ -20,7 +20,8 @@ from harness.seeding import generator_for
 from harness.strategies.common import flat_grad
 from harness.studies.update.experiments.bf16_accumulation import SETTINGS
 from harness.studies.update.recipes import TASK, initial_model
-from harness.studies.update.training import big_batch_gradient, dtype_name
+from harness.studies.update.training import big_batch_gradient
+from harness.tolerances import dtype_name
 
 if TYPE_CHECKING:
     from harness.studies.update.experiment import Trial

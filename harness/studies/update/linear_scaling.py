@@ -40,9 +40,9 @@ from harness.studies.update.experiments.linear_scaling import (
     ScalingRule,
 )
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import dtype_name, flat_parameters, update_error
+from harness.studies.update.training import flat_parameters, update_error
 from harness.tasks import Batch
-from harness.tolerances import LINEAR_SCALING_TOLERANCE
+from harness.tolerances import LINEAR_SCALING_TOLERANCE, dtype_name
 
 if TYPE_CHECKING:
     from harness.studies.update.experiment import Trial

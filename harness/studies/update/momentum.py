@@ -26,9 +26,9 @@ from harness.studies.update.experiments.momentum_correction import CORRECTED, SE
 from harness.studies.update.linear_scaling import descend
 from harness.studies.update.optimizers import MOMENTUM, SGD_LR
 from harness.studies.update.recipes import MICRO_BATCH, TASK, initial_model
-from harness.studies.update.training import dtype_name, flat_parameters, judged
+from harness.studies.update.training import flat_parameters, judged
 from harness.tasks import Batch
-from harness.tolerances import update_tolerance
+from harness.tolerances import dtype_name, update_tolerance
 
 if TYPE_CHECKING:
     from harness.studies.update.experiment import Trial

@@ -25,7 +25,7 @@ from harness.studies.update.recipes import (
     windows,
 )
 from harness.tasks import Batch
-from harness.tolerances import update_tolerance
+from harness.tolerances import dtype_name, update_tolerance
 from harness.verdicts import Equivalence
 
 if TYPE_CHECKING:
@@ -128,10 +128,6 @@ class FleetOptimizers:
 
     def step(self) -> None:
         step_all(self.optimizers)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def flat_parameters(module: nn.Module) -> torch.Tensor:
