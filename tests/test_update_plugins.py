@@ -79,6 +79,7 @@ def test_the_study_its_schema_and_its_report_read_the_registry(registered):
         f"update-{name}.csv" for name in names]
 
 
+@pytest.mark.launches(seconds=1)
 def test_the_registry_its_schema_and_its_section_load_without_torch():
     """Each experiment's module holds its ``measure``, which imports torch when it runs: the
     registry, the CSVs' schema and the report section read the modules without it."""

@@ -48,7 +48,7 @@ COLUMNS = (
         "the precision: float32 throughout; float32 weights with a bfloat16 autocast forward; "
         "the model in bfloat16", unit=", ".join(f"`{s}`" for s in SETTINGS)),
     columns.DTYPE_USED.described("dtype of the accumulated gradient",
-                                unit="`float32`, `bfloat16`"),
+                                 unit="`float32`, `bfloat16`"),
     Column("grad_error", "ratio", "`‖g - g_64‖ / ‖g_64‖`, the window's accumulated gradient "
            "against the float64 gradient of the same window and weights"),
 )

@@ -66,7 +66,7 @@ CLIP_EPS = 1e-6
 COLUMNS = (
     columns.strategy(*SETTINGS), columns.RANKS, columns.ACCUM_STEPS,
     *columns.recipe(losses=("mean", "mean/k"), syncs=("every-micro-step", "none"),
-                   optimizers=("sgd",)),
+                    optimizers=("sgd",)),
     columns.SETTING.described(
         "where `clip_grad_norm_` runs: once per window after the k micro-steps (one process), "
         "or after each micro-step's backward; after DDP's all-reduce, or on each rank's own "
@@ -75,7 +75,7 @@ COLUMNS = (
         unit=", ".join(f"`{s}`" for settings in SETTINGS.values() for s in settings)),
     columns.DTYPE_USED, *columns.CLIP_COLUMNS,
     columns.PARAM_DISTANCE.described(columns.PARAM_DISTANCE.doc + " clipped at the same "
-                                    "`max_norm`"),
+                                     "`max_norm`"),
     columns.UPDATE_ERROR, columns.VERDICT,
 )
 

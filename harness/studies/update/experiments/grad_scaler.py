@@ -53,7 +53,7 @@ COLUMNS = (
     *(c.described(c.doc + " (empty for `no-clip`)") for c in columns.CLIP_COLUMNS),
     columns.SCALE_BEFORE, columns.SCALE_AFTER,
     columns.PARAM_DISTANCE.described(columns.PARAM_DISTANCE.doc + ", clipped at the same "
-                                    "`max_norm` where the recipe clips"),
+                                     "`max_norm` where the recipe clips"),
     columns.UPDATE_ERROR, columns.VERDICT,
 )
 

@@ -84,7 +84,7 @@ COLUMNS = (
     columns.PARAM_DISTANCE.described("`‖θ - θ_ref‖ / ‖θ_ref‖`, θ_ref the N small steps"),
     columns.UPDATE_ERROR,
     columns.VERDICT.described("`update_error` within the rule's tolerance (0.1) or not",
-                             unit=", ".join(f"`{v}`" for v in ScalingRule)),
+                              unit=", ".join(f"`{v}`" for v in ScalingRule)),
 )
 
 

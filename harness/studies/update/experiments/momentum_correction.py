@@ -43,10 +43,10 @@ COLUMNS = (
     *columns.one_process("N: the lr multiplier's devices (the widest of the run)"),
     *columns.recipe(losses=("mean",), syncs=("none",), optimizers=("sgd-momentum",)),
     columns.SETTING.described("the lr-inside momentum form, corrected at the lr change or not",
-                             unit=", ".join(f"`{s}`" for s in SETTINGS)),
+                              unit=", ".join(f"`{s}`" for s in SETTINGS)),
     columns.DTYPE_USED, columns.LR_MULTIPLIER,
     columns.PARAM_DISTANCE.described("`‖θ - θ_ref‖ / ‖θ_ref‖` after the last step, θ_ref "
-                                    "torch.optim.SGD's"),
+                                     "torch.optim.SGD's"),
     columns.UPDATE_ERROR, columns.VERDICT,
 )
 

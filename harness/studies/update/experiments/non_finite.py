@@ -52,11 +52,11 @@ COLUMNS = (
            "in that window"),
     columns.SCALE_BEFORE,
     columns.SCALE_AFTER.described(columns.SCALE_AFTER.doc + "; equal on every rank when "
-                                 "`scale_spread` is 0"),
+                                  "`scale_spread` is 0"),
     Column("scale_spread", "factor", "largest difference between a rank's scale after the "
            "window and rank 0's"),
     columns.PARAM_DISTANCE.described("`‖θ - θ_ref‖ / ‖θ_ref‖` after the window, θ_ref the "
-                                    "big-batch run without the window holding the input"),
+                                     "big-batch run without the window holding the input"),
     columns.UPDATE_ERROR, columns.VERDICT,
 )
 
