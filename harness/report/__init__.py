@@ -9,9 +9,8 @@ columns the report reads); a malformed folder raises :class:`ReportError`
 before anything is written. Each study declares its section next to it, in
 ``harness/studies/<study>/report.py`` (see :mod:`harness.report.spec`); this package
 imports no study: the caller hands it the studies' catalogue
-(:mod:`harness.report.catalogue`). matplotlib is
-imported only here, when a report is written, so that a study run that skips the report
-never loads it.
+(:mod:`harness.report.catalogue`). matplotlib is imported only here, when a report is
+written, so that a study run that skips the report never loads it.
 """
 
 from __future__ import annotations
