@@ -1,5 +1,6 @@
 """What a CSV of the harness holds: its columns, each with a unit and a meaning, and the
-columns several CSVs share, declared once.
+columns several CSVs share, declared once; ``Table``, one CSV a study writes, between the
+columns every study's CSV starts and ends with.
 
 Free of torch, so that the studies' registry, the check, the README tests and the report
 read every schema without loading any measuring code. Letters mean one thing everywhere:
@@ -35,6 +36,48 @@ class Column:
 
 def names(columns: tuple[Column, ...]) -> tuple[str, ...]:
     return tuple(c.name for c in columns)
+
+
+#: Columns every CSV starts with and ends with, around the study's own.
+LEADING_COLUMNS = (
+    Column("study", "", "the study's name"),
+    Column("case_id", "", "stable id of the case: `study/axis=value/...`; `--resume` and the "
+           "report refer to it"),
+)
+TRAILING_COLUMNS = (
+    Column("backend", "`gloo`, `nccl`", "collective backend of the run"),
+    Column("device", "`cpu`, `cuda`", "where the case computed"),
+    Column("dtype", "`float64`, `float32`", "floating-point type of models, data and gradients"),
+    Column("hosts", "hosts", "distinct hostnames among the launch's ranks"),
+    Column("nodes", "nodes", "torchrun agents (nodes) in the launch"),
+    Column("ranks_per_node", "ranks", "ranks each agent started"),
+    Column("launch_world_size", "ranks", "ranks in the whole launch (N)"),
+    Column("slurm_job_id", "", "`SLURM_JOB_ID` when run inside Slurm, else empty"),
+    Column("torch_version", "", "`torch.__version__`"),
+    Column("status", "", "`ok`, or why the case was not measured (e.g. `skipped: needs 2 CUDA "
+           "devices, has 0`)"),
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    """One CSV a study writes: ``<name>.csv``, its own columns between the leading and the
+    trailing ones every CSV has, and what its rows are (for a study that writes several)."""
+
+    name: str
+    columns: tuple[Column, ...]
+    doc: str = ""
+
+    @property
+    def csv(self) -> str:
+        return f"{self.name}.csv"
+
+    def schema(self) -> tuple[Column, ...]:
+        return (*LEADING_COLUMNS, *self.columns, *TRAILING_COLUMNS)
+
+    def column_names(self) -> tuple[str, ...]:
+        """Every column of the CSV, in order."""
+        return names(self.schema())
 
 
 #: The values of a verdict against the big batch, as a fit gives them

@@ -62,9 +62,10 @@ def rules() -> str:
         "- every other cell: two numbers agree within the relative tolerance of the runs' "
         f"dtype (harness/tolerances.py, the one the verdicts were judged with: {tolerances}; "
         "the looser one if the dtypes differ; both empty or both NaN agree), or within the "
-        f"absolute tolerance declared for a count-like column whose value may move by one "
-        f"unit between CPUs ({declared or 'none'}); anything else (verdicts, status, "
-        "booleans, text) must be the same text.",
+        f"absolute tolerance declared for a column whose value may move between CPUs (a "
+        f"count by one unit, a float32 or bfloat16 rounding error by another rounding: "
+        f"{declared or 'none'}); anything else (verdicts, status, booleans, text) must be the "
+        "same text.",
         "A row only one folder has is a difference too (a case measured on one side only). "
         "The run.json settings and run context are shown side by side, not judged. At most "
         f"{MAX_SHOWN} differences are listed, then the counts.",

@@ -182,9 +182,10 @@ class Runner:
     def _write_report(self) -> int:
         """REPORT.md from the CSVs just written; they are safe on disk whatever happens here."""
         from harness.report import write_report
+        from harness.studies import catalogue
 
         try:
-            path = write_report(self.config.out)
+            path = write_report(self.config.out, catalogue())
         except Exception as error:  # a report bug must not hide that the CSVs are fine
             print(f"study.py: error: the CSVs in {self.config.out} are complete, but "
                   f"REPORT.md could not be written: {type(error).__name__}: {error}",

@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RENDER = """\
 import json, sys
 from harness.report import write_report
-from harness.studies import STUDY_PACKAGES, report_section
+from harness.studies import STUDY_PACKAGES, catalogue, report_section
 assert all(report_section(name) is not None for name in STUDY_PACKAGES)
-write_report(sys.argv[1])
+write_report(sys.argv[1], catalogue())
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
 

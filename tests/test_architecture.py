@@ -1,6 +1,8 @@
 """The layout keeps its promises (docs/architecture.md): the check is an engine that imports
-no study, packages share only public names, strategies are asked rather than named, and
-no module or function grows past what a reader takes in at once.
+no study, the report imports no study either (the studies import its vocabulary), harness's
+top-level packages and modules import one another one way only, packages share only public
+names, strategies are asked rather than named, and no module or function grows past what a
+reader takes in at once.
 
 Read from the source (ast), so a lazy import inside a function counts as much as one at
 the top of a module.
@@ -65,6 +67,153 @@ def test_the_check_engine_imports_no_study():
                  for path in (HARNESS / "check").rglob("*.py")
                  for module, _ in imported(path) if module.startswith("harness.studies")]
     assert importing == []
+
+
+def unit(module: str) -> str | None:
+    """The top-level package or module of harness a dotted module name belongs to: ``report``
+    for ``harness.report.spec``, ``columns`` for ``harness.columns``; None outside harness."""
+    parts = module.split(".")
+    if parts[0] != "harness" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def unit_of(path: Path) -> str:
+    """The top-level package (a folder directly under harness/) or module (a .py directly
+    under harness/) a file of harness belongs to."""
+    return path.relative_to(HARNESS).parts[0].removesuffix(".py")
+
+
+def imported_units(path: Path) -> set[str]:
+    """The top-level packages and modules of harness the file imports, at the top, inside a
+    function or under TYPE_CHECKING alike (``from harness import columns`` names ``columns``)."""
+    found = set()
+    for module, name in imported(path):
+        if module == "harness" and name:
+            found.add(name)
+        elif (named := unit(module)) is not None:
+            found.add(named)
+    return found
+
+
+@functools.cache
+def import_graph() -> dict[str, frozenset[str]]:
+    """Each top-level package and module of harness -> those it imports (itself left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in modules():
+        if path.parent == HARNESS and path.name == "__init__.py":
+            continue  # harness itself: its __init__ holds the version, and imports nothing
+        source = unit_of(path)
+        graph.setdefault(source, set()).update(imported_units(path) - {source})
+    return {source: frozenset(targets) for source, targets in graph.items()}
+
+
+def reachable(graph: dict[str, frozenset[str]], start: str) -> set[str]:
+    """The units ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def import_cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
+    """The groups of units that import one another, each sorted: the units each unit of a
+    cycle reaches and is reached from."""
+    reach = {source: reachable(graph, source) for source in graph}
+    return sorted({tuple(sorted(other for other in reach[source] if source in reach[other]))
+                   for source in graph if source in reach[source]})
+
+
+def test_an_import_cycle_is_found_whatever_its_length():
+    graph = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a", "d"}),
+             "d": frozenset(), "e": frozenset({"e"})}
+    assert import_cycles(graph) == [("a", "b", "c"), ("e",)]
+    assert import_cycles({"a": frozenset({"b"}), "b": frozenset()}) == []
+
+
+def test_harness_top_level_packages_and_modules_import_one_another_one_way():
+    assert import_cycles(import_graph()) == []
+
+
+#: The check's front-ends (harness/grad_check/): the Setup matrix and its API,
+#: --frameworks, grad-check run, the command line. The engine is a sink below them.
+FRONT_ENDS = {"grad_check"}
+
+
+def test_the_check_engine_imports_no_front_end_and_no_study():
+    graph = import_graph()
+    assert not (reachable(graph, "check") & (FRONT_ENDS | {"studies", "strategies",
+                                                            "frameworks", "report"}))
+
+
+def strings_in(path: Path) -> list[tuple[int, str]]:
+    """Every string constant of the module, with its line, but its docstrings and the
+    names of columns it reads (``row["error"]``, ``row.get("error")``)."""
+    nodes = list(ast.walk(tree(path)))
+    docstrings = {id(node.body[0].value) for node in nodes
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    columns = {id(node.slice) for node in nodes if isinstance(node, ast.Subscript)}
+    columns |= {id(node.args[0]) for node in nodes if isinstance(node, ast.Call) and node.args
+                and isinstance(node.func, ast.Attribute) and node.func.attr == "get"}
+    return [(node.lineno, node.value) for node in nodes
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings | columns]
+
+
+#: The code that judges a step against its big batch, and its front-ends' rows.
+JUDGING = ("check", "grad_check", "frameworks")
+
+
+def judging_modules() -> list[Path]:
+    return [path for path in modules()
+            if path.relative_to(HARNESS).parts[0] in JUDGING]
+
+
+def test_one_place_builds_a_judged_row():
+    """A row's verdict cell is written in harness/check/judge.py alone (from the shared
+    columns' declarations): no front-end spells a judged row out by hand."""
+    keyed = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in judging_modules()
+             for node in ast.walk(tree(path)) if isinstance(node, ast.Dict)
+             and any(isinstance(key, ast.Constant) and key.value in ("verdict", "scale",
+                                                                   "residual")
+                     for key in node.keys)]
+    assert keyed == []
+
+
+def test_verdicts_and_statuses_are_spelled_by_their_enums():
+    """verdicts.py promises that a typo in a verdict is an AttributeError: no judging code
+    writes a verdict's or a status's words as a string."""
+    from harness.verdicts import Equivalence, Status
+
+    words = {str(member) for member in (*Equivalence, *Status)}
+    spelled = [f"{path.relative_to(ROOT)}:{line} {value!r}" for path in judging_modules()
+               for line, value in strings_in(path) if value in words]
+    assert spelled == []
+
+
+@pytest.mark.parametrize("name", ["POINTS", "full_precision_decides", "at_full_precision",
+                                  "dtype_name", "CLIPPED_ALIKE", "judge_step", "judged_row"])
+def test_each_rule_is_defined_once(name):
+    defined = [str(path.relative_to(ROOT)) for path in modules() for node in ast.walk(tree(path))
+               if (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name)
+               or (isinstance(node, ast.Assign) and any(getattr(target, "id", None) == name
+                                                        for target in node.targets))]
+    assert len(defined) == 1, defined
+
+
+def test_the_report_imports_no_study_and_is_in_no_cycle_with_the_studies():
+    """The studies declare their sections in the report's vocabulary; the report gets the
+    studies' catalogue from its callers (runner.py, grad_report.py, scripts/docs.py)."""
+    graph = import_graph()
+    assert "report" in graph["studies"]
+    assert "studies" not in reachable(graph, "report")
+    assert not any({"report", "studies"} <= set(group) for group in import_cycles(graph))
 
 
 def test_packages_share_public_names_only():

@@ -12,7 +12,7 @@ from harness.check.batches import piece
 from harness.check.fix import Facts, scale_fix
 from harness.check.setup import Setup
 from harness.check.step import WholeStep, not_finite
-from harness.studies.update.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
+from harness.studies.update.experiments.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
 
 DDP_3X2 = Facts(reduces_in_buckets=True, world_size=3, accum_steps=2)
 

@@ -22,7 +22,7 @@ import pytest
 
 from harness.report import docs
 from harness.report.document import anchor
-from harness.studies import STUDY_PACKAGES, doc_parts, study_tables
+from harness.studies import STUDY_PACKAGES, catalogue, doc_parts, study_tables
 from harness.studies.frameworks.report import frameworks_answer, frameworks_summary
 from harness.studies.reduction.report import MEASURED_MULTI
 from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS
@@ -74,7 +74,7 @@ def part(text: str, name: str) -> str:
 
 
 def test_readme_and_docs_are_what_the_schemas_and_results_give():
-    stale = docs.stale(ROOT, RESULTS)
+    stale = docs.stale(ROOT, RESULTS, catalogue())
     assert stale == {}, "run python scripts/docs.py"
 
 
@@ -169,7 +169,7 @@ def test_a_sentence_the_rows_no_longer_show_is_refused(tmp_path, csv, query, col
     frame.loc[frame.query(query).index[:1], column] = value
     frame.to_csv(folder / f"{csv}.csv", index=False)
     with pytest.raises(docs.Unsupported, match=re.escape(sentence)):
-        docs.answers(docs.Results(folder))
+        docs.answers(docs.Results(folder), catalogue())
 
 
 # ------------------------------------------------------------- the command
@@ -211,15 +211,15 @@ def test_the_studies_state_their_own_parts_and_docs_py_only_collects_them():
     assert len(names) == len(set(names)), declared
     sentences = [name for name in names if name.startswith("answer:")]
     assert len(sentences) >= 5
-    assert len(docs.answers(RESULTS).splitlines()) == len(sentences)
-    assert {name for name in docs.parts(ROOT) if ":" in name and not name.startswith(
-        ("columns:", "example:"))} == set(sentences)
+    assert len(docs.answers(RESULTS, catalogue()).splitlines()) == len(sentences)
+    assert {name for name in docs.parts(ROOT, catalogue())
+            if ":" in name and not name.startswith(("columns:", "example:"))} == set(sentences)
 
 
 def test_an_unknown_generated_part_is_refused():
     with pytest.raises(docs.Unsupported, match="no generated part is called 'answer'"):
         docs.refresh("<!-- generated: answer -->\n<!-- end: answer -->\n", RESULTS,
-                     docs.parts(ROOT))
+                     docs.parts(ROOT, catalogue()))
 
 
 # ------------------------------------------------------------- the check example

@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 from filelock import FileLock
 
+from harness.grad_report import main as report_main
 from harness.report import REPORT_NAME, write_report
-from harness.report.grad_report import main as report_main
 from harness.report.text import small
+from harness.studies import catalogue
 from harness.studies.base import named_multiple
 from tests.distributed import run_cli
 from tests.scheduling import launching
@@ -43,7 +44,7 @@ def reported_run(tmp_path_factory) -> Path:
         if not (out / REPORT_NAME).exists():
             codes = run_cli(2, [*RUN_ARGS, "--out", str(out)], store_dir=shared)
             assert codes == [0, 0]
-            write_report(out)
+            write_report(out, catalogue())
     return out
 
 
@@ -130,7 +131,7 @@ def test_a_regenerated_report_follows_the_folder_and_nothing_else(run_copy, repo
     (run_copy / "future.csv").write_text("study,case_id,status\nfuture,future/a=1,ok\n")
     (run_copy / "older.csv").write_text("study,case_id,status\n")
     (run_copy / "figures" / "stale.png").write_bytes(b"left by an older report")
-    write_report(run_copy)
+    write_report(run_copy, catalogue())
 
     report = (run_copy / REPORT_NAME).read_text()
     assert not findings(report, "With two or more devices, DDP's collective averaged what its "

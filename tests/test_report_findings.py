@@ -23,7 +23,7 @@ from harness.report import REPORT_NAME, write_report
 from harness.report.figures import style
 from harness.report.section import SectionInputs
 from harness.report.text import number, small
-from harness.studies import report_section
+from harness.studies import catalogue, report_section
 from tests.test_report import accumulation_row, reported_run, run_copy  # noqa: F401 (fixtures)
 from tests.test_report_training import (
     RTOL,
@@ -260,7 +260,7 @@ def test_swapping_two_verdict_words_in_the_csv_swaps_them_in_the_sentence(run_co
     frame = pd.read_csv(csv)
     frame["reduce_op"] = frame["reduce_op"].map(lambda v: {"mean": "sum", "sum": "mean"}.get(v, v))
     frame.to_csv(csv, index=False)
-    report = write_report(run_copy).read_text()
+    report = write_report(run_copy, catalogue()).read_text()
 
     ddp = frame[(frame["strategy"] == "ddp") & (frame["status"] == "ok")
                 & (frame["devices_used"] >= 2)]

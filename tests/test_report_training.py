@@ -19,9 +19,9 @@ from harness.report import REPORT_NAME, ReportError, write_report
 from harness.report.figures import FigureWriter, style
 from harness.report.section import SectionInputs, SectionOutput
 from harness.report.text import number, small
-from harness.studies import study_columns
+from harness.studies import catalogue, study_columns
 from harness.studies.diagnostics import report as diagnostics
-from harness.studies.diagnostics.study import judged_row, with_zero_since
+from harness.studies.diagnostics.study import row_verdicts, with_zero_since
 from harness.studies.schema import names
 from harness.studies.seed004 import report as seed004
 from harness.studies.seed004.study import against_big_batch
@@ -252,7 +252,7 @@ def diagnostics_row(experiment: str, setting: str, parameter: str = "(all)", ste
                world_size=2 if strategy == "ddp" else 1, setting=setting, step=step,
                parameter=parameter, requires_grad=True, grad_is_none=False, error=None)
     row.update(values)
-    return {**row, **judged_row(row, RTOL)}
+    return {**row, **row_verdicts(row, RTOL)}
 
 
 def sweep_rows(dies_at: int) -> list[dict]:
@@ -361,10 +361,10 @@ def test_the_report_has_the_three_sections_with_relative_figures(tmp_path, broke
         study: {"csv": f"{study}.csv"} for study in frames}}))
     if broken:
         with pytest.raises(ReportError, match="seed_printed"):
-            write_report(tmp_path)
+            write_report(tmp_path, catalogue())
         assert not (tmp_path / REPORT_NAME).exists()
         return
-    report = write_report(tmp_path).read_text()
+    report = write_report(tmp_path, catalogue()).read_text()
     for section in (training.SECTION, seed004.SECTION, diagnostics.SECTION):
         assert f"## {section.title}" in report
     assert "could not summarize" not in report

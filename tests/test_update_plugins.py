@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import csv
 import re
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -16,7 +18,7 @@ from harness.report.figures import FigureWriter
 from harness.report.section import Finding
 from harness.studies import study_tables
 from harness.studies.schema import Column
-from harness.studies.update import experiments, report, schema
+from harness.studies.update import columns, experiments, report, schema
 from harness.studies.update.experiment import Experiment, Grid, report_part
 from harness.studies.update.study import UpdateStudy
 from harness.verdicts import Equivalence
@@ -47,8 +49,8 @@ THROWAWAY = Experiment(
     name=NAME,
     question="is the gradient of w² at w = N equal to 2N?",
     intro="One weight, one backward per world size.",
-    columns=(schema.strategy("local"), schema.WORLD_SIZE,
-             Column("gradient", "", "d(w²)/dw at w = N"), schema.VERDICT),
+    columns=(columns.strategy("local"), columns.WORLD_SIZE,
+             Column("gradient", "", "d(w²)/dw at w = N"), columns.VERDICT),
     grid=lambda offered: [{"strategy": "local", "world_size": n} for n in offered.sizes],
     measure=measure_square,
     cost_ms=1.0,
@@ -58,8 +60,13 @@ THROWAWAY = Experiment(
 
 @pytest.fixture
 def registered(monkeypatch):
-    """The throwaway experiment registered after the study's own."""
-    monkeypatch.setattr(experiments, "EXPERIMENTS", (*experiments.EXPERIMENTS, THROWAWAY))
+    """The throwaway experiment registered after the study's own: in the registry, and in
+    what the schema and the report build from the registry when they are imported (as
+    adding it to the tuple in experiments/__init__.py would)."""
+    registry = (*experiments.EXPERIMENTS, THROWAWAY)
+    monkeypatch.setattr(experiments, "EXPERIMENTS", registry)
+    monkeypatch.setattr(schema, "TABLES", tuple(e.table for e in registry))
+    monkeypatch.setattr(report, "SECTION", report.section(registry))
     return THROWAWAY
 
 
@@ -70,6 +77,18 @@ def test_the_study_its_schema_and_its_report_read_the_registry(registered):
     assert UpdateStudy.tables()[-1].csv == f"update-{NAME}.csv"
     assert [sub.csv for sub in report.SECTION.subsections] == [
         f"update-{name}.csv" for name in names]
+
+
+@pytest.mark.launches(seconds=1)
+def test_the_registry_its_schema_and_its_section_load_without_torch():
+    """Each experiment's module holds its ``measure``, which imports torch when it runs: the
+    registry, the CSVs' schema and the report section read the modules without it."""
+    code = ("import sys\nimport harness.studies.update.experiments, "
+            "harness.studies.update.schema, harness.studies.update.report\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_each_csv_has_the_columns_its_experiment_declares_and_no_other():
@@ -157,8 +176,9 @@ def test_a_run_writes_the_added_experiments_csv_and_its_subsection(registered, t
 
 @pytest.mark.parametrize("change, message", [
     ({"name": "Lr_Factor"}, "lower-case words joined by '-'"),
-    ({"columns": (schema.WORLD_SIZE, schema.strategy("local"))}, "start with strategy, world_size"),
-    ({"columns": (*THROWAWAY.columns, schema.VERDICT)}, "columns declared twice: verdict"),
+    ({"columns": (columns.WORLD_SIZE, columns.strategy("local"))},
+     "start with strategy, world_size"),
+    ({"columns": (*THROWAWAY.columns, columns.VERDICT)}, "columns declared twice: verdict"),
     ({"cost_ms": 0.0}, "cost_ms 0.0 is not > 0"),
 ])
 def test_a_declaration_the_study_could_not_use_is_refused_when_made(change, message):

@@ -25,8 +25,8 @@ from harness.grad_study import main
 from harness.report.figures import FigureWriter, style
 from harness.strategies.local import LocalTrainer
 from harness.studies.update import experiments, report
+from harness.studies.update.experiments.linear_scaling import WARMUP_WINDOWS, early_windows
 from harness.studies.update.fleet import Fleet
-from harness.studies.update.linear_scaling import WARMUP_WINDOWS, early_windows
 from harness.studies.update.optimizers import OPTIMIZERS
 from harness.studies.update.recipes import TASK, Shape, initial_model
 from harness.studies.update.training import FleetOptimizers, Member, fleet_loss

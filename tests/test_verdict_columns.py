@@ -18,7 +18,7 @@ import torch
 from harness.config import DTYPES as DTYPE_NAMES
 from harness.studies.accumulation.study import multiples
 from harness.studies.base import Case, named_multiple
-from harness.studies.diagnostics.study import judged_row, with_zero_since
+from harness.studies.diagnostics.study import row_verdicts, with_zero_since
 from harness.studies.reduction.study import within_tolerance
 from harness.studies.seed001.study import SeedSetup, predict, printed_explained
 from harness.studies.seed004.study import against_big_batch
@@ -111,21 +111,21 @@ def test_diagnostics_judges_ranks_updates_relus_and_running_stats(rtol, factor, 
     measured = {"grad_rank_spread": factor * rtol, "update_ratio": 0.0,
                 "dead_relu_fraction": 1.0, "running_stats_change": 0.0}
     negligible = NEGLIGIBLE_RELATIVE["float64"]
-    judged = judged_row(measured, rtol, negligible)
+    judged = row_verdicts(measured, rtol, negligible)
     assert judged["grads_averaged"] is holds
     assert judged == {**judged, "parameter_moved": False, "relu_dead": True,
                       "running_stats_changed": False}
     # A relative change of the negligible fraction is rounding; the next float up is a move.
-    at = judged_row({**measured, "update_ratio": negligible, "running_stats_change": negligible},
+    at = row_verdicts({**measured, "update_ratio": negligible, "running_stats_change": negligible},
                     rtol, negligible)
     assert (at["parameter_moved"], at["running_stats_changed"]) == (False, False)
     above = math.nextafter(negligible, 1.0)
     # A ReLU short of one unit: an exact comparison (harness/diagnostics.py says why).
-    nearly = judged_row({**measured, "update_ratio": above, "dead_relu_fraction": 1 - 2 ** -52,
+    nearly = row_verdicts({**measured, "update_ratio": above, "dead_relu_fraction": 1 - 2 ** -52,
                          "running_stats_change": above}, rtol, negligible)
     assert (nearly["parameter_moved"], nearly["relu_dead"], nearly["running_stats_changed"]) == (
         True, False, True)
-    unmeasured = judged_row(dict.fromkeys(measured, math.nan), rtol)
+    unmeasured = row_verdicts(dict.fromkeys(measured, math.nan), rtol)
     assert set(unmeasured.values()) == {None}
 
 

@@ -15,21 +15,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.verdicts import FAILING_STATUSES, Equivalence
+from harness.verdicts import FAILING_STATUSES, Equivalence, Status
 
 Row = dict[str, Any]
 #: ``--fail-on`` value -> the verdicts that fail the run. A row whose status is in
 #: :data:`~harness.verdicts.FAILING_STATUSES` (an error, a step that fed other samples)
 #: always fails: nothing was checked.
 FAIL_ON = {
-    "error": frozenset(),
-    "differs": frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER}),
-    "scaled": frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER, Equivalence.SCALED}),
+    str(Status.ERROR): frozenset(),
+    str(Equivalence.DIFFERS): frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER}),
+    str(Equivalence.SCALED): frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER,
+                                        Equivalence.SCALED}),
 }
 #: A pure scale is sometimes meant (a summed loss with the learning rate divided to
 #: match), and the params rows then say whether it is compensated; a difference no
 #: scale explains never is.
-DEFAULT_FAIL_ON = "differs"
+DEFAULT_FAIL_ON = str(Equivalence.DIFFERS)
 #: Failing cases named one per line before the rest are only counted.
 SHOWN_CASES = 5
 

@@ -1,30 +1,37 @@
 """REPORT.md: the findings of a run, with tables and plots, built from its CSVs.
 
     from harness.report import write_report
-    write_report(Path("results"))          # -> results/REPORT.md, results/figures/*.png
+    from harness.studies import catalogue
+    write_report(Path("results"), catalogue())   # -> results/REPORT.md, results/figures/*.png
 
 The folder is checked first (``run.json`` and every CSV it lists, with the
 columns the report reads); a malformed folder raises :class:`ReportError`
 before anything is written. Each study declares its section next to it, in
-``harness/studies/<study>/report.py`` (see :mod:`harness.report.spec`). matplotlib is
-imported only here, when a report is written, so that a study run that skips the report
-never loads it.
+``harness/studies/<study>/report.py`` (see :mod:`harness.report.spec`); this package
+imports no study: the caller hands it the studies' catalogue
+(:mod:`harness.report.catalogue`). matplotlib is imported only here, when a report is
+written, so that a study run that skips the report never loads it.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.report.data import ReportError
+
+if TYPE_CHECKING:
+    from harness.report.catalogue import Catalogue
 
 REPORT_NAME = "REPORT.md"
 
 __all__ = ["REPORT_NAME", "ReportError", "write_report"]
 
 
-def write_report(out: Path) -> Path:
-    """Write ``out/REPORT.md`` and ``out/figures/*.png`` from the run in ``out``; its path."""
+def write_report(out: Path, catalogue: Catalogue) -> Path:
+    """Write ``out/REPORT.md`` and ``out/figures/*.png`` from the run in ``out``, each study's
+    rows read and summarized as ``catalogue`` declares; its path."""
     from harness.manifest import read_manifest
     from harness.report.data import load_results, tolerance
 
@@ -33,12 +40,12 @@ def write_report(out: Path) -> Path:
     from harness.report.document import render_document
     from harness.report.figures import FigureWriter, style
     from harness.results import write_text_atomic
-    from harness.studies import report_section
 
-    # Only the run's studies: a section is imported without its study (nor torch).
-    sections = {name: section for name in manifest.studies
-                if (section := report_section(name))}
-    results = load_results(out, manifest, sections)
+    # The run's studies that have a section; the others' rows are counted, not summarized.
+    reported = {name: study for name in manifest.studies
+                if (study := catalogue.get(name)) is not None and study.section is not None}
+    sections = {name: study.section for name, study in reported.items()}
+    results = load_results(out, manifest, reported)
     rtol = tolerance(results.dtype)
     figures = FigureWriter(out)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.columns import TRAILING_COLUMNS, names
 from harness.manifest import ManifestError, RunManifest
 from harness.results import MANIFEST
 from harness.tolerances import RELATIVE_TOLERANCE
@@ -20,7 +21,7 @@ from harness.tolerances import RELATIVE_TOLERANCE
 if TYPE_CHECKING:
     import pandas as pd
 
-    from harness.report.section import Section
+    from harness.report.catalogue import ReportedStudy
 
 #: Columns every study's CSV has (docs/results.md), that the report relies on.
 COMMON_COLUMNS = ("study", "case_id", "status")
@@ -56,19 +57,20 @@ class RunResults:
         return self.manifest.csv_names(study)
 
 
-def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Section]
+def load_results(out: Path, manifest: RunManifest, reported: Mapping[str, ReportedStudy]
                  ) -> RunResults:
-    """The run in ``out`` (``manifest`` from :func:`read_manifest`); ReportError if malformed."""
+    """The run in ``out`` (``manifest`` from :func:`read_manifest`), the CSVs of the studies
+    in ``reported`` (those with a section) read for it; ReportError if malformed."""
     results = RunResults(out=out, manifest=manifest)
     for study in manifest.studies:
-        section = sections.get(study)
-        read_by = _read_by(study) if section else {}
+        summarized = study in reported
+        read_by = _read_by(reported[study]) if summarized else {}
         for name in manifest.csv_names(study):
-            if section and name not in read_by:
+            if summarized and name not in read_by:
                 raise ReportError(f"{out / name}: the {study} study writes "
                                   f"{', '.join(read_by)}, not this CSV; rerun the study")
             frame = _read_csv(out / name, COMMON_COLUMNS + read_by.get(name, ()))
-            if section:
+            if summarized:
                 results.frames[name] = frame
             else:
                 results.unsummarized[study] = results.unsummarized.get(study, 0) + len(frame)
@@ -78,19 +80,14 @@ def load_results(out: Path, manifest: RunManifest, sections: Mapping[str, Sectio
     return results
 
 
-def _read_by(study: str) -> dict[str, tuple[str, ...]]:
+def _read_by(study: ReportedStudy) -> dict[str, tuple[str, ...]]:
     """The columns the report reads of each CSV of ``study``: its schema's."""
-    from harness.studies import study_tables
-    from harness.studies.schema import names
-
-    return {table.csv: names(table.columns) for table in study_tables(study)}
+    return {table.csv: names(table.columns) for table in study.tables}
 
 
 def _context_columns() -> tuple[str, ...]:
     """The run-context columns every CSV the runner writes ends with (``backend``, ...):
     kept where present, for sections that say where the run computed."""
-    from harness.studies.schema import TRAILING_COLUMNS, names
-
     return names(TRAILING_COLUMNS)
 
 

@@ -8,7 +8,9 @@ A sentence that states a verdict first checks that the rows still show it: where
 they do not, generation stops with :class:`Unsupported`, naming the sentence and
 the rows, instead of writing a claim the results no longer make.
 
-Reads CSVs and JSON only (no torch), like the report.
+Reads CSVs and JSON only (no torch), like the report. Imports no study: the studies'
+columns and parts come in a catalogue (:mod:`harness.report.catalogue`) that
+``scripts/docs.py`` hands to :func:`main`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from harness.columns import LEADING_COLUMNS, TRAILING_COLUMNS, Column, Table
 from harness.report.quoted import DocPart, Results, Unsupported, require
 from harness.report.text import code, table
-from harness.studies import STUDY_PACKAGES, doc_parts, study_tables
-from harness.studies.schema import LEADING_COLUMNS, TRAILING_COLUMNS, Column, Table
+
+if TYPE_CHECKING:
+    from harness.report.catalogue import Catalogue
 
 __all__ = ["DOCUMENTS", "Results", "Unsupported", "main", "parts", "refresh", "require",
            "stale"]
@@ -46,13 +51,13 @@ def tables_text(tables: Sequence[Table]) -> str:
                        for table in tables)
 
 
-def schema_parts() -> dict[str, DocPart]:
+def schema_parts(catalogue: Catalogue) -> dict[str, DocPart]:
     """``columns:common``, ``columns:<study>`` for every study, ``columns:check``,
     ``columns:script``."""
     parts: dict[str, DocPart] = {
         "columns:common": lambda _: column_table((*LEADING_COLUMNS, *TRAILING_COLUMNS))}
-    for study in STUDY_PACKAGES:
-        parts[f"columns:{study}"] = lambda _, study=study: tables_text(study_tables(study))
+    for name, study in catalogue.items():
+        parts[f"columns:{name}"] = lambda _, study=study: tables_text(study.tables)
     parts["columns:check"] = lambda _: column_table(_check_columns())
     parts["columns:script"] = lambda _: column_table(_script_columns())
     return parts
@@ -69,17 +74,18 @@ def _script_columns() -> tuple[Column, ...]:
 
 
 # ---------------------------------------------------------------- the studies' parts
-def study_parts() -> dict[str, DocPart]:
+def study_parts(catalogue: Catalogue) -> dict[str, DocPart]:
     """Every study's own generated parts (its report module's ``DOC_PARTS``), and
     ``answers``, the README's list of them."""
-    parts = {name: part for study in STUDY_PACKAGES for name, part in doc_parts(study).items()}
-    return {**parts, "answers": answers}
+    parts = {name: part for study in catalogue.values()
+             for name, part in study.doc_parts.items()}
+    return {**parts, "answers": lambda results: answers(results, catalogue)}
 
 
-def answers(results: Results) -> str:
+def answers(results: Results, catalogue: Catalogue) -> str:
     """The README's answers: one bullet per ``answer:`` part of the studies, in study order."""
-    return "\n".join(f"- {part(results)}" for study in STUDY_PACKAGES
-                     for name, part in doc_parts(study).items() if name.startswith("answer:"))
+    return "\n".join(f"- {part(results)}" for study in catalogue.values()
+                     for name, part in study.doc_parts.items() if name.startswith("answer:"))
 
 
 # ---------------------------------------------------------------- run times
@@ -121,8 +127,9 @@ def example_parts(root: Path) -> dict[str, DocPart]:
 
 
 # ---------------------------------------------------------------- refreshing
-def parts(root: Path) -> dict[str, DocPart]:
-    return {**schema_parts(), **study_parts(), **result_parts(), **example_parts(root)}
+def parts(root: Path, catalogue: Catalogue) -> dict[str, DocPart]:
+    return {**schema_parts(catalogue), **study_parts(catalogue), **result_parts(),
+            **example_parts(root)}
 
 
 def refresh(text: str, results: Results, known: dict[str, DocPart]) -> str:
@@ -142,9 +149,9 @@ def refresh(text: str, results: Results, known: dict[str, DocPart]) -> str:
     return PART.sub(fill, text)
 
 
-def stale(root: Path, results: Results) -> dict[Path, str]:
+def stale(root: Path, results: Results, catalogue: Catalogue) -> dict[Path, str]:
     """Each document whose generated parts differ from what the results give: its new text."""
-    known, changed = parts(root), {}
+    known, changed = parts(root, catalogue), {}
     for name in DOCUMENTS:
         path = root / name
         text = path.read_text()
@@ -158,16 +165,16 @@ def stale(root: Path, results: Results) -> dict[Path, str]:
 PROG = "docs.py"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Rewrite the generated parts of README.md and docs/ (or, with --check, only say which
-    are out of date: exit 1)."""
+def main(catalogue: Catalogue, argv: Sequence[str] | None = None) -> int:
+    """Rewrite the generated parts of README.md and docs/ from ``catalogue`` (the studies')
+    and the results (or, with --check, only say which are out of date: exit 1)."""
     from harness.errors import UsageError, refuse
 
     try:
         args = _parser().parse_args(argv)
         root, folder = Path(args.root), Path(args.results)
         _require_documents(root, folder)
-        changed = stale(root, Results(folder))
+        changed = stale(root, Results(folder), catalogue)
     except UsageError as error:
         return refuse(error, rank=0, prog=PROG)
     except Unsupported as error:

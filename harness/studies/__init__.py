@@ -6,7 +6,8 @@ report section (``report.py``: what the report reads and draws). Its ``__init__`
 exports ``STUDY``, the study class. Adding a study: write its package, add its name here.
 
 Everything here is loaded on first use: the report reads schemas and sections
-without importing a study's measuring code, and with it torch.
+without importing a study's measuring code, and with it torch. The report itself imports
+no study: ``catalogue()`` is what its callers hand it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from harness.studies.schema import Column, Table
 
 if TYPE_CHECKING:
+    from harness.report.catalogue import Catalogue
     from harness.report.section import Section
     from harness.studies.base import Study
 
@@ -110,5 +112,16 @@ def doc_parts(name: str) -> dict[str, Callable[[Any], str]]:
     return dict(getattr(_report_module(name), "DOC_PARTS", {}))
 
 
+def catalogue() -> Catalogue:
+    """What the report and the docs read of every study (its CSVs, its section, the parts of
+    README.md and docs/ it states), in run order: read when called, without torch. The
+    report imports no study: its callers hand it this."""
+    from harness.report.catalogue import ReportedStudy
+
+    return {name: ReportedStudy(name, study_tables(name), report_section(name), doc_parts(name))
+            for name in STUDY_PACKAGES}
+
+
 __all__ = ["STUDIES", "STUDY_PACKAGES", "Case", "Column", "Study", "StudyOptions",  # noqa: F822
-           "Table", "doc_parts", "report_section", "study_columns", "study_tables"]
+           "Table", "catalogue", "doc_parts", "report_section", "study_columns",
+           "study_tables"]

@@ -154,7 +154,7 @@ def _blank_row(case: Case, setting: str) -> dict[str, Any]:
     }
 
 
-def judged_row(row: dict[str, Any], rtol: float,
+def row_verdicts(row: dict[str, Any], rtol: float,
                negligible: float = NEGLIGIBLE_RELATIVE["float64"]) -> dict[str, Any]:
     """The verdicts on a row's numbers; each empty where its number was not measured.
     A relative change of at most ``negligible`` (by default float64's, the committed run's)
@@ -224,7 +224,7 @@ class DiagnosticsStudy(Study):
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
         rows = self._measure(case, run)
         negligible = negligible_relative(run.dtype)
-        return None if rows is None else [{**row, **judged_row(row, run.rtol, negligible)}
+        return None if rows is None else [{**row, **row_verdicts(row, run.rtol, negligible)}
                                           for row in rows]
 
     def _measure(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:

@@ -63,6 +63,7 @@ from harness.studies.hooks.variants import (
     variant_by_name,
 )
 from harness.tasks import Batch, Task, make_shards, task_by_name
+from harness.tolerances import dtype_name
 
 STRATEGIES = ("ddp", "fsdp")
 #: Samples per rank per step.
@@ -75,10 +76,6 @@ NUMBERS = ("buckets", "collective_calls", "collective_bytes", "full_batch_scale"
            "fit_residual", "relative_error", "magnitude_ratio", "error_bound",
            "cumulative_error", "param_distance", "grad_rank_spread", "param_rank_spread",
            "rank0_state_elements")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def world_sizes(run: RunContext) -> tuple[int, ...]:

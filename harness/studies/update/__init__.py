@@ -1,4 +1,5 @@
-"""The update study: see study.py (measurement) and report.py (its report section)."""
+"""The update study: see study.py (its cases), experiments/ (an experiment each: its spec and
+its measurement) and report.py (its report section)."""
 
 from harness.studies import lazy_study
 

@@ -7,13 +7,12 @@ its grid of cases, how to measure a case, and its part of the report. The study'
 cases, its CSVs (one per experiment, ``update-<name>.csv``), its schema and its report
 section are all read from the registry, ``experiments.EXPERIMENTS``.
 
-Free of torch: the schema and the report read the experiments without their measuring
-code, which :func:`measured_in` imports when a case first runs.
+Free of torch: the schema and the report read the experiments without running them; an
+experiment's module imports torch inside its ``measure``, when a case first runs.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,11 +25,8 @@ from harness.studies.schema import Column, Table
 if TYPE_CHECKING:
     import pandas as pd
 
-    from harness.context import RunContext
     from harness.report.section import SectionInputs
-    from harness.studies.base import Case
-    from harness.studies.update.study import UpdateOptions
-    from harness.studies.update.training import ReferenceRuns
+    from harness.studies.update.trial import Trial
 
 #: The study the experiments belong to: its CSVs are ``update-<experiment>.csv``.
 STUDY = "update"
@@ -71,46 +67,9 @@ class Grid:
         return self.sizes if self.full else (max(self.world_sizes),)
 
 
-@dataclass(frozen=True)
-class Trial:
-    """One case of an experiment, as its measuring code gets it."""
-
-    case: Case
-    run: RunContext
-    options: UpdateOptions
-    #: Big-batch runs computed by this process, shared by the cases that compare with them.
-    references: ReferenceRuns
-
-    @property
-    def strategy(self) -> str:
-        return self.case["strategy"]
-
-    @property
-    def world_size(self) -> int:
-        return self.case["world_size"]
-
-    @property
-    def accum_steps(self) -> int:
-        return self.case["accum_steps"]
-
-    @property
-    def full(self) -> bool:
-        return self.run.config.matrix == "full"
-
-    @property
-    def reports(self) -> bool:
-        """Whether this rank returns the case's rows (rank 0 of its group)."""
-        return self.run.reports(self.case)
-
-
-Measure = Callable[[Trial], MeasuredRows]
-
-
-def measured_in(module: str) -> Measure:
-    """``module.measure``, imported when a case first runs (measuring code imports torch)."""
-    def measure(trial: Trial) -> MeasuredRows:
-        return importlib.import_module(module).measure(trial)
-    return measure
+#: An experiment's ``measure``: a case's rows from its trial (the name is a string: Trial is
+#: only a type here).
+Measure = Callable[["Trial"], MeasuredRows]
 
 
 @dataclass(frozen=True)
@@ -129,6 +88,7 @@ class Experiment:
     columns: tuple[Column, ...]
     #: Its cases' coordinates in a run: ``strategy``, ``world_size``, ``accum_steps``.
     grid: Callable[[Grid], list[dict[str, Any]]]
+    #: The rows of one case: every column but the coordinates (the study adds them).
     measure: Measure
     #: Rough milliseconds per micro-step, for spreading single-process cases over idle ranks.
     cost_ms: float

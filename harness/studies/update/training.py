@@ -14,8 +14,9 @@ from torch import nn
 from harness.fit import relative_error
 from harness.strategies.common import Trainer, flat_grad, flat_params
 from harness.studies.update.fleet import members, micro_step_context
-from harness.studies.update.optimizers import OptimizerSpec
+from harness.studies.update.optimizers import OPTIMIZERS, PLAIN, OptimizerSpec
 from harness.studies.update.recipes import (
+    MICRO_BATCH,
     TASK,
     Shape,
     big_batch,
@@ -25,11 +26,11 @@ from harness.studies.update.recipes import (
     windows,
 )
 from harness.tasks import Batch
-from harness.tolerances import update_tolerance
+from harness.tolerances import dtype_name, update_tolerance
 from harness.verdicts import Equivalence
 
 if TYPE_CHECKING:
-    from harness.studies.update.experiment import Trial
+    from harness.studies.update.trial import Trial
 
 #: A window: [micro-step][device] shards.
 Window = list[list[Batch]]
@@ -130,12 +131,15 @@ class FleetOptimizers:
         step_all(self.optimizers)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def flat_parameters(module: nn.Module) -> torch.Tensor:
     return flat_params(module).to(torch.float64)
+
+
+def descend(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:
+    """One step of ``optimizer`` on the mean loss of ``batch``."""
+    TASK.loss(model(batch.x), batch, "mean").backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 # ------------------------------------------------------------------ reference
@@ -222,14 +226,9 @@ class Start:
         return judged(measured, reference, flat_parameters(self.initial), self.tolerance)
 
 
-class ReferenceRuns:
-    """Big-batch runs, each computed once per process and shared by every case that compares
-    with it: DDP, FSDP and DataParallel at the same N and k train on the same windows."""
-
-    def __init__(self) -> None:
-        self._runs: dict[tuple, list[torch.Tensor]] = {}
-
-    def get(self, key: tuple, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        if key not in self._runs:
-            self._runs[key] = compute()
-        return self._runs[key]
+def plain_sgd_columns(loss: str, sync: str, start: Start) -> dict[str, Any]:
+    """The columns of a recipe training plain SGD: whose update is the gradient itself."""
+    spec = OPTIMIZERS[PLAIN]
+    return {"micro_batch": MICRO_BATCH, "loss": loss, "sync": sync, "optimizer": PLAIN,
+            "optimizer_settings": spec.settings, "learning_rate": spec.lr,
+            "dtype_used": start.dtype_used}

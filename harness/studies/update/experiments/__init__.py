@@ -1,9 +1,10 @@
 """The update study's experiments: one plug-in module each, registered here in run order.
 
 Adding an experiment: its module here (an ``EXPERIMENT``: name, question, columns, grid,
-measure, report parts), its measuring code in ``harness/studies/update/`` (a module with
-``measure(trial)``), and its ``EXPERIMENT`` in the tuple below. The study's cases, CSVs,
-schema and report section read the tuple when they are asked for, so nothing else changes.
+its ``measure(trial)``, report parts; torch imported inside ``measure``, so that the
+schema, the report and the docs read the module without it), and its ``EXPERIMENT`` in the
+tuple below. The study's cases, CSVs, schema and report section read the tuple, so
+nothing else changes.
 """
 
 from __future__ import annotations

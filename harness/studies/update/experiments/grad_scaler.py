@@ -1,7 +1,15 @@
-"""Experiment ``grad-scaler``: GradScaler with k-step accumulation, and where clipping goes.
+"""Experiment ``grad-scaler``: GradScaler with k-step accumulation, as PyTorch's AMP examples
+prescribe it, and where clipping goes.
 
-The measuring code is ``harness/studies/update/grad_scaler.py``; here: the plug-in, its
-recipes, columns and grid, and its report parts (findings, answer, table).
+``torch.amp.GradScaler("cpu")``: ``scaler.scale(loss / k).backward()`` every micro-step,
+then once per window ``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step``,
+``scaler.update``. Compared with the big-batch run clipped at the same ``max_norm`` (or not
+clipped, for ``no-clip``), and with the slip of clipping the still-scaled gradient
+(``clip-before-unscale``). GradScaler accepts float64 gradients on the CPU (torch 2.13):
+these rows run in the run's dtype.
+
+Here: its recipes, columns and grid, its measurement (torch imported inside, so that the
+spec reads without it) and its report parts (findings, answer, table).
 """
 
 from __future__ import annotations
@@ -13,12 +21,17 @@ from harness.report.rows import ordered
 from harness.report.section import Finding, SectionInputs
 from harness.report.text import integers, number, span, strategy_name
 from harness.strategies import STRATEGIES
-from harness.studies.update import schema
-from harness.studies.update.experiment import Experiment, Grid, measured_in, report_part
+from harness.studies.update import columns
+from harness.studies.update.experiment import Experiment, Grid, report_part
 from harness.studies.update.wording import IDENTITY, OUTCOME, SCALES, SettingsAnswer, verb
 
 if TYPE_CHECKING:
     import pandas as pd
+    import torch
+
+    from harness.strategies.common import Trainer
+    from harness.studies.update.training import Member, Start
+    from harness.studies.update.trial import ReferenceRuns, Trial
 
 #: The recipes: where clipping happens relative to ``unscale_``.
 NO_CLIP, UNSCALE_THEN_CLIP, CLIP_BEFORE_UNSCALE = (
@@ -26,19 +39,22 @@ NO_CLIP, UNSCALE_THEN_CLIP, CLIP_BEFORE_UNSCALE = (
 SETTINGS = (NO_CLIP, UNSCALE_THEN_CLIP, CLIP_BEFORE_UNSCALE)
 #: One process, and DDP's reduction.
 STRATEGY_NAMES = ("local", "ddp")
+#: max_norm of the clipping recipes, as a multiple of the big batch's first gradient norm:
+#: below 1, so that the big batch clips.
+MAX_NORM_RATIO = 0.5
 COLUMNS = (
-    schema.strategy(*STRATEGY_NAMES), schema.RANKS, schema.ACCUM_STEPS,
-    *schema.recipe(losses=("mean/k",), syncs=("no_sync", "none"), optimizers=("sgd",)),
-    schema.SETTING.described(
+    columns.strategy(*STRATEGY_NAMES), columns.RANKS, columns.ACCUM_STEPS,
+    *columns.recipe(losses=("mean/k",), syncs=("no_sync", "none"), optimizers=("sgd",)),
+    columns.SETTING.described(
         "the GradScaler recipe: no clipping; `scaler.unscale_` then `clip_grad_norm_`; "
         "`clip_grad_norm_` on the still-scaled gradient", unit=", ".join(
             f"`{s}`" for s in SETTINGS)),
-    schema.DTYPE_USED,
-    *(c.described(c.doc + " (empty for `no-clip`)") for c in schema.CLIP_COLUMNS),
-    schema.SCALE_BEFORE, schema.SCALE_AFTER,
-    schema.PARAM_DISTANCE.described(schema.PARAM_DISTANCE.doc + ", clipped at the same "
-                                    "`max_norm` where the recipe clips"),
-    schema.UPDATE_ERROR, schema.VERDICT,
+    columns.DTYPE_USED,
+    *(c.described(c.doc + " (empty for `no-clip`)") for c in columns.CLIP_COLUMNS),
+    columns.SCALE_BEFORE, columns.SCALE_AFTER,
+    columns.PARAM_DISTANCE.described(columns.PARAM_DISTANCE.doc + ", clipped at the same "
+                                     "`max_norm` where the recipe clips"),
+    columns.UPDATE_ERROR, columns.VERDICT,
 )
 
 
@@ -48,6 +64,88 @@ def grid(offered: Grid) -> list[dict[str, Any]]:
     return [{"strategy": s, "world_size": n, "accum_steps": offered.accum_steps}
             for s in offered.strategies if s in STRATEGY_NAMES
             for n in ([1] if STRATEGIES[s].reference else offered.widest)]
+
+
+def measure(trial: Trial) -> list[dict[str, Any]] | None:
+    """A row per recipe: the parameters after T windows under one GradScaler against the big
+    batch (clipped at the same max_norm where the recipe clips)."""
+    from harness.studies.update import fleet, training
+    from harness.studies.update.clip import UNCLIPPED, clip_columns
+    from harness.studies.update.optimizers import OPTIMIZERS, PLAIN
+
+    start = training.Start.of(trial, trial.options.steps)
+    big_norm = float(training.big_batch_gradient(start.initial, start.data[0]).norm())
+    max_norm = MAX_NORM_RATIO * big_norm
+    runs = [training.Member("mean/k", OPTIMIZERS[PLAIN]) for _ in SETTINGS]
+    trainer = fleet.fleet_trainer(trial.strategy, fleet.Fleet(start.initial, len(runs)),
+                                  trial.world_size, trial.run)
+    coefficients, scales = train_scaled(trainer, runs, start, max_norm, trial.run.device.type)
+    final = fleet.every_member_parameters(trainer)
+    if not trial.reports:
+        return None
+    recipe = training.plain_sgd_columns(
+        "mean/k", STRATEGIES[trial.strategy].sync(trial.accum_steps), start)
+    rows = []
+    for i, setting in enumerate(SETTINGS):
+        reference, coefficient = _reference(setting, trial.references, start, max_norm)
+        clipped = UNCLIPPED if setting == NO_CLIP else clip_columns(
+            max_norm, MAX_NORM_RATIO, coefficient, coefficients[i])
+        rows.append({**recipe, "steps": trial.options.steps, "setting": setting, **clipped,
+                     "scale_before": scales[0], "scale_after": scales[-1],
+                     **start.judged(final[i], reference)})
+    return rows
+
+
+def train_scaled(trainer: Trainer, runs: list[Member], start: Start, max_norm: float,
+                 device_type: str) -> tuple[list[list[float]], list[float]]:
+    """Every window under one GradScaler, each copy clipping as its setting says; the clip
+    coefficients of the first window per copy, and the scale before and after each window."""
+    import torch
+
+    from harness.studies.update import fleet
+    from harness.studies.update.clip import clip_and_measure
+    from harness.studies.update.optimizers import OPTIMIZERS, PLAIN
+    from harness.studies.update.training import accumulate_window
+
+    copies = fleet.members(trainer)
+    # One optimizer per copy: unscale_ acts on a whole optimizer, and the copies differ
+    # exactly in when they unscale.
+    optimizers = [OPTIMIZERS[PLAIN].build(c.parameters()) for c in copies]
+    scaler = torch.amp.GradScaler(device_type)
+    coefficients: list[list[float]] = [[] for _ in SETTINGS]
+    scales = [scaler.get_scale()]
+    for t, window in enumerate(start.data):
+        accumulate_window(trainer, runs, window, start.shape,
+                          no_sync=start.shape.accum_steps > 1, scale=scaler.scale)
+        for i, setting in enumerate(SETTINGS):
+            if setting == UNSCALE_THEN_CLIP:
+                scaler.unscale_(optimizers[i])
+            if setting != NO_CLIP:
+                coefficient = clip_and_measure(list(copies[i].parameters()), max_norm)
+                if t == 0:
+                    coefficients[i].append(coefficient)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return coefficients, scales
+
+
+def _reference(setting: str, references: ReferenceRuns, start: Start, max_norm: float
+               ) -> tuple[torch.Tensor, float]:
+    """The big-batch parameters a setting is compared with (clipped at ``max_norm`` where
+    the setting clips), and the coefficient clipping applied to it at the first step."""
+    from harness.studies.update.clip import clipped_reference
+    from harness.studies.update.optimizers import OPTIMIZERS, PLAIN
+    from harness.studies.update.training import big_batch_run
+
+    if setting != NO_CLIP:
+        return clipped_reference(references, start, max_norm)
+    optimizer = OPTIMIZERS[PLAIN]
+    reference = references.get((*start.key, PLAIN),
+                               lambda: big_batch_run(start.initial, optimizer, start.data))[-1]
+    return reference, float("nan")
 
 
 @report_part()
@@ -92,7 +190,7 @@ EXPERIMENT = Experiment(
            "(0.5 × its gradient norm), or not clipped for `no-clip`."),
     columns=COLUMNS,
     grid=grid,
-    measure=measured_in("harness.studies.update.grad_scaler"),
+    measure=measure,
     cost_ms=10.0,
     findings=(scaler_answers, scaler_findings),
     tables=(scaler_table,),

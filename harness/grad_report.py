@@ -1,4 +1,5 @@
-"""The command line of ``scripts/report.py``: regenerate REPORT.md from a results folder."""
+"""The command line of ``scripts/report.py`` (``grad-report``): regenerate REPORT.md from a
+results folder, with the studies' catalogue (the report itself imports no study)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from harness.report import write_report
+    from harness.studies import catalogue
 
     try:
-        target = write_report(Path(build_parser().parse_args(argv).folder))
+        target = write_report(Path(build_parser().parse_args(argv).folder), catalogue())
     except UsageError as error:
         return refuse(error, rank=0, prog=PROG)
     print(f"{PROG}: wrote {target}")
