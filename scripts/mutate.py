@@ -134,6 +134,28 @@ MUTATIONS = (
              "whole.backward(total / share.divisor)", "whole.backward(total / max(count, 1.0))",
              ("tests/test_check_chunked.py::test_the_chunked_reference_is_the_whole_batch_"
               "reference_to_float64_rounding[tiny-lm-window-token-mean]",)),
+    Mutation("reference-noise-ten-times", "harness/grad_check/script/judge.py",
+             "    rtol = tolerance(precision(first, again))",
+             "    rtol = 10 * tolerance(precision(first, again))",
+             ("tests/test_check_script.py::test_a_reference_drifting_past_its_tolerance_is_"
+              "refused_and_one_within_it_is_not",)),
+    Mutation("coarsest-dtype-by-bits", "harness/check/precision.py",
+             "return max((d for d in dtypes if d.is_floating_point), "
+             "key=lambda d: torch.finfo(d).eps)",
+             "return min((d for d in dtypes if d.is_floating_point), "
+             "key=lambda d: torch.finfo(d).bits)",
+             ("tests/test_check_precision.py::test_the_lowest_precision_is_the_coarsest_"
+              "rounding_in_any_order",)),
+    Mutation("clip-fix-misplaced-abs", "harness/frameworks/fixes.py",
+             "if abs(recipe.scale - 1) < CLIPPED_ALIKE:",
+             "if abs(recipe.scale) - 1 < CLIPPED_ALIKE:",
+             ("tests/test_frameworks_fixes.py::test_a_binding_clip_does_not_explain_a_recipe_"
+              "scaled_below_1",)),
+    Mutation("trainer-counts-last-window", "harness/frameworks/hf_trainer.py",
+             "return tuple(counts[:accum_steps]) or None",
+             "return tuple(counts[-accum_steps:]) or None",
+             ("tests/test_frameworks_fixes.py::test_the_trainers_count_is_read_from_step_0s_"
+              "window",)),
 )
 
 

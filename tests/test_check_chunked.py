@@ -320,6 +320,41 @@ def test_the_ranks_refuse_it_too_where_no_launcher_checked_it():
         chunked_reference(make_inconsistent_setup(), 4)
 
 
+def _padded_batch(step: int):
+    """Eight sequences of 4 positions, the first four full, the rest 1 to 4 long (a mask
+    of real positions): chunk 0 holds equal lengths, later chunks do not."""
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 4, 2, generator=generator, dtype=torch.float64)
+    lengths = torch.tensor([4, 4, 4, 4, 1, 4, 2, 3])
+    mask = (torch.arange(4)[None, :] < lengths[:, None]).double()
+    return x, x.sum(dim=2).sin(), mask
+
+
+def _token_mean(model: nn.Module, data) -> torch.Tensor:
+    x, y, mask = data
+    return ((model(x).squeeze(-1) - y).square() * mask).sum() / mask.sum()
+
+
+def _mean_of_sample_means(model: nn.Module, data) -> tuple[torch.Tensor, int]:
+    """Each sample's own token mean, summed, over the samples: the token mean only where
+    every sample of the piece has as many tokens."""
+    x, y, mask = data
+    per_sample = ((model(x).squeeze(-1) - y).square() * mask).sum(dim=1) / mask.sum(dim=1)
+    return per_sample.sum(), len(per_sample)
+
+
+def test_a_loss_terms_right_on_equal_lengths_only_is_refused_naming_the_chunk():
+    """Step 0's probe compares loss_terms with the loss on every chunk this rank computes,
+    not on its first only (whose samples here are all as long)."""
+    setup = Setup(make_model=lambda: nn.Sequential(nn.Linear(2, 3), nn.Tanh(),
+                                                   nn.Linear(3, 1)).double(),
+                  batch=_padded_batch, loss=_token_mean, loss_terms=_mean_of_sample_means,
+                  name="terms-equal-lengths-only")
+    with pytest.raises(UsageError, match=r"sum / count = .* where Setup.loss gives .* on the "
+                                         r"same samples of batch\(0\), samples 4 to 5"):
+        chunked_reference(setup, 4)
+
+
 def _dropout_terms(model: nn.Module, data) -> tuple[torch.Tensor, int]:
     x, y = data
     out = nn.functional.dropout(model(x), 0.5)
@@ -468,3 +503,13 @@ def test_terms_that_do_not_add_up_over_chunks_run_the_whole_batch_reference():
     with pytest.raises(NotChunked, match=r"the terms of two chunks together \(.* per term\) "
                                          r"are not those of the chunks apart"):
         chunked_reference(setup, 4)
+
+
+def test_a_rank_with_several_chunks_and_a_partial_one_covers_its_share_exactly():
+    """10 samples over 2 ranks, pieces of 3: rank 1's share 5..9 is two chunks of 3, the
+    second cut at its share's end."""
+    assert Spread(None, 0, 2, 3).chunks(10) == [(0, 3), (3, 5)]
+    assert Spread(None, 1, 2, 3).chunks(10) == [(5, 8), (8, 10)]
+    covered = [sample for rank in range(3) for first, stop in Spread(None, rank, 3, 4)
+               .chunks(13) for sample in range(first, stop)]
+    assert covered == list(range(13))

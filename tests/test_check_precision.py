@@ -90,3 +90,16 @@ def test_bfloat16_rounding_never_hides_a_split_that_full_precision_shows():
     equal = rows[(rows.world_size * rows.accum_steps == 2)]
     assert (equal.verdict == "matches").all() and (equal.precision == "bfloat16").all()
     assert (equal.autocast_residual > 0).all()
+
+
+def test_the_lowest_precision_is_the_coarsest_rounding_in_any_order():
+    """bfloat16 rounds coarser than float16 although both have 16 bits; e5m2 coarser than
+    e4m3 although both have 8: the order the types are met in decides nothing."""
+    import itertools
+
+    for order in itertools.permutations([torch.float32, torch.float16, torch.bfloat16]):
+        assert lowest(order) is torch.bfloat16, order
+        assert lowest(order[:2]) is (torch.bfloat16 if torch.bfloat16 in order[:2]
+                                     else torch.float16), order
+    for order in itertools.permutations([torch.float8_e4m3fn, torch.float8_e5m2]):
+        assert lowest(order) is torch.float8_e5m2, order

@@ -464,6 +464,48 @@ def test_a_reference_that_does_not_repeat_itself_is_refused(tmp_path):
         check_deterministic(first, shuffled)
 
 
+def test_a_reference_drifting_past_its_tolerance_is_refused_and_one_within_it_is_not(
+        tmp_path):
+    """float64's tolerance is 1e-9: two runs of the reference 5e-9 apart are not the same
+    step, 5e-10 apart they are (their distance is the rows' reference_noise)."""
+    first = written_capture(tmp_path / "first", Split(1, 1))
+
+    def drifted(relative: float):
+        return lambda s: {n: t * (1 + relative) for n, t in gradients(s).items()}
+
+    with pytest.raises(UsageError, match="its step 0 gradient differed"):
+        check_deterministic(first, written_capture(tmp_path / "far", Split(1, 1),
+                                                   grads=drifted(5e-9)))
+    noise = check_deterministic(first, written_capture(tmp_path / "near", Split(1, 1),
+                                                       grads=drifted(5e-10)))
+    assert noise[(0, 0, "grad")] == pytest.approx(5e-10, rel=1e-3)
+
+
+def test_a_split_that_ended_step_0_elsewhere_does_not_match_at_step_1(tmp_path):
+    """Step 1's update is measured from where the reference started it: a split whose step
+    0 went elsewhere (its gradient doubled) is not back on the reference's path although
+    its step-1 gradient is the reference's."""
+    rows = rows_of(tmp_path, Split(1, 2), grads=lambda s: {n: (2 if s == 0 else 1) * t
+                                                             for n, t in gradients(s).items()})
+    by = {(row["step"], row["point"]): row for row in rows}
+    assert by[(1, "grad")]["verdict"] == "matches"
+    assert by[(1, "params")]["verdict"] == "differs"
+    assert by[(1, "params")]["fix"].startswith("step 0's gradient is scaled by 2")
+
+
+def test_a_float32_match_has_no_fix_and_a_bfloat16_one_says_what_it_leaves_open():
+    from harness.check.compare import Pair, compare
+    from harness.check.fix import Facts
+    from harness.check.judge import Compared, judge_step
+
+    grad = torch.ones(3, dtype=torch.float64)
+    matching = compare([Pair("w", grad, grad)], ["w"], None, torch.device("cpu"), 1e-3)
+    for dtype, said in ((torch.float32, False), (torch.bfloat16, True)):
+        [row] = judge_step(0, [Compared("grad", matching)], dtype,
+                           Facts(world_size=1, accum_steps=2), say_unresolved=True)
+        assert row.verdict == "matches" and bool(row.fix) is said, dtype
+
+
 def test_a_float32_run_is_judged_at_float32s_tolerance(tmp_path):
     rows = rows_of(tmp_path, Split(1, 2), grads=lambda s: {n: t * (1 + 1e-6 * t.cos())
                                                              for n, t in gradients(s).items()},

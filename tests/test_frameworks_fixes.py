@@ -87,3 +87,21 @@ def test_a_learning_rate_other_than_the_big_batchs_names_how_the_framework_sched
 
 def test_a_match_needs_no_fix():
     assert fix(comparison(Equivalence.MATCHES, 1.0)) == ""
+
+
+def test_a_binding_clip_does_not_explain_a_recipe_scaled_below_1():
+    """The framework's clip binds, but the big batch clipped the same way is still twice
+    the framework's gradient: the clip did not hide the scale, the accumulation is off."""
+    plain = comparison(Equivalence.SCALED, 0.3)
+    text = fix(plain, comparison(Equivalence.SCALED, 0.5), Applied("", clip=1.0))
+    assert "hides the accumulation's own scale" not in text
+    assert "multiply the loss by 2" in text
+
+
+def test_the_trainers_count_is_read_from_step_0s_window():
+    """Two steps of two micro-steps, their windows counting other tokens: step 0's rows
+    are judged with step 0's counts."""
+    from harness.frameworks.hf_trainer import first_window
+
+    assert first_window([13, 10, 7, 12], accum_steps=2) == (13, 10)
+    assert first_window([], accum_steps=2) is None

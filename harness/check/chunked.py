@@ -116,10 +116,11 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def inconsistency_message(target: str, mean: float, loss: float,
-                          precision: torch.dtype) -> str:
+def inconsistency_message(target: str, mean: float, loss: float, precision: torch.dtype,
+                          where: str = "") -> str:
     return (f"{target}: Setup.loss_terms gives sum / count = {mean:.9g} where Setup.loss "
-            f"gives {loss:.9g} on the same samples (judged at {dtype_name(precision)}); "
+            f"gives {loss:.9g} on the same samples{where} (judged at "
+            f"{dtype_name(precision)}); "
             "allowed: loss_terms whose sum over count is the loss (its summed terms and how "
             "many there are)")
 
@@ -160,8 +161,9 @@ class Share:
     divisor: float = 1.0
     loss_dtype: torch.dtype | None = None
     probe: Probe = Probe.ADDS_UP
-    #: The two numbers the probe's finding rests on, for its message.
-    seen: tuple[float, float] = (math.nan, math.nan)
+    #: The two numbers the probe's finding rests on, and the samples [first, stop) of the
+    #: global batch they were seen on, for its message.
+    seen: tuple[float, float, float, float] = (math.nan,) * 4
     #: The lowest precision of the probe's forwards: its tolerance's.
     precision: torch.dtype | None = None
 
@@ -197,7 +199,7 @@ def _look_for_changed_buffers(share: Share, model: nn.Module,
     changed = [index for index, (name, buffer) in enumerate(model.named_buffers())
                if not torch.equal(buffer, before[name])]
     if changed and share.probe < Probe.BUFFERS_CHANGE:
-        share.probe, share.seen = Probe.BUFFERS_CHANGE, (float(changed[0]), math.nan)
+        share.probe, share.seen = Probe.BUFFERS_CHANGE, (float(changed[0]), *NOTHING[1:])
 
 
 def _backward_share(setup: Setup, model: nn.Module, whole: WholeStep, window: Any,
@@ -238,7 +240,7 @@ def _probe(share: Share, setup: Setup, model: nn.Module, whole: WholeStep, windo
         return  # refused as not finite, with the big batch's loss
     prober = _Prober(setup, model, whole, window, target, share.loss_dtype)
     with torch.no_grad():
-        findings = [_loss_probe(prober, chunks[0], found[0])] if chunks else []
+        findings = [_loss_probe(prober, chunks, found)] if chunks else []
         pair = _probe_pair(samples, chunks)
         if pair is not None:
             findings.append(_split_probe(prober, pair, chunks, found))
@@ -247,22 +249,26 @@ def _probe(share: Share, setup: Setup, model: nn.Module, whole: WholeStep, windo
                                   default=(Probe.ADDS_UP, NOTHING))
 
 
-#: What a probe found, and the two numbers its message shows.
-Finding = tuple[Probe, tuple[float, float]]
+#: What a probe found, the two numbers its message shows, and the samples they are of.
+Finding = tuple[Probe, tuple[float, float, float, float]]
 #: Two adjacent pieces of a window, [first, middle) and [middle, stop).
 Pair = tuple[int, int, int]
-NOTHING = (math.nan, math.nan)
+NOTHING = (math.nan,) * 4
 
 
-def _loss_probe(prober: _Prober, chunk: tuple[int, int], terms: Terms) -> Finding:
-    """The chunk's loss under another seed against its terms' mean."""
-    again = prober.loss(*chunk, PROBE_SEED)
-    if not terms.count or prober.agree(again, terms.mean):
-        return Probe.ADDS_UP, NOTHING
-    same_seed = prober.loss(*chunk, FORWARD_SEED)
-    if not prober.agree(same_seed, again):
-        return Probe.RANDOM, (same_seed, again)
-    return Probe.INCONSISTENT, (terms.mean, same_seed)
+def _loss_probe(prober: _Prober, chunks: list[tuple[int, int]], found: list[Terms]) -> Finding:
+    """Each chunk's loss under another seed against its terms' mean: every chunk, since a
+    loss_terms may agree with the loss on some pieces only (a mean of per-sample means
+    is the token mean on a chunk of equal-length samples, and not on others)."""
+    for chunk, terms in zip(chunks, found, strict=True):
+        again = prober.loss(*chunk, PROBE_SEED)
+        if not terms.count or prober.agree(again, terms.mean):
+            continue
+        same_seed = prober.loss(*chunk, FORWARD_SEED)
+        if not prober.agree(same_seed, again):
+            return Probe.RANDOM, (same_seed, again, *NOTHING[2:])
+        return Probe.INCONSISTENT, (terms.mean, same_seed, *map(float, chunk))
+    return Probe.ADDS_UP, NOTHING
 
 
 def _split_probe(prober: _Prober, pair: Pair, chunks: list[tuple[int, int]],
@@ -284,8 +290,8 @@ def _split_probe(prober: _Prober, pair: Pair, chunks: list[tuple[int, int]],
     same_seed = prober.terms(first, stop, FORWARD_SEED)
     again = prober.terms(first, stop, PROBE_SEED)
     if not prober.agree(same_seed.total, again.total):
-        return Probe.RANDOM, (same_seed.total, again.total)
-    return Probe.SPLITS_DIFFER, (together.mean, apart.mean)
+        return Probe.RANDOM, (same_seed.total, again.total, *NOTHING[2:])
+    return Probe.SPLITS_DIFFER, (together.mean, apart.mean, *NOTHING[2:])
 
 
 def _probe_pair(samples: int, chunks: list[tuple[int, int]]) -> Pair | None:
@@ -336,7 +342,7 @@ class _Prober:
 # ------------------------------------------------------ the exchange
 #: Columns of the numbers each rank hands the others, then one flag per trainable
 #: parameter: whether its chunks gave it a gradient.
-DIVISOR, TOTAL, COUNT, DTYPE, PROBE, PRECISION, SEEN, FLAGS = 0, 1, 2, 3, 4, 5, 6, 8
+DIVISOR, TOTAL, COUNT, DTYPE, PROBE, PRECISION, SEEN, FLAGS = 0, 1, 2, 3, 4, 5, 6, 10
 
 
 def _dtype_index(dtype: torch.dtype | None) -> int:
@@ -364,12 +370,13 @@ def _judge_probes(table: torch.Tensor, model: nn.Module, target: str) -> None:
     if worst is Probe.ADDS_UP:
         return
     row = table[int(torch.argmax(table[:, PROBE]))]
-    a, b = float(row[SEEN]), float(row[SEEN + 1])
+    a, b, first, stop = (float(value) for value in row[SEEN:SEEN + 4])
     precision = LOSS_DTYPES[int(row[PRECISION])] if row[PRECISION] >= 0 else model_dtype(model)
     if worst is Probe.RANDOM:
         raise UsageError(random_loss_message(target, a, b))
     if worst is Probe.INCONSISTENT:
-        raise UsageError(inconsistency_message(target, a, b, precision))
+        raise UsageError(inconsistency_message(target, a, b, precision,
+                                               f" of batch(0), samples {first:g} to {stop - 1:g}"))
     if worst is Probe.SPLITS_DIFFER:
         raise NotChunked(f"the terms of two chunks together ({a:.6g} per term) are not "
                          f"those of the chunks apart ({b:.6g})")

@@ -124,6 +124,12 @@ def _recording_counts(model: nn.Module, counts: list[int]) -> None:
     model.forward = forward
 
 
+def first_window(counts: list[int], accum_steps: int) -> tuple[int, ...] | None:
+    """The counts the Trainer passed in step 0's window (its k micro-steps), which the
+    rows of step 0 are judged with; None where it passed none."""
+    return tuple(counts[:accum_steps]) or None
+
+
 def count_ignored(job: Job, model: nn.Module, count: int) -> bool:
     """Whether the model's loss ignores the count it is passed: the same loss on a
     micro-batch with the count and with twice the count (on a copy, no gradients)."""
@@ -206,7 +212,7 @@ def train(job: Job) -> Applied:
     scheduler = ("the setup's scheduler" if job.setup.make_scheduler is not None
                  else "a constant scheduler")
     how = ("" if as_is else ", the model wrapped to return {'loss': setup.loss(...)}")
-    passed = tuple(counts[:job.accum_steps]) or None
+    passed = first_window(counts, job.accum_steps)
     return Applied(f"{registry.call('TrainingArguments', shown)}, Trainer(optimizers=(optimizer, "
                    f"{scheduler}), data in order){how}", clip=args.max_grad_norm or None,
                    counts_passed=passed,

@@ -247,7 +247,8 @@ class SplitJudge:
                         "each split draws other masks, so no split can give the reference's "
                         "step; set its probability to 0 while checking")
             if (measured.point == "params" and gradient is not None
-                    and gradient.verdict is Equivalence.MATCHES):
+                    and gradient.verdict is Equivalence.MATCHES
+                    and facts.gradient_scale is None):  # else the step-0 scale explains it
                 return learning_rate_fix(comparison, facts)
             return self.clip_note(optimizer, step, measured, facts)
 
