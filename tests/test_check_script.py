@@ -561,3 +561,12 @@ def test_n_above_1_gets_torchruns_variables_and_n_1_none(tmp_path, monkeypatch):
     for environment in (plain, ranked):
         assert environment["PYTHONPATH"].split(":")[0].endswith("script/startup")
         assert environment[capture.FOLDER_VARIABLE] == str(tmp_path)
+
+
+def test_a_fix_is_said_once_per_split_and_step_in_the_table(tmp_path):
+    """Other samples explain the gradient and the update alike: the table says so once;
+    the CSV keeps it on each row."""
+    rows = rows_of(tmp_path, Split(2, 1), grads=different, samples=("s0", "s9", *EIGHT[2:]))
+    assert rows[0]["fix"] == rows[1]["fix"] != ""
+    lines = render(rows).splitlines()
+    assert lines[1].endswith(rows[0]["fix"]) and lines[2].endswith("(as for the gradient)")

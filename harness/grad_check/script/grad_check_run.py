@@ -170,12 +170,35 @@ def run(config: ScriptConfig, starter=None) -> int:
     return exit_code(rows, config.fail_on, PROG, case_label)
 
 
-#: The console table: which split, then the check's own columns.
+#: The console table: which split, then the check's own columns; the optimizer where the
+#: script steps several, the clip where one ran.
+OPTIMIZER = Cell("optimizer", lambda row: str(row["optimizer"]))
+CLIP = Cell("clip", lambda row: str(row["clip"] or ""))
 CELLS = (Cell("split", lambda row: str(row["split"])), *N_AND_K,
-         Cell("b", lambda row: str(row["micro_batch"])), STEP, POINT, *VERDICT_CELLS,
-         Cell("worst tensors", worst_cell), Cell("fix", fix_cell))
+         Cell("b", lambda row: str(row["micro_batch"])), OPTIMIZER, STEP, POINT,
+         *VERDICT_CELLS, CLIP, Cell("worst tensors", worst_cell), Cell("fix", fix_cell))
+#: What a row's fix cell says where it would repeat the gradient's row above it.
+SAME_FIX = "(as for the gradient)"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    """The console table: a line per split x step x point."""
-    return table_render(rows, steps=2, cells=CELLS)
+    """The console table: a line per split x optimizer x step x point; a fix said once per
+    split, optimizer and step."""
+    optimizers = {row["optimizer"] for row in rows}
+    clipped = any(row["clip"] for row in rows if isinstance(row["clip"], str))
+    cells = [cell for cell in CELLS if (cell is not OPTIMIZER or len(optimizers) > 1)
+             and (cell is not CLIP or clipped)]
+    return table_render(said_once(rows), steps=2, cells=cells)
+
+
+def said_once(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows, a fix equal to the one of the row above it (the gradient's, at the same
+    split, optimizer and step) written as :data:`SAME_FIX`."""
+    shown, above = [], None
+    for row in rows:
+        key = (row["split"], row["optimizer"], row["step"])
+        if above is not None and above[0] == key and row["fix"] and row["fix"] == above[1]:
+            row = {**row, "fix": SAME_FIX}
+        shown.append(row)
+        above = (key, rows[len(shown) - 1]["fix"])
+    return shown
