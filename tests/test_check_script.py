@@ -570,3 +570,18 @@ def test_a_fix_is_said_once_per_split_and_step_in_the_table(tmp_path):
     assert rows[0]["fix"] == rows[1]["fix"] != ""
     lines = render(rows).splitlines()
     assert lines[1].endswith(rows[0]["fix"]) and lines[2].endswith("(as for the gradient)")
+
+
+def test_a_module_call_that_raised_closes_its_forward_without_its_keyword_arguments(tmp_path):
+    """torch calls an always-called forward hook without the keyword arguments where the
+    call raised (transformers' gradient checkpointing ends calls so): the capture's depth
+    still goes back down, and a meta tensor is never read."""
+    seen = capture.Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    model = nn.Linear(2, 2)
+    seen.entering_module(model, ())
+    seen.leaving_module(model, (torch.ones(1, 2),), None)  # (module, args, result)
+    assert seen.forward_depth == 0
+    seen.entering_module(model, ())
+    seen.leaving_module(model, (torch.empty(3, 2, device="meta"),), {}, None)
+    assert seen.forward_depth == 0 and not seen.unknown
+    assert seen.window.events == {}  # nothing of the meta tensor fingerprinted

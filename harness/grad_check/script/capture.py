@@ -244,9 +244,8 @@ class Capture:
         """After a module's call; ``rest`` is (kwargs, result), or (result,) where the
         call raised (torch then calls the hook without the keyword arguments)."""
         self.forward_depth = max(0, self.forward_depth - 1)
-        kwargs = rest[0] if len(rest) == 2 and isinstance(rest[0], dict) else {}
-        if self.recording:
-            self.saw_module(module, args, kwargs, rest[-1] if rest else None)
+        if len(rest) == 2 and isinstance(rest[0], dict) and self.recording:
+            self.saw_module(module, args, rest[0], rest[1])  # a call that raised fed nothing
 
     @never_raising
     def saw_module(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
