@@ -585,3 +585,14 @@ def test_a_module_call_that_raised_closes_its_forward_without_its_keyword_argume
     seen.leaving_module(model, (torch.empty(3, 2, device="meta"),), {}, None)
     assert seen.forward_depth == 0 and not seen.unknown
     assert seen.window.events == {}  # nothing of the meta tensor fingerprinted
+
+
+def test_a_token_count_difference_under_the_trainer_is_said_in_its_terms(tmp_path):
+    reference = written_capture(tmp_path / "reference", Split(1, 1))
+    split = written_capture(tmp_path / "split", Split(2, 1), grads=different, counts=(12, 30))
+    for rank in range(2):  # the script imported the Trainer
+        path = capture.summary_file(split.run.folder, rank)
+        torch.save({**torch.load(path), "frameworks": ["trainer"]}, path)
+    rows = SplitJudge(Captured.read(split.run), reference, {}, 8).rows()
+    assert "normalize by the window's token count" in rows[0]["fix"]
+    assert "average_tokens_across_devices=True" in rows[0]["fix"]

@@ -71,6 +71,10 @@ TIMEOUT_VARIABLE = "GRAD_CHECK_TIMEOUT"
 MICRO_BATCH_VARIABLE = "GRAD_CHECK_MICRO_BATCH"
 #: Seconds between looks for the other ranks' summaries.
 POLL_S = 0.01
+#: The training frameworks a fix may name in their own terms, by the module that shows
+#: the script uses them.
+FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerate": "accelerate",
+                     "lightning": "lightning", "deepspeed": "deepspeed"}
 
 
 def summary_file(folder: Path, rank: int) -> Path:
@@ -336,6 +340,8 @@ class Capture:
     # ------------------------------------------------------------------ the end
     def summary(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size,
+                "frameworks": sorted(name for name, module in FRAMEWORK_MODULES.items()
+                                     if module in sys.modules),
                 "optimizers": [tracked.summary() for tracked in self.tracked],
                 "records": self.records, "dtypes": sorted(self.dtypes),
                 "unknown": sorted(self.unknown),

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from harness.check.compare import Comparison, Pair, compare, compare_each
-from harness.check.fix import Facts, named_value, suggest
+from harness.check.fix import Facts, named_value, suggest, window_count_fix
 from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
 from harness.check.precision import lowest, tolerance
 from harness.columns import POINTS
@@ -250,7 +250,8 @@ class SplitJudge:
                     and gradient.verdict is Equivalence.MATCHES
                     and facts.gradient_scale is None):  # else the step-0 scale explains it
                 return learning_rate_fix(comparison, facts)
-            return self.clip_note(optimizer, step, measured, facts)
+            return (self.clip_note(optimizer, step, measured, facts)
+                    or self.trainer_count_fix(measured, facts))
 
         return cause
 
@@ -267,6 +268,18 @@ class SplitJudge:
             return explain.partial_window_fix(step, len(theirs), self.global_batch, forwards,
                                               split.accum_steps)
         return None
+
+    def trainer_count_fix(self, measured: Compared, facts: Facts) -> str | None:
+        """Micro-batches of different token counts under the Trainer or TRL: the window's
+        count, said in their terms."""
+        if (measured.comparison.verdict is not Equivalence.DIFFERS
+                or len(set(facts.piece_counts)) < 2
+                or not self.measured.frameworks & {"trainer", "trl"}):
+            return None
+        return (f"{window_count_fix(facts.piece_counts)}; with the Trainer or TRL that count "
+                "is num_items_in_batch: keep average_tokens_across_devices=True "
+                "(TrainingArguments, SFTConfig) and a model whose forward takes **kwargs, so "
+                "that the count reaches the loss and spans every rank's window")
 
     def ranks_fix(self, optimizer: int, step: int, point: str) -> str:
         disagreement = self.measured.disagreement(optimizer, step, point)

@@ -156,6 +156,11 @@ class Captured:
                        for line in summary.get("unknown", [])})
 
     @property
+    def frameworks(self) -> set[str]:
+        """The training frameworks the script imported (capture.py FRAMEWORK_MODULES)."""
+        return set(self.first.get("frameworks", []))
+
+    @property
     def dropout(self) -> list[str]:
         return list(self.first.get("dropout", []))
 
