@@ -63,7 +63,7 @@ class ScriptConfig:
                 raise UsageError(f"split {split.label} starts {split.world_size} ranks on this "
                                  f"machine, which has {self.cores} CPU core(s) for them; "
                                  f"allowed: N <= {self.cores}")
-        check_placeholders(self.command, self.runs)
+        check_placeholders(self.command, self.runs, self.global_batch)
         if not 1 <= self.steps <= MAX_STEPS:
             raise UsageError(f"--steps {self.steps} is not allowed; allowed: 1..{MAX_STEPS}")
         check_timeout(self.timeout)
