@@ -51,7 +51,8 @@ from torch.optim.optimizer import (
 
 from harness.check.compare import sampled_fingerprint
 from harness.check.fix import batchnorm_tensors
-from harness.errors import USAGE_EXIT, error_file, first_sentence
+from harness.errors import USAGE_EXIT, error_file
+from harness.grad_check.script.guard import failing_line
 
 #: The folder a run's captures go to; the capture is installed only where it is set.
 FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
@@ -225,7 +226,7 @@ class Capture:
         original_hook = sys.excepthook
 
         def excepthook(kind, error, traceback):
-            self.record_line(first_sentence(error))
+            self.record_line(failing_line(error, traceback))  # with the failing file:line
             original_hook(kind, error, traceback)
 
         sys.excepthook = excepthook
