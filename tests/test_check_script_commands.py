@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import guard
+from harness.grad_check.script import capture, guard
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import (
     Failure,
@@ -221,6 +221,7 @@ def test_a_launcher_gets_no_torchrun_variables_and_its_workers_are_told_n(tmp_pa
     assert environment[guard.NPROC_VARIABLE] == "2"
     assert environment[guard.PID_VARIABLE] == str(os.getpid())
     assert environment["ACCELERATE_USE_CPU"] == "1"
+    assert guard.FOLDER_VARIABLE == capture.FOLDER_VARIABLE  # the guard's own copy
     alone = CommandLauncher(steps=2, keep_going=False, timeout=60, torchrun_env=True)
     one = alone.environment(0, 1, 29500, tmp_path, "run", "1x1")
     assert (one["RANK"], one["WORLD_SIZE"], one["MASTER_PORT"]) == ("0", "1", "29500")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,9 @@ def line_of(text: str) -> int:
 
 
 def test_a_rank_that_fails_is_one_line_in_its_rows_and_the_others_go_on(tmp_path):
+    mine = tmp_path / "out" / "logs" / "mine.txt"  # the user's own, in the --out they gave
+    mine.parent.mkdir(parents=True)
+    mine.write_text("kept\n")
     done = run_check(["--global-batch", "8", "--splits", "1x2,2x1",
                       *program("fails-on-rank-1")], tmp_path / "out")
     assert done.code == 1
@@ -121,6 +125,7 @@ def test_a_rank_that_fails_is_one_line_in_its_rows_and_the_others_go_on(tmp_path
     log = tmp_path / "out" / "logs" / "2x1" / "rank1.log"
     assert "RuntimeError: rank 1 lost its data shard" in log.read_text()
     assert (tmp_path / "out" / "logs" / "reference-1" / "rank0.log").is_file()
+    assert mine.read_text() == "kept\n"
 
 
 def test_a_split_that_hangs_names_the_rank_that_made_no_progress(tmp_path):
@@ -197,13 +202,16 @@ GONE_S = 10
 
 def started_check(argv: list[str], out: Path) -> ForkedChild:
     """``grad-check run argv`` in a child forked from here (its ranks forked from it), whose
-    console goes to files next to ``out``."""
+    console goes to files next to ``out``, and its temporary folder too (killed, it cannot
+    remove it)."""
     cut = argv.index("--")
     argv = [*argv[:cut], "--out", str(out), *argv[cut:]]
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            os.environ["TMPDIR"] = str(out.parent)
+            tempfile.tempdir = None
             for fd, name in ((1, "stdout"), (2, "stderr")):
                 handle = os.open(out.parent / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(handle, fd)

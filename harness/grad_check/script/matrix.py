@@ -40,7 +40,6 @@ class ScriptCheck:
         return self.config.out / LOGS
 
     def rows(self) -> list[dict[str, Any]]:
-        shutil.rmtree(self.logs, ignore_errors=True)  # an earlier check's, of other splits
         with tempfile.TemporaryDirectory(prefix="grad-check-run-") as scratch:
             return self._rows(Path(scratch))
 
@@ -64,6 +63,9 @@ class ScriptCheck:
         """One run of the command at ``split``: its capture in ``scratch/name``, its output
         in ``--out``'s ``logs/name``."""
         command = self.config.command_of(split)
+        # An earlier check's output of the same run (more ranks, say) is not this one's; the
+        # rest of --out is the user's (a --out that holds their own logs/, for one).
+        shutil.rmtree(self.logs / name, ignore_errors=True)
         self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
