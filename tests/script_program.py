@@ -9,14 +9,26 @@
 - ``without-ddp``: N > 1 ranks that never all-reduce;
 - ``hangs-on-rank-1``: rank 1 waits forever before its first micro-step;
 - ``fsdp2``: the sound loop with FSDP2's ``fully_shard`` (per layer, then the model)
-  instead of DDP: the optimizer steps DTensor shards.
+  instead of DDP: the optimizer steps DTensor shards;
+- ``exits-3-on-rank-1``: rank 1 ends with exit code 3 in its first micro-step, without a
+  Python error, while rank 0 waits for it in DDP's all-reduce;
+- ``always-distributed``: the sound loop, joining the process group even alone, as
+  DeepSpeed's ``init_distributed`` does (``init_process_group()`` needs RANK);
+- ``joins-twice``: the sound loop, whose process, once it has joined the process group,
+  forks a child that joins again under the same RANK (a CLI that joins, then starts its
+  worker with its own environment);
+- ``forks-and-hangs``: every rank forks a child (as a DataLoader starts its workers),
+  writes both pids to ``--pid-dir``, then both sleep.
 
-``--finished FILE`` writes FILE when the loop has run all ``--steps``.
+The loop takes k from ``--grad-accum``, or, as real trainers do, from ``--total-batch``
+(llm.c, LitGPT: k = total / (b x N)) or from ``--grad-accum-all`` (nanoGPT: k x N, divided
+by N). ``--finished FILE`` writes FILE when the loop has run all ``--steps``.
 """
 
 import argparse
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 CASES = ("sound", "clock-seeded", "per-rank-shuffle", "never-steps", "fails-on-rank-1",
-         "without-ddp", "hangs-on-rank-1", "fsdp2")
+         "without-ddp", "hangs-on-rank-1", "fsdp2", "exits-3-on-rank-1", "always-distributed",
+         "joins-twice", "forks-and-hangs")
 
 
 def arguments() -> argparse.Namespace:
@@ -35,17 +48,39 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--case", choices=CASES, default="sound")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--total-batch", type=int)
+    parser.add_argument("--grad-accum-all", type=int)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--finished", type=Path)
+    parser.add_argument("--pid-dir", type=Path)
     return parser.parse_args()
+
+
+def forks_and_hangs(pid_dir: Path) -> None:
+    child = os.fork()
+    if child == 0:
+        while True:
+            time.sleep(1)
+    (pid_dir / f"{os.getpid()}.pid").write_text("rank\n")
+    (pid_dir / f"{child}.pid").write_text("child\n")
+    while True:
+        time.sleep(1)
 
 
 def main() -> None:
     args = arguments()
+    if args.case == "forks-and-hangs":
+        forks_and_hangs(args.pid_dir)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
+    if distributed or args.case in ("always-distributed", "joins-twice"):
         dist.init_process_group("gloo")
+    if args.case == "joins-twice" and os.fork() == 0:
+        dist.init_process_group("gloo")  # the same RANK, the same store
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if args.total_batch is not None:
+        args.grad_accum = args.total_batch // (args.batch_size * world_size)
+    if args.grad_accum_all is not None:
+        args.grad_accum = args.grad_accum_all // world_size
     torch.manual_seed(time.time_ns() if args.case == "clock-seeded" else 0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     if distributed and args.case == "fsdp2":
@@ -69,6 +104,9 @@ def main() -> None:
         for micro in range(args.grad_accum):
             if args.case == "fails-on-rank-1" and rank == 1:
                 raise RuntimeError("rank 1 lost its data shard")
+            if args.case == "exits-3-on-rank-1" and rank == 1:
+                time.sleep(0.5)  # rank 0 is in its all-reduce by now
+                sys.exit(3)
             while args.case == "hangs-on-rank-1" and rank == 1:
                 time.sleep(1)
             last = micro == args.grad_accum - 1

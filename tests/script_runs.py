@@ -5,11 +5,12 @@ seconds to import torch and its framework. Here the check runs in a child forked
 the test process that first imports the frameworks its commands use, and each rank whose
 command is ``python script.py ...`` is forked from that child, becoming the script
 as an interpreter would: the same environment (torchrun's variables, the capture's),
-stdout and stderr into the rank's log, the capture installed as the startup hook
-installs it (startup/sitecustomize.py), the script run as ``__main__``, an uncaught
-exception through ``sys.excepthook``, the capture's summary written as at exit. A
-command of another program starts as the user's would. The tests whose subject is the
-interpreter's own start (the startup hook) run commands for real.
+stdout and stderr into the rank's log, the guard and the capture installed as the
+startup hook installs them (startup/sitecustomize.py), the script (or ``-m module``: a
+launcher such as torchrun, whose workers are then fresh interpreters) run as
+``__main__``, an uncaught exception through ``sys.excepthook``, the capture's summary
+written as at exit. A command of another program starts as the user's would. The tests
+whose subject is the interpreter's own start (the startup hook) run commands for real.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grad_check.script import capture
+from harness.grad_check.script import capture, guard
 from harness.grad_check.script.processes import start_subprocess
 from tests.launch import ForkedChild, exit_code_of
 
@@ -67,10 +68,16 @@ def _become_the_script(script: str, args: list[str], environment: dict[str, str]
         # OpenMP read its variable when this process's parent loaded torch.
         torch.set_num_threads(int(environment.get("OMP_NUM_THREADS", "1")))
         capture.INSTALLED = None  # the parent's, if it had one, is not this rank's
-        capture.install_from_environment()
-        sys.argv = [script, *args]
-        sys.path[0] = str(Path(script).resolve().parent)
-        runpy.run_path(script, run_name="__main__")
+        guard.INSTALLED = None
+        guard.install_from_environment()
+        if script == "-m":
+            sys.argv = [args[0], *args[1:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            sys.path[0] = str(Path(script).resolve().parent)
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as done:
         code = exit_code_of(done)

@@ -46,7 +46,7 @@ def refused(capsys, tmp_path: Path, *argv: str) -> str:
     assert not out.exists()
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("check.py run: error: ")
+    assert lines[0].startswith("grad-check run: error: ")
     return lines[0]
 
 

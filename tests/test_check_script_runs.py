@@ -4,18 +4,26 @@ Each run is the whole command: the reference twice, then the splits, their ranks
 from a child of the test process (tests/script_runs.py); the expectations come from the
 flaw each case plants: a sound loop matches at every split, a clock seed makes the
 reference differ from itself, a per-rank shuffle feeds other samples, ranks without DDP
-disagree, a rank that raises is one line.
+disagree, a rank that raises is one line with its file:line, a rank that exits by
+itself is blamed rather than the peer that lost it, a hang names the rank that made no
+progress, a process that joins twice as one rank is named, and grad-check killed
+outright leaves no process behind.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from harness.grad_check.script.processes import STARTUP
-from tests.script_runs import PROGRAM, python, run_check
+from tests.launch import ForkedChild
+from tests.process_tree import descendants, kill_left, running, wait_until
+from tests.script_runs import PROGRAM, forked_python, python, run_check, run_checks
 
 pytestmark = pytest.mark.launches(seconds=2)
 
@@ -55,7 +63,7 @@ def test_a_script_reseeded_from_the_clock_is_refused_as_not_deterministic(tmp_pa
     assert done.code == 2
     assert done.rows is None
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("check.py run: error: the reference 1x1 ran twice and its step 0 "
+    assert line.startswith("grad-check run: error: the reference 1x1 ran twice and its step 0 "
                            "gradient differed")
     assert "not deterministic" in line and "unseeded sampler or generator" in line
     assert "split 1x2" not in done.stdout  # refused before any other split ran
@@ -91,24 +99,162 @@ def test_a_script_that_never_steps_is_one_line_exit_2_and_no_csv(tmp_path):
     assert "the command ended without stepping an optimizer" in line
 
 
+def line_of(text: str) -> int:
+    """The line of tests/script_program.py that holds ``text``."""
+    return next(number for number, line in enumerate(PROGRAM.read_text().splitlines(), 1)
+                if text in line)
+
+
 def test_a_rank_that_fails_is_one_line_in_its_rows_and_the_others_go_on(tmp_path):
+    mine = tmp_path / "out" / "logs" / "mine.txt"  # the user's own, in the --out they gave
+    mine.parent.mkdir(parents=True)
+    mine.write_text("kept\n")
     done = run_check(["--global-batch", "8", "--splits", "1x2,2x1",
                       *program("fails-on-rank-1")], tmp_path / "out")
     assert done.code == 1
     assert done.row("1x2")["verdict"] == "matches"
     failed = done.rows[done.rows["split"] == "2x1"]
     assert set(failed["status"]) == {"error"}
-    assert set(failed["error"]) == {"rank 1: RuntimeError: rank 1 lost its data shard"}
-    assert "rank 1: RuntimeError: rank 1 lost its data shard" in done.stdout
+    # The file:line of the failing frame, as the user would open it (from the folder
+    # the check ran in).
+    where = f"tests/script_program.py:{line_of('rank 1 lost its data shard')}"
+    line = f"rank 1: RuntimeError: rank 1 lost its data shard (at {where})"
+    assert set(failed["error"]) == {line}
+    assert line in done.stdout
+    # Every run's output is kept in --out: the failing rank's traceback is there.
+    log = tmp_path / "out" / "logs" / "2x1" / "rank1.log"
+    assert "RuntimeError: rank 1 lost its data shard" in log.read_text()
+    assert (tmp_path / "out" / "logs" / "reference-1" / "rank0.log").is_file()
+    assert mine.read_text() == "kept\n"
 
 
-def test_a_split_that_hangs_is_stopped_at_the_timeout(tmp_path):
+def test_a_split_that_hangs_names_the_rank_that_made_no_progress(tmp_path):
     done = run_check(["--global-batch", "8", "--splits", "2x1", "--timeout", "4",
                       *program("hangs-on-rank-1")], tmp_path / "out")
     assert done.code == 1
     failed = done.rows[done.rows["split"] == "2x1"]
     assert set(failed["status"]) == {"error"}
-    assert failed["error"].iloc[0].startswith("timed out after 4 s (--timeout)")
+    error = failed["error"].iloc[0]
+    # Rank 1 never reached its first forward pass; rank 0 ran one and waits for it.
+    assert error.startswith("rank 1 hung: no progress for "), error
+    assert "before its first forward pass (--timeout 4 s stopped the split; rank 0 at " \
+        "step 0 after 1 forward pass(es): waiting for it)" in error
+
+
+def test_a_rank_that_exits_by_itself_is_blamed_not_the_peer_that_lost_it(tmp_path):
+    """Rank 1 exits with code 3 while rank 0 waits for it in DDP's all-reduce, which then
+    fails 'Connection closed by peer': rank 1 failed first."""
+    done = run_check(["--global-batch", "8", "--splits", "2x1",
+                      *program("exits-3-on-rank-1")], tmp_path / "out")
+    assert done.code == 1
+    error = done.row("2x1")["error"]
+    assert error.startswith("rank 1: exited with code 3"), error
+
+
+def test_torchrun_env_gives_one_process_torchruns_variables(tmp_path):
+    """A script that joins the process group even alone fails at N = 1 as a plain process,
+    in one line that names the flag; with --torchrun-env it runs."""
+    alone, given = run_checks([
+        (["--global-batch", "8", "--splits", "1x1", *program("always-distributed")],
+         tmp_path / "alone"),
+        (["--global-batch", "8", "--splits", "1x1,2x1", "--torchrun-env",
+          *program("always-distributed")], tmp_path / "given")])
+    assert alone.code == 1 and alone.rows is None
+    [line] = alone.stderr.strip().splitlines()
+    assert line.startswith("grad-check run: error: the reference 1x1 failed: rank 0: ValueError")
+    assert "RANK expected" in line and "--torchrun-env" in line
+    where = f"(at tests/script_program.py:{line_of('if distributed or args.case in') + 1})"
+    assert where in line
+    assert given.code == 0, given.stderr
+    assert set(given.rows["verdict"]) == {"matches"}
+
+
+def test_two_processes_joining_as_one_rank_are_named(tmp_path):
+    done = run_check(["--global-batch", "8", "--splits", "1x1", "--torchrun-env",
+                      *program("joins-twice")], tmp_path / "out")
+    assert done.code == 1
+    [line] = done.stderr.strip().splitlines()
+    assert "rank 0: rank 0 joined the process group twice, by pid " in line, line
+    assert line.count("script_program.py --case joins-twice") == 2
+    assert "--launcher command" in line
+
+
+def test_commands_of_trainers_that_derive_k_run(tmp_path):
+    """llm.c and LitGPT take the micro-batch and the global batch (k follows); nanoGPT's
+    gradient_accumulation_steps counts k over all ranks (N*k)."""
+    derived, over_ranks = run_checks([
+        (["--global-batch", "8", "--splits", SPLITS, "--", *python(
+            PROGRAM, "--batch-size", "{batch}", "--total-batch", "{global_batch}")],
+         tmp_path / "derived"),
+        (["--global-batch", "8", "--splits", SPLITS, "--", *python(
+            PROGRAM, "--batch-size", "{batch}", "--grad-accum-all={nproc*accum}")],
+         tmp_path / "over-ranks")])
+    for done in (derived, over_ranks):
+        assert done.code == 0, done.stderr
+        assert set(done.rows["verdict"]) == {"matches"}
+        assert set(done.rows["split"]) == set(SPLITS.split(","))
+    assert "--grad-accum-all=4" in over_ranks.row("2x2")["command"]
+
+
+#: How soon after grad-check is killed no process of its split may be running.
+GONE_S = 10
+
+
+def started_check(argv: list[str], out: Path) -> ForkedChild:
+    """``grad-check run argv`` in a child forked from here (its ranks forked from it), whose
+    console goes to files next to ``out``, and its temporary folder too (killed, it cannot
+    remove it)."""
+    cut = argv.index("--")
+    argv = [*argv[:cut], "--out", str(out), *argv[cut:]]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ["TMPDIR"] = str(out.parent)
+            tempfile.tempdir = None
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                handle = os.open(out.parent / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(handle, fd)
+                os.close(handle)
+            from harness.grad_check.script.grad_check_run import main
+
+            code = main(argv, starter=forked_python)
+        finally:
+            os._exit(code)
+    return ForkedChild(pid, argv)
+
+
+def killed_check_leaves_nothing(tmp_path: Path, command: list[str], processes: int) -> None:
+    """grad-check killed by SIGKILL while its split's ``processes`` (ranks and their
+    children) run: none of its descendants runs on."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    check = started_check(["--global-batch", "8", "--reference", "2x1", "--splits", "2x1",
+                           "--", *command, "--pid-dir", str(pid_dir)], tmp_path / "out")
+    left: set[int] = set()
+    try:
+        wait_until(lambda: len(list(pid_dir.glob("*.pid"))) == processes
+                   or check.poll() is not None, 120, "the split's processes did not start")
+        assert check.poll() is None, (tmp_path / "stderr").read_text()
+        left = descendants(check.pid)
+        assert {int(path.stem) for path in pid_dir.glob("*.pid")} <= left
+        check.kill()
+        check.wait()
+        wait_until(lambda: not any(map(running, left)), GONE_S,
+                   f"still running: {sorted(filter(running, left))}")
+    finally:
+        check.kill()
+        kill_left(left)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.launches(seconds=5)
+def test_grad_check_killed_outright_leaves_no_rank_or_child_behind(tmp_path):
+    """Each rank leads a session of its own, which grad-check's own stop would end, but
+    SIGKILL gives it no chance: every rank watches grad-check, and takes its children
+    (a DataLoader's workers) along."""
+    killed_check_leaves_nothing(tmp_path, python(PROGRAM, "--case", "forks-and-hangs",
+                                                 "--batch-size", "{batch}"), 4)
 
 
 def test_arguments_the_script_refuses_are_one_line_exit_2(tmp_path):
@@ -116,7 +262,7 @@ def test_arguments_the_script_refuses_are_one_line_exit_2(tmp_path):
                       *python(PROGRAM, "--no-such-flag")], tmp_path / "out")
     assert done.code == 2 and done.rows is None
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("check.py run: error: the reference 1x1: rank 0: usage:") or \
+    assert line.startswith("grad-check run: error: the reference 1x1: rank 0: usage:") or \
         "unrecognized arguments: --no-such-flag" in line
 
 
@@ -152,3 +298,40 @@ def test_fresh_interpreters_load_the_capture_through_the_startup_hook(tmp_path):
     assert done.code == 0, done.stderr
     assert list(done.rows["verdict"]) == ["matches"] * 2
     assert set(done.rows["precision"]) == {"float64"}
+
+
+def torchrun(*script: str) -> list[str]:
+    """``python -m torch.distributed.run --nproc_per_node={nproc} script_program.py ...``,
+    as a user puts torchrun in the command (--standalone: a free port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node={nproc}", str(PROGRAM), *script]
+
+
+@pytest.mark.launches(seconds=40)
+def test_a_launcher_in_the_command_runs_once_per_split_and_starts_the_ranks(tmp_path):
+    """torchrun at the command's head starts the N ranks itself (fresh interpreters, each
+    captured through the startup hook): a sound loop matches; a rank that fails is named
+    with its file:line, not torchrun's summary; torchrun's output is kept."""
+    sound, failing = run_checks([
+        (["--global-batch", "8", "--splits", "1x1,2x1", "--steps", "1", "--",
+          *torchrun("--batch-size", "{batch}", "--grad-accum", "{accum}")], tmp_path / "sound"),
+        (["--global-batch", "8", "--reference", "2x1", "--splits", "2x1", "--", *torchrun(
+            "--case", "fails-on-rank-1", "--batch-size", "{batch}")], tmp_path / "failing")])
+    assert sound.code == 0, sound.stderr
+    assert set(sound.rows["verdict"]) == {"matches"}
+    assert sound.row("2x1")["ranks_agree"]
+    assert "--nproc_per_node=2" in sound.row("2x1")["command"]
+    assert (tmp_path / "sound" / "logs" / "2x1" / "launcher.log").is_file()
+    assert failing.code == 1
+    [line] = failing.stderr.strip().splitlines()
+    assert line.startswith("grad-check run: error: the reference 2x1 failed: rank 1: "
+                           "RuntimeError: rank 1 lost its data shard (at "), line
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.launches(seconds=15)
+def test_grad_check_killed_outright_leaves_no_launcher_or_worker_behind(tmp_path):
+    """torchrun in the command starts its workers in sessions of their own, beyond the
+    reach of a signal to its group: each watches grad-check itself."""
+    killed_check_leaves_nothing(tmp_path, torchrun("--case", "forks-and-hangs",
+                                                   "--batch-size", "{batch}"), 4)

@@ -1,11 +1,9 @@
 """``study.py --nproc N``: the harness starts its own ranks, and a failure is one line."""
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -17,6 +15,7 @@ from harness.launcher import strip_nproc
 from harness.ranks import Failure
 from tests import check_setups
 from tests.launch import ROOT, ForkedPython, run_python
+from tests.process_tree import descendants, kill_left, running, wait_until
 
 # Each launch is a test of its own.
 pytestmark = pytest.mark.spread
@@ -142,47 +141,6 @@ def test_a_rank_that_hangs_is_named_with_its_case_not_the_rank_that_waited_for_i
         "waiting for it in a collective)"), done.stderr
 
 
-def _parents() -> dict[int, int]:
-    """Every process's parent, from /proc (Linux)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # "pid (name) state ppid ...": the name may hold spaces and parentheses.
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    return parents
-
-
-def _descendants(pid: int) -> set[int]:
-    parents, found, frontier = _parents(), set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a process reparented to an init that does not reap stays
-    one)."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    return False
-
-
-def _wait_until(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} after {seconds:g} s"
-        time.sleep(0.05)
-
-
-def _kill_left(pids: set[int]) -> None:
-    """This test's own processes that outlived it (SIGKILL by pid)."""
-    for pid in pids:
-        if _running(pid):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-
 #: How soon after its launcher is killed no rank may be running (measured: at once).
 RANKS_GONE_S = 5
 #: ... and no process it started (measured: its fork server ends 3.5 to 16 s after it on a
@@ -205,24 +163,24 @@ def test_a_launcher_killed_outright_leaves_no_rank_or_fork_server_behind(tmp_pat
             stdout=subprocess.DEVNULL, stderr=stderr)
     left: set[int] = set()
     try:
-        _wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 2 or launcher.poll() is not None,
-                    120, "the ranks did not start")
+        wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 2 or launcher.poll() is not None,
+                   120, "the ranks did not start")
         assert launcher.poll() is None, (tmp_path / "stderr").read_text()
         ranks = {int(path.stem) for path in tmp_path.glob("*.pid")}
-        left = _descendants(launcher.pid)  # the fork server, its resource tracker, the ranks
+        left = descendants(launcher.pid)  # the fork server, its resource tracker, the ranks
         assert ranks < left
         launcher.kill()
         launcher.wait()
-        _wait_until(lambda: not any(map(_running, ranks)), RANKS_GONE_S,
-                    f"ranks still running: {sorted(filter(_running, ranks))}")
+        wait_until(lambda: not any(map(running, ranks)), RANKS_GONE_S,
+                   f"ranks still running: {sorted(filter(running, ranks))}")
         # The fork server ends once no process holds its launcher's end of their pipe;
         # it writes nothing, but ends as an interpreter with torch loaded does (seconds
         # on a loaded machine), and its resource tracker with it.
-        _wait_until(lambda: not any(map(_running, left)), SERVER_GONE_S,
-                    f"still running: {sorted(filter(_running, left))}")
+        wait_until(lambda: not any(map(running, left)), SERVER_GONE_S,
+                   f"still running: {sorted(filter(running, left))}")
     finally:
         launcher.kill()
-        _kill_left(left)
+        kill_left(left)
     assert not out.exists()
 
 
@@ -249,18 +207,18 @@ def test_a_study_launcher_killed_outright_leaves_no_rank_behind(tmp_path):
 
     ranks: set[int] = set()
     try:
-        _wait_until(lambda: hanging() or launcher.poll() is not None, 120,
-                    "rank 1 did not reach the case it hangs in")
+        wait_until(lambda: hanging() or launcher.poll() is not None, 120,
+                   "rank 1 did not reach the case it hangs in")
         assert launcher.poll() is None, (tmp_path / "stderr").read_text()
-        ranks = _descendants(forkserver._forkserver._forkserver_pid)
+        ranks = descendants(forkserver._forkserver._forkserver_pid)
         assert len(ranks) == 2, ranks
         launcher.kill()
         launcher.wait()
-        _wait_until(lambda: not any(map(_running, ranks)), RANKS_GONE_S,
-                    f"still running: {sorted(filter(_running, ranks))}")
+        wait_until(lambda: not any(map(running, ranks)), RANKS_GONE_S,
+                   f"still running: {sorted(filter(running, ranks))}")
     finally:
         launcher.kill()
-        _kill_left(ranks)
+        kill_left(ranks)
     assert not (out / "reduction.csv").exists()
 
 

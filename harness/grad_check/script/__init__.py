@@ -7,11 +7,16 @@ script by a startup hook (``startup/sitecustomize.py``), records what every opti
 step receives and leaves behind; the launcher process compares the splits with a
 reference split using the check's engine (harness/check/compare.py, fix.py).
 
-- ``splits.py``: the splits and the command's placeholders;
+- ``splits.py``: the splits and the command's placeholders (names and arithmetic);
 - ``config.py``: the run's settings, refusing bad values;
-- ``launch.py``: one run of the command on N ranks, and its first failure in one line;
-- ``capture.py``: what runs inside the user's processes;
+- ``launchers.py``: a launcher at the command's head (torchrun, accelerate launch, ...),
+  which runs once per split and starts the ranks itself;
+- ``processes.py``: one run of the command at a split, its processes watched and none
+  left behind; ``failures.py``: the rank that failed first, or hung, in one line;
+- ``guard.py``: what watches every process of a split from inside (grad-check's death,
+  progress, a RANK claimed twice); ``capture.py``: what records the steps in a rank;
 - ``records.py``: a run's capture, read back;
 - ``judge.py``: rows from the captures (same data, determinism, verdicts, fixes);
-- ``schema.py``: the columns of ``script.csv``; ``cli.py``: the command line.
+- ``schema.py``: the columns of ``script.csv``; ``grad_check_run.py``: the command line;
+  ``matrix.py``: the reference twice, then every split.
 """

@@ -56,6 +56,7 @@ from torch.optim.optimizer import (
 from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, error_file, first_sentence
 from harness.grad_check.script import samples, wrappers
+from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import owner, parameter_names, stripped
 from harness.grad_check.script.tracked import Tracked, Window, digests, norm, whole
 
@@ -150,7 +151,7 @@ class Capture:
         original_hook = sys.excepthook
 
         def excepthook(kind, error, traceback):
-            self.record_line(first_sentence(error))
+            self.record_line(failing_line(error, traceback))  # with the failing file:line
             original_hook(kind, error, traceback)
 
         sys.excepthook = excepthook
@@ -300,7 +301,7 @@ class Capture:
         model = owner(parameters)
         groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
         names = parameter_names(parameters, model, groups)
-        if any(name.startswith("param_groups.") for name in names):
+        if model is None:  # no module holds any of them: flat copies (DeepSpeed's)
             refuse_moduleless_parameters()
         since = self.constructed.get(optimizer, 0)
         tracked = Tracked(len(self.tracked), type(optimizer).__name__, key, parameters, names,

@@ -1,7 +1,8 @@
 """The settings of one ``grad-check run``, as a dataclass that refuses bad values itself.
 
 Everything that can be refused before the command first runs is refused here: the
-splits, the global batch, the placeholders, the command's program, the machine's cores.
+splits, the global batch, the placeholders, the command's program, a launcher at its
+head that cannot run the splits, the machine's cores.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from pathlib import Path
 
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
 from harness.errors import UsageError
+from harness.grad_check.script.launchers import (
+    LAUNCHER_CHOICES,
+    Launcher,
+    adapted,
+    check_launcher,
+    is_python,
+    launcher_of,
+)
 from harness.grad_check.script.splits import (
     Split,
     check_divides,
@@ -22,6 +31,8 @@ from harness.grad_check.script.splits import (
 from harness.options import check_known, check_timeout
 
 CSV_NAME = "script.csv"
+#: The folder in ``--out`` that keeps every run's output (matrix.py).
+LOGS = "logs"
 #: Optimizer steps compared per split: enough for a second step to show what the first
 #: one's update did to the next gradient; more only costs time.
 DEFAULT_STEPS = 2
@@ -47,6 +58,14 @@ class ScriptConfig:
     quiet: bool = False
     #: CPU cores this process may use (a rank per core at most).
     cores: int = 1
+    #: Who starts a split's N ranks: grad-check, the command (a launcher at its head), or
+    #: auto: the command where its head is a launcher grad-check knows.
+    launcher: str = "auto"
+    #: N = 1 gets torchrun's variables too (RANK=0, WORLD_SIZE=1, ...).
+    torchrun_env: bool = False
+    #: GPUs the command's processes see (launchers.visible_gpus): where there are none,
+    #: accelerate launch is adapted to run on CPUs.
+    gpus: int = 0
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -63,7 +82,21 @@ class ScriptConfig:
                 raise UsageError(f"split {split.label} starts {split.world_size} ranks on this "
                                  f"machine, which has {self.cores} CPU core(s) for them; "
                                  f"allowed: N <= {self.cores}")
-        check_placeholders(self.command, self.runs)
+        check_placeholders(self.command, self.runs, self.global_batch)
+        check_known("--launcher", [self.launcher], LAUNCHER_CHOICES)
+        head = launcher_of(self.command)
+        if head is not None and self.launcher == "grad-check":
+            raise UsageError(f"--launcher grad-check runs the command once per rank, but "
+                             f"{head.name} at its head starts ranks itself: N of them would "
+                             "start N x N; allowed: --launcher auto or command")
+        if self.launched_by is not None:
+            if self.torchrun_env:
+                raise UsageError(f"--torchrun-env gives torchrun's variables to the one "
+                                 f"process grad-check starts at N = 1, but here "
+                                 f"{self.launched_by} starts the ranks and gives them theirs; "
+                                 "allowed: --torchrun-env without a launcher in the command")
+            if head is not None:
+                check_launcher(head, self.command, self.runs)
         if not 1 <= self.steps <= MAX_STEPS:
             raise UsageError(f"--steps {self.steps} is not allowed; allowed: 1..{MAX_STEPS}")
         check_timeout(self.timeout)
@@ -75,8 +108,31 @@ class ScriptConfig:
         """The reference, then every other split, each once."""
         return (self.reference, *(split for split in self.splits if split != self.reference))
 
+    @property
+    def head(self) -> Launcher | None:
+        """The launcher at the command's head, where it has one grad-check knows."""
+        return launcher_of(self.command)
+
+    @property
+    def launched_by(self) -> str | None:
+        """What starts the split's ranks where not grad-check: the launcher's name."""
+        if self.launcher == "grad-check":
+            return None
+        head = self.head
+        if head is not None:
+            return head.name
+        return "the command" if self.launcher == "command" else None
+
     def command_of(self, split: Split) -> list[str]:
-        return substituted(self.command, split, self.global_batch)
+        """The command as it runs at ``split``: placeholders substituted, and adapted where
+        this machine forces it (launchers.adapted)."""
+        return adapted(self.head, substituted(self.command, split, self.global_batch), split,
+                       self.gpus)[0]
+
+    def variables_of(self, split: Split) -> dict[str, str]:
+        """What the command's processes get besides at ``split`` (launchers.adapted)."""
+        return adapted(self.head, substituted(self.command, split, self.global_batch), split,
+                       self.gpus)[1]
 
 
 def check_program(command: tuple[str, ...]) -> None:
@@ -88,10 +144,18 @@ def check_program(command: tuple[str, ...]) -> None:
         raise UsageError(f"the command {program!r} is not found (not on PATH, or not an "
                          "executable file); allowed: a program such as python, e.g. -- "
                          "python train.py --batch-size {batch}")
+    head = launcher_of(command)
+    if head is not None:
+        script = next((argument for argument in command[head.arguments_at:]
+                       if argument.endswith(".py")), None)
+        if script is not None and not Path(script).is_file():
+            raise UsageError(f"the script {script!r} that {head.name} starts is not found (from "
+                             f"{os.getcwd()}); allowed: a path to the training script, from "
+                             "the current folder")
+        return
     script = next((argument for argument in command[1:] if not argument.startswith("-")),
                   None)
-    is_python = os.path.basename(program).startswith("python")
-    if (is_python and script is not None and script.endswith(".py")
+    if (is_python(program) and script is not None and script.endswith(".py")
             and command[command.index(script) - 1] not in ("-m", "-c")
             and not Path(script).is_file()):
         raise UsageError(f"the script {script!r} is not found (from {os.getcwd()}); allowed: "

@@ -10,6 +10,7 @@ runs, before any other split runs, and said the same way.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -29,13 +30,23 @@ from harness.check.table import (
 from harness.check.table import render as table_render
 from harness.config import add_timeout_flag
 from harness.errors import INTERRUPTED_EXIT, UsageError, refuse
-from harness.grad_check.script.config import CSV_NAME, DEFAULT_STEPS, ScriptConfig
+from harness.grad_check.script.config import CSV_NAME, DEFAULT_STEPS, LOGS, ScriptConfig
+from harness.grad_check.script.launchers import LAUNCHER_CHOICES, visible_gpus
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
 from harness.grad_check.script.splits import PLACEHOLDERS, parse_split, parse_splits
 from harness.options import CommandParser, check_out_folder, parse_float, parse_int
 
-PROG = "check.py run"
 DEFAULT_SPLITS = "1x1,1x2,2x1,2x2"
+#: The names the script mode answers to, as the user typed the program.
+PROGRAMS = ("grad-check", "check.py")
+
+
+def program_name() -> str:
+    """``grad-check run`` (installed) or ``check.py run`` (``python scripts/check.py``):
+    what the user typed, else the installed name."""
+    typed = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return f"{typed if typed in PROGRAMS else PROGRAMS[0]} run"
+
 
 DESCRIPTION = textwrap.dedent("""\
     Does your own training script take the same optimizer step however one global batch
@@ -43,28 +54,45 @@ DESCRIPTION = textwrap.dedent("""\
     split, unchanged: a startup hook captures the gradients each optimizer.step()
     receives and the parameters after it, for the first --steps steps. N > 1 runs N
     processes with torchrun's environment (plain DDP, Accelerate, Lightning, the
-    Trainer and DeepSpeed all see a distributed run); N = 1 runs one plain process.
+    Trainer and DeepSpeed all see a distributed run); N = 1 runs one plain process
+    (--torchrun-env: with torchrun's variables too). A COMMAND that begins with a
+    launcher (torchrun, python -m torch.distributed.run, accelerate launch, deepspeed,
+    trl) runs once per split and starts the N ranks itself: give it {nproc}.
     Each split is compared with the reference split (run twice: it must repeat itself).
 
     placeholders, substituted in COMMAND at each split:
-    """) + "\n".join(f"  {{{name}}}".ljust(18) + meaning for name, meaning in PLACEHOLDERS.items())
+    """) + "\n".join(f"  {{{name}}}".ljust(18) + meaning
+                     for name, meaning in PLACEHOLDERS.items()) + textwrap.dedent("""
+
+    and integer arithmetic over them: {nproc*accum}, {global_batch*1024} (+ - * / //,
+    parentheses; / must come out whole). {{ and }} are literal braces. With {batch} and
+    {global_batch} in COMMAND, k > 1 needs no {accum}: the script derives it.""")
 EPILOG = textwrap.dedent("""\
     examples:
       python scripts/check.py run --global-batch 16 -- \\
           python examples/scripts/ddp_loop.py --batch-size {batch} --grad-accum {accum}
       grad-check run --global-batch 32 --splits 1x1,1x4,2x2,4x1 --steps 3 -- \\
           python train.py --per-device-batch {batch} --accum {accum} --devices {nproc}
+      grad-check run --global-batch 8 -- torchrun --standalone --nproc_per_node={nproc} \\
+          train.py --batch_size={batch} --gradient_accumulation_steps={nproc*accum}
+      grad-check run --global-batch 8 -- python train_gpt2.py --batch_size {batch} \\
+          --sequence_length 64 --total_batch_size {global_batch*64}
       grad-check run --global-batch 64 --reference 2x1 --splits 2x1,2x4 --out ci/ -- ...
 
     A split whose step fed other samples than the reference's is named as such
-    (status 'different samples'), not judged. Rows: script.csv in --out, and a table.
+    (status 'different samples'), not judged. Rows: script.csv in --out, and a table;
+    every run's output: logs/ in --out. A split that fails names the rank that failed
+    first (its line, with the failing file:line, or its exit code or signal); one that
+    hangs, the rank that made no progress.
     Exit code: 0; 1 when a split errors or a row fails --fail-on; 2 for bad input;
-    130 after Ctrl-C, 143 after SIGTERM (the running ranks stopped first).
+    130 after Ctrl-C, 143 after SIGTERM (the running ranks stopped first). No process
+    of a split outlives grad-check, however it ends.
     """)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog=PROG, usage=f"{PROG} [options] -- COMMAND...",
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    prog = prog or program_name()
+    parser = CommandParser(prog=prog, usage=f"{prog} [options] -- COMMAND...",
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--global-batch", metavar="G", required=True,
@@ -93,18 +121,32 @@ def build_parser() -> argparse.ArgumentParser:
                              "or 'scaled' (scaled), or only on those (error); default: "
                              f"{DEFAULT_FAIL_ON}")
     add_timeout_flag(parser, "one run of the command")
+    parser.add_argument("--launcher", default="auto", choices=LAUNCHER_CHOICES,
+                        help="who starts a split's N ranks: grad-check (N processes of "
+                             "COMMAND with torchrun's variables), command (COMMAND runs once "
+                             "per split and starts them itself: a launcher, or a CLI that "
+                             "spawns its workers; the capture reaches them through the "
+                             "environment), or auto (default): command where COMMAND begins "
+                             "with torchrun, python -m torch.distributed.run, accelerate "
+                             "launch, deepspeed or trl, else grad-check")
+    parser.add_argument("--torchrun-env", action="store_true",
+                        help="give N = 1 torchrun's variables too (RANK=0, LOCAL_RANK=0, "
+                             "WORLD_SIZE=1, MASTER_ADDR/MASTER_PORT of a store grad-check "
+                             "hosts, ...), as N > 1 gets them: for a script that needs them "
+                             "even alone ('RANK expected')")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress lines and no table on the console")
     return parser
 
 
-def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_command(argv: list[str], prog: str | None = None) -> tuple[list[str], list[str]]:
     """(the options, the command after the first ``--``)."""
     if "--" not in argv:
         if any(flag in argv for flag in ("-h", "--help")):
             return argv, []
-        raise UsageError("no -- before the command; allowed: check.py run [options] -- "
-                         "COMMAND..., e.g. -- python train.py --batch-size {batch}")
+        raise UsageError(f"no -- before the command; allowed: {prog or program_name()} "
+                         "[options] -- COMMAND..., e.g. -- python train.py --batch-size "
+                         "{batch}")
     cut = argv.index("--")
     return argv[:cut], argv[cut + 1:]
 
@@ -119,55 +161,60 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
                           out=Path(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
-                          cores=usable_cores())
+                          cores=usable_cores(), launcher=args.launcher,
+                          torchrun_env=args.torchrun_env, gpus=visible_gpus())
     check_out_folder(config.out)
     return config
 
 
 def main(argv: Sequence[str] | None = None, starter=None) -> int:
-    """``check.py run ...``; ``starter``: how a rank is started (harness/grad_check/script/
-    launch.py; a test's may fork instead of starting an interpreter)."""
+    """``grad-check run ...``; ``starter``: how a rank is started (harness/grad_check/
+    script/processes.py; a test's may fork instead of starting an interpreter)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = program_name()
     try:
-        options, command = split_command(argv)
-        config = config_from_args(build_parser().parse_args(options), command)
+        options, command = split_command(argv, prog)
+        config = config_from_args(build_parser(prog).parse_args(options), command)
     except UsageError as error:
-        return refuse(error, 0, PROG)
-    return run(config, starter)
+        return refuse(error, 0, prog)
+    return run(config, starter, prog)
 
 
-def run(config: ScriptConfig, starter=None) -> int:
+def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
     from harness.failure import STOPPED_EXIT
     from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
     from harness.launcher import Stopped, stopped_by_sigterm
     from harness.results import write_csv_atomic
 
+    prog = prog or program_name()
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
                              timeout=config.timeout, starter=starter or start_subprocess,
+                             launcher=config.launched_by, torchrun_env=config.torchrun_env,
                              global_batch=config.global_batch)
     say = (lambda line: None) if config.quiet else (
-        lambda line: print(f"{PROG}: {line}", flush=True))
+        lambda line: print(f"{prog}: {line}", flush=True))
     try:
         with stopped_by_sigterm():
             rows = ScriptCheck(config, launch, say).rows()
     except UsageError as error:
-        return refuse(error, 0, PROG)
+        return refuse(error, 0, prog)
     except ReferenceFailed as failure:
-        print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {failure}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT
     except Stopped:
-        print(f"{PROG}: stopped by SIGTERM", file=sys.stderr, flush=True)
+        print(f"{prog}: stopped by SIGTERM", file=sys.stderr, flush=True)
         return STOPPED_EXIT
     path = config.out / CSV_NAME
     write_csv_atomic(path, rows, COLUMN_NAMES)
     if not config.quiet:
         print(render(rows), flush=True)
-        print(f"{PROG}: {len(rows)} rows -> {path}", flush=True)
-    return exit_code(rows, config.fail_on, PROG, case_label)
+        print(f"{prog}: {len(rows)} rows -> {path}; every run's output in "
+              f"{config.out / LOGS}", flush=True)
+    return exit_code(rows, config.fail_on, prog, case_label)
 
 
 #: The console table: which split, then the check's own columns; the optimizer where the

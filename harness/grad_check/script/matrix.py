@@ -4,19 +4,22 @@ The reference runs first, so that a command that fails, refuses its arguments, n
 steps an optimizer or is not deterministic is said in one line before any other split
 runs. A split that is the reference itself is judged from the reference's second run
 (its rows say how far two runs of the same split are apart). Captures live in a
-temporary folder, removed at the end.
+temporary folder, removed at the end; every run's output stays in ``--out``'s ``logs/``
+(``reference-1/``, ``reference-2/``, then one folder per split: ``rank<R>.log``, or
+``launcher.log`` where the command's launcher started the ranks).
 """
 
 from __future__ import annotations
 
 import shlex
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
-from harness.grad_check.script.config import ScriptConfig
+from harness.grad_check.script.config import LOGS, ScriptConfig
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
 from harness.grad_check.script.processes import CommandLauncher
 from harness.grad_check.script.records import Captured
@@ -32,20 +35,27 @@ class ScriptCheck:
                  say: Callable[[str], None] = lambda _: None) -> None:
         self.config, self.launch, self.say = config, launch, say
 
+    @property
+    def logs(self) -> Path:
+        return self.config.out / LOGS
+
     def rows(self) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="grad-check-run-") as scratch:
             return self._rows(Path(scratch))
 
     def _rows(self, scratch: Path) -> list[dict[str, Any]]:
         reference = self.config.reference
-        first = self.reference_run(scratch / "reference-1", 1)
-        again = self.reference_run(scratch / "reference-2", 2)
+        first = self.reference_run(scratch, "reference-1", 1)
+        again = self.reference_run(scratch, "reference-2", 2)
         noise = check_deterministic(first, again)
         self.say_what_the_reference_left_out(first)
         rows: list[dict[str, Any]] = []
         for split in self.config.splits:
-            measured = again if split == reference else self.run(split, scratch / split.label,
+            measured = again if split == reference else self.run(split, scratch, split.label,
                                                                  "split")
+            if measured.run.failure is not None and split != reference:
+                self.say(f"split {split.label} failed: {measured.run.failure} (its output: "
+                         f"{measured.run.logs})")
             rows += SplitJudge(measured, first, noise, self.config.global_batch).rows()
         return rows
 
@@ -61,23 +71,31 @@ class ScriptCheck:
         for line in first.unknown:
             self.say(f"the capture could not read everything (recorded as unknown): {line}")
 
-    def run(self, split: Split, folder: Path, what: str, attempt: str = "") -> Captured:
+    def run(self, split: Split, scratch: Path, name: str, what: str,
+            attempt: str = "") -> Captured:
+        """One run of the command at ``split``: its capture in ``scratch/name``, its output
+        in ``--out``'s ``logs/name``."""
         command = self.config.command_of(split)
+        # An earlier check's output of the same run (more ranks, say) is not this one's; the
+        # rest of --out is the user's (a --out that holds their own logs/, for one).
+        shutil.rmtree(self.logs / name, ignore_errors=True)
         self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
-        return Captured.read(self.launch.run(split, command, folder))
+        return Captured.read(self.launch.run(split, command, scratch / name, self.logs / name,
+                                             self.config.variables_of(split)))
 
-    def reference_run(self, folder: Path, attempt: int) -> Captured:
+    def reference_run(self, scratch: Path, name: str, attempt: int) -> Captured:
         """One of the reference's two runs; its failure ends the check."""
         split = self.config.reference
-        captured = self.run(split, folder, "reference", f", run {attempt} of 2")
+        captured = self.run(split, scratch, name, "reference", f", run {attempt} of 2")
         failure = captured.run.failure
         where = f"the reference {split.label}"
         if failure is not None and failure.refused:
             raise UsageError(f"{where}: {failure}")
         if failure is not None:
-            raise ReferenceFailed(f"{where} failed: {failure}")
+            raise ReferenceFailed(f"{where} failed: {failure} (its output: "
+                                  f"{captured.run.logs})")
         if not captured.stepped:
             raise UsageError(f"{where}: the command ended without stepping an optimizer (no "
                              "torch.optim.Optimizer's step() ran in it); allowed: a command "

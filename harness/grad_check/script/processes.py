@@ -1,38 +1,60 @@
-"""One run of the user's command on N ranks, each a real process with torchrun's variables.
+"""One run of the user's command at one split: N ranks with torchrun's variables, or the
+command's own launcher once.
 
-N = 1 is the command as one plain process. For N > 1 the launcher hosts the rendezvous
-store as ``torchrun --standalone`` would (harness/launcher.py: a TCPStore on loopback,
+Where grad-check starts the ranks (the default for a plain command), N = 1 is the command
+as one plain process (``--torchrun-env``: with torchrun's variables too, RANK=0,
+WORLD_SIZE=1), and for N > 1 the launcher hosts the rendezvous store as ``torchrun
+--standalone`` would (harness/launcher.py: a TCPStore on loopback,
 ``TORCHELASTIC_USE_AGENT_STORE``), and gives rank r what torchrun's agent gives its
 workers (RANK, LOCAL_RANK, GROUP_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID, ...): plain
 ``init_process_group()``, Accelerate, Lightning, the Trainer and DeepSpeed all see a
-distributed run on one node. Every process gets the capture's startup hook
-(startup/sitecustomize.py) on its PYTHONPATH and the capture's folder.
+distributed run on one node. Where the command starts its ranks itself (a launcher at its
+head: harness/grad_check/script/launchers.py) it runs once, without torchrun's
+variables. Every process gets the startup hook (startup/sitecustomize.py) on its
+PYTHONPATH, the split's folder, and what its guard needs (guard.py): grad-check's pid
+to watch, N, the split.
 
-Each rank runs in a session of its own (its DataLoader workers with it), writes its
-output to ``rank<R>.log`` in the run's folder and, where Python raised, its one error
-line to ``rank<R>.txt`` (harness/errors.py's convention, written by the capture). When
-one rank fails the others are stopped, as torchrun does, and the run's failure is the
-rank whose line came first.
+Each process grad-check starts runs in a session of its own (its DataLoader workers with
+it) and writes its output to ``rank<R>.log`` (``launcher.log``) in the run's log folder;
+where Python raised, the capture writes the rank's one line, with the failing file:line,
+to ``rank<R>.txt`` (harness/errors.py's convention). When one rank fails the others are
+stopped, as torchrun does, and the run's failure is the rank that failed first for a
+reason of its own (failures.py); a run past ``--timeout`` names the rank that made no
+progress. After the run every process that registered itself in the split's folder and
+still runs is killed (a launcher's workers, in sessions of their own, outlive their
+launcher's SIGKILL), and every process of the split watches grad-check itself, so that
+none outlives it however it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from harness.errors import USAGE_EXIT, error_file
-from harness.grad_check.script import capture
+from harness.grad_check.script import capture, guard
+from harness.grad_check.script.failures import (
+    Failure,
+    fatal,
+    first_failure,
+    hang,
+    launched_failure,
+    missing_ranks,
+)
 from harness.grad_check.script.splits import Split
 from harness.launcher import rank_environment, rendezvous_store
-from harness.ranks import SETTLE_S, STOP_GRACE_S, describe_exit, error_line
+from harness.ranks import SETTLE_S, STOP_GRACE_S
+
+__all__ = ["STARTUP", "CommandLauncher", "Failure", "Run", "first_failure", "start_subprocess"]
 
 #: The startup hook's folder: first on every rank's PYTHONPATH.
 STARTUP = Path(__file__).resolve().parent / "startup"
@@ -46,6 +68,8 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAM
                       "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 #: Seconds between looks at the running ranks.
 POLL_S = 0.02
+#: The log of the command's own launcher, where it starts the ranks itself.
+LAUNCHER_LOG = "launcher.log"
 
 
 class Process(Protocol):
@@ -71,25 +95,6 @@ def start_subprocess(command: list[str], environment: dict[str, str], log: Path)
 
 
 @dataclass(frozen=True)
-class Failure:
-    """The rank that failed first (None: the run as a whole, stopped at the timeout), its
-    exit code and its line."""
-
-    rank: int | None
-    exitcode: int | None
-    line: str
-
-    @property
-    def refused(self) -> bool:
-        """The command refused its input (exit code 2: an argparse error, the capture's
-        refusal of a setup it cannot read)."""
-        return self.exitcode == USAGE_EXIT
-
-    def __str__(self) -> str:
-        return self.line if self.rank is None else f"rank {self.rank}: {self.line}"
-
-
-@dataclass(frozen=True)
 class Run:
     """One run of the command at one split: where its capture is, how it ended."""
 
@@ -98,6 +103,8 @@ class Run:
     folder: Path
     seconds: float
     failure: Failure | None
+    #: Where its processes' output is (``rank<R>.log``, ``launcher.log``).
+    logs: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -112,37 +119,62 @@ class CommandLauncher:
     capture: bool = True
     #: G, so that each rank's capture knows the split's micro-batch (its samples' axis).
     global_batch: int | None = None
+    #: The launcher at the command's head, which starts the split's ranks itself (its
+    #: name, e.g. ``torchrun``); None: grad-check starts them.
+    launcher: str | None = None
+    #: N = 1 gets torchrun's variables too (RANK=0, WORLD_SIZE=1, a store to meet at).
+    torchrun_env: bool = False
 
-    def run(self, split: Split, command: Sequence[str], folder: Path) -> Run:
-        """Run ``command`` on ``split.world_size`` ranks, its capture into ``folder``."""
+    def run(self, split: Split, command: Sequence[str], folder: Path,
+            logs: Path | None = None, variables: dict[str, str] | None = None) -> Run:
+        """Run ``command`` at ``split``, its capture into ``folder``, its output into
+        ``logs`` (default: ``folder``); ``variables``: what its processes get besides
+        (launchers.adapted's)."""
         folder.mkdir(parents=True, exist_ok=True)
+        if self.capture and self.global_batch:  # each capture cuts samples along b's axis
+            variables = {**(variables or {}), capture.MICRO_BATCH_VARIABLE: str(
+                split.micro_batch(self.global_batch))}
+        logs = logs or folder
+        logs.mkdir(parents=True, exist_ok=True)
         n = split.world_size
         # The store lives as long as the run: the ranks meet through it.
         store = None
-        if n > 1:
+        if self.launcher is None and (n > 1 or self.torchrun_env):
             store = rendezvous_store(n)
         run_id = uuid.uuid4().hex
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         processes: list[Process] = []
+        failure = None
         try:
-            for rank in range(n):
+            if self.launcher is not None:
+                processes.append(self.starter(
+                    list(command), self.environment(None, n, 0, folder, run_id, split.label,
+                                                    variables), logs / LAUNCHER_LOG))
+            for rank in range(n if self.launcher is None else 0):
                 environment = self.environment(rank, n, store.port if store else 0, folder,
-                                               run_id)
-                if self.capture and self.global_batch:
-                    environment[capture.MICRO_BATCH_VARIABLE] = str(
-                        split.micro_batch(self.global_batch))
+                                               run_id, split.label, variables)
                 processes.append(self.starter(list(command), environment,
-                                              folder / f"rank{rank}.log"))
-            failure = self.watch(processes, folder, start + self.timeout)
+                                              logs / f"rank{rank}.log"))
+            failure = self.watch(processes, folder, logs, n, start + self.timeout, started_at)
         finally:
             stop(processes)
-        return Run(split, tuple(command), folder, time.monotonic() - start, failure)
+            if self.capture:
+                sweep(folder)
+        if failure is None and self.launcher is not None and self.capture:
+            failure = missing_ranks(folder, n, self.launcher, split.label)
+        if failure is not None and n == 1 and self.launcher is None and not self.torchrun_env:
+            failure = needs_torchrun_hint(failure)
+        return Run(split, tuple(command), folder, time.monotonic() - start, failure, logs)
 
-    def environment(self, rank: int, world_size: int, port: int, folder: Path,
-                    run_id: str) -> dict[str, str]:
+    def environment(self, rank: int | None, world_size: int, port: int, folder: Path,
+                    run_id: str, split: str = "",
+                    variables: dict[str, str] | None = None) -> dict[str, str]:
+        """What process ``rank`` gets (None: the command's own launcher, which gets no
+        torchrun variables: it gives its workers theirs)."""
         inherited = {name: value for name, value in os.environ.items()
                      if name not in TORCHRUN_VARIABLES}
-        if world_size > 1:
+        inherited.update(variables or {})
+        if rank is not None and (world_size > 1 or self.torchrun_env):
             inherited.update(rank_environment(str(folder), world_size, port))
             inherited.update({
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
@@ -159,22 +191,33 @@ class CommandLauncher:
             inherited.update({capture.FOLDER_VARIABLE: str(folder),
                               capture.STEPS_VARIABLE: str(self.steps),
                               capture.KEEP_GOING_VARIABLE: "1" if self.keep_going else "0",
-                              capture.TIMEOUT_VARIABLE: str(self.timeout)})
+                              capture.TIMEOUT_VARIABLE: str(self.timeout),
+                              guard.PID_VARIABLE: str(os.getpid()),
+                              guard.PID_START_VARIABLE: guard.process_start(os.getpid()),
+                              guard.PGID_VARIABLE: str(os.getpgrp()),
+                              guard.NPROC_VARIABLE: str(world_size),
+                              guard.SPLIT_VARIABLE: split})
+            if self.launcher is not None:
+                inherited.update({guard.LAUNCHER_VARIABLE: "command",
+                                  guard.LAUNCHER_NAME_VARIABLE: self.launcher})
         if paths:
             inherited["PYTHONPATH"] = os.pathsep.join(paths)
         else:
             inherited.pop("PYTHONPATH", None)
         return inherited
 
-    def watch(self, processes: list[Process], folder: Path, deadline: float) -> Failure | None:
-        """Wait for every rank; the first failure (the others stopped), or None."""
+    def watch(self, processes: list[Process], folder: Path, logs: Path, nproc: int,
+              deadline: float, started_at: float) -> Failure | None:
+        """Wait for every process; the first failure (the others then stopped), or None."""
         ended: dict[int, float] = {}
         settle_until = None
         while True:
             codes = [process.poll() for process in processes]
             for rank, code in enumerate(codes):
                 if code is not None and rank not in ended:
-                    ended[rank] = time.monotonic()
+                    ended[rank] = time.time()
+            if (found := fatal(folder)) is not None:
+                return found
             if all(code is not None for code in codes):
                 break
             failed = any(code not in (None, 0) for code in codes)
@@ -185,40 +228,31 @@ class CommandLauncher:
                 break
             time.sleep(POLL_S)
         codes = [process.poll() for process in processes]
+        if (found := fatal(folder)) is not None:
+            return found
         if all(code == 0 for code in codes):
             return None
         if all(code in (None, 0) for code in codes):  # nobody failed: the deadline passed
-            return Failure(None, None, f"timed out after {self.timeout:g} s (--timeout), still "
-                                    "running: a rank waits for another, for input, or trains "
-                                    "longer than --steps needs")
-        return first_failure(codes, ended, folder)
+            return hang(folder, nproc, self.timeout, started_at)
+        if self.launcher is not None:
+            return launched_failure(folder, logs / LAUNCHER_LOG, nproc, codes[0],
+                                    self.launcher)
+        return first_failure(codes, ended, folder, logs)
 
 
-def first_failure(codes: list[int | None], ended: dict[int, float], folder: Path) -> Failure:
-    """The failure that came first: the oldest error line, else the rank seen to end first
-    with a code other than 0 (the others then failed for want of it)."""
-    def failed_at(rank: int) -> tuple[int, float]:
-        with contextlib.suppress(OSError):
-            return (0, error_file(folder, rank).stat().st_mtime)
-        return (1, ended.get(rank, float("inf")))
-
-    candidates = [rank for rank, code in enumerate(codes)
-                  if code not in (None, 0) or error_file(folder, rank).is_file()]
-    rank = min(candidates, key=failed_at)
-    return Failure(rank, codes[rank], error_line(folder, rank) or log_line(folder, rank,
-                                                                             codes[rank]))
+#: How a process says it needs torchrun's variables: init_process_group's env:// ("environment
+#: variable RANK expected, but not set"), a script's own os.environ["RANK"].
+_NEEDS_TORCHRUN = re.compile(r"environment variable (RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
+                             r"LOCAL_RANK) expected|KeyError: '(RANK|WORLD_SIZE|LOCAL_RANK|"
+                             r"LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT)'")
 
 
-def log_line(folder: Path, rank: int, code: int | None) -> str:
-    """A rank that wrote no error line: the last line of its output, where it exited by
-    itself (an argparse error, a message before ``sys.exit``), else how it ended."""
-    if code is not None and code > 0:
-        with contextlib.suppress(OSError):
-            lines = (folder / f"rank{rank}.log").read_text(errors="replace").splitlines()
-            last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-            if last:
-                return last
-    return describe_exit(code) if code is not None else "stopped"
+def needs_torchrun_hint(failure: Failure) -> Failure:
+    """A plain process at N = 1 that wanted torchrun's variables: the flag that gives them."""
+    if not _NEEDS_TORCHRUN.search(failure.line):
+        return failure
+    return replace(failure, line=f"{failure.line}; N = 1 runs one plain process: "
+                                 "--torchrun-env gives it torchrun's variables")
 
 
 def stop(processes: Sequence[Process]) -> None:
@@ -233,6 +267,23 @@ def stop(processes: Sequence[Process]) -> None:
         _signal_session(process, signal.SIGKILL)
         while process.poll() is None:
             time.sleep(POLL_S)
+
+
+def sweep(folder: Path) -> None:
+    """Every process of the run that registered itself in ``folder`` (guard.py) and still
+    runs, killed, with the process group it leads: what a launcher's SIGKILL left of its
+    workers, in sessions of their own."""
+    for path in sorted((folder / guard.PROCESSES).glob("[0-9]*")):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            entry = json.loads(path.read_text())
+            pid, group = int(entry["pid"]), int(entry["pgid"])
+            if pid == os.getpid() or not guard.alive(pid, entry["start"]):
+                continue
+            if group == pid and group != os.getpgrp():
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _signal_session(process: Process, number: int) -> None:

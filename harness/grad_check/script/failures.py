@@ -1,0 +1,250 @@
+"""Which rank of a split failed first, or hung, read from what the split's processes left.
+
+A rank that fails leaves its one line (``rank<R>.txt``: ``Type: sentence (at
+file:line)``, written by the capture's excepthook) or only its exit code. Its peers then
+fail too, for want of it: a collective or the store that lost its connection ("Connection
+closed by peer"), a collective that timed out waiting. Those are victims: the rank
+blamed is the one that failed for a reason of its own, the first of them by the time
+its line was written or its end was seen; a victim only where nobody else failed.
+
+Under a launcher in the command grad-check sees the launcher's exit code, not its
+workers': a worker that ended without a line is named from the launcher's own summary
+(torch elastic's "Root Cause" in torchrun's and accelerate's output, DeepSpeed's
+"exits with return code").
+
+A split stopped at ``--timeout`` names the ranks that made no progress: every rank
+writes its optimizer steps and forward passes as they change (``progress/rank<R>``,
+harness/grad_check/script/guard.py); the ranks furthest behind hung, and how long ago
+they last moved is said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import USAGE_EXIT, error_file, timed_out_in_collective
+from harness.grad_check.script import guard
+from harness.ranks import describe_exit, error_line
+
+#: How torch words a collective, or the store, that lost a peer: gloo's "Connection closed
+#: by peer" and "Connection reset by peer", a broken pipe, the store's failed receive,
+#: NCCL's aborted communicator.
+_LOST_PEER = re.compile(r"connection (closed|reset) by peer|broken pipe|econnreset|"
+                        r"connection refused|failed to recv|connection was likely closed|"
+                        r"remote process exited|communicator was aborted|"
+                        r"\bDist(Network|Store)Error\b", re.IGNORECASE)
+#: torch elastic's summary of a failed run (torchrun, accelerate launch): its root cause.
+_ELASTIC_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"
+                           r"exitcode\s*:\s*(-?\d+)", re.DOTALL)
+#: DeepSpeed's launcher: "[... '--local_rank=1'] exits with return code = 3".
+_DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?\]\s+exits with return code = (-?\d+)")
+#: argparse's last line: "prog: error: message".
+_ARGPARSE_ERROR = re.compile(r"^\S+: error: .+$", re.MULTILINE)
+
+
+def lost_a_peer(line: str) -> bool:
+    """Whether ``line`` is a rank failing for want of another: a peer's connection lost,
+    or a collective that timed out waiting for it."""
+    return bool(_LOST_PEER.search(line)) or timed_out_in_collective(line)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The rank that failed first (None: the run as a whole), its exit code and its line;
+    ``hung``: the ranks named as hung (their line says so itself)."""
+
+    rank: int | None
+    exitcode: int | None
+    line: str
+    hung: tuple[int, ...] = ()
+
+    @property
+    def refused(self) -> bool:
+        """The command refused its input (exit code 2: an argparse error, the capture's
+        refusal of a setup it cannot read)."""
+        return self.exitcode == USAGE_EXIT
+
+    def __str__(self) -> str:
+        return self.line if self.rank is None or self.hung else f"rank {self.rank}: {self.line}"
+
+
+def line_time(folder: Path, rank: int) -> float | None:
+    with contextlib.suppress(OSError):
+        return error_file(folder, rank).stat().st_mtime
+    return None
+
+
+def first_failure(codes: list[int | None], ended: dict[int, float], folder: Path,
+                  logs: Path | None = None) -> Failure:
+    """Among ranks started by grad-check: the first that failed for a reason of its own
+    (its line, else its exit code, dated by when its end was seen: ``ended``, wall
+    time), else the first victim."""
+    logs = logs or folder
+    candidates = []
+    for rank, code in enumerate(codes):
+        line = error_line(folder, rank)
+        if not line and code in (None, 0):
+            continue
+        own = not lost_a_peer(line) if line else True
+        when = line_time(folder, rank) if line else ended.get(rank)
+        candidates.append((not own, float("inf") if when is None else when, rank, line))
+    _, _, rank, line = min(candidates)
+    return Failure(rank, codes[rank], line or log_line(logs / f"rank{rank}.log", codes[rank]))
+
+
+def launched_failure(folder: Path, log: Path, nproc: int, code: int | None,
+                     launcher: str) -> Failure:
+    """Under a launcher in the command (exit code ``code``, output in ``log``): the first
+    of its workers that failed by itself, else the one its summary names, else a victim,
+    else the launcher itself."""
+    lines = {rank: line for rank in ranks_with_lines(folder, nproc)
+             if (line := error_line(folder, rank))}
+    own = [rank for rank, line in lines.items() if not lost_a_peer(line)]
+    if own:
+        rank = min(own, key=lambda r: line_time(folder, r) or float("inf"))
+        return Failure(rank, 1, lines[rank])
+    output = read(log)
+    named = summary_of(output)
+    if named is not None:
+        rank, exitcode = named
+        return Failure(rank, exitcode, lines.get(rank) or exit_line(output, exitcode))
+    if lines:
+        rank = min(lines, key=lambda r: line_time(folder, r) or float("inf"))
+        return Failure(rank, 1, lines[rank])
+    return Failure(None, code, f"{launcher} {log_line(log, code)}"
+                   if code is not None and code > 0 else f"{launcher} was {describe_exit(code)}"
+                   if code is not None else f"{launcher} stopped")
+
+
+def ranks_with_lines(folder: Path, nproc: int) -> list[int]:
+    found = {int(match[1]) for path in folder.glob("rank*.txt")
+             if (match := re.fullmatch(r"rank(\d+)\.txt", path.name))}
+    return sorted(found | set(range(nproc)))
+
+
+def summary_of(output: str) -> tuple[int, int] | None:
+    """The failed worker a launcher's summary names: (rank, exit code)."""
+    match = _ELASTIC_ROOT.search(output)
+    if match:
+        return int(match[1]), int(match[2])
+    exits = [(int(rank), int(code)) for rank, code in _DEEPSPEED_EXIT.findall(output)
+             if int(code) != 0]
+    return exits[0] if exits else None
+
+
+def exit_line(output: str, exitcode: int) -> str:
+    """A worker without a line: argparse's message where it refused its arguments, else
+    how it ended."""
+    if exitcode == USAGE_EXIT:
+        errors = _ARGPARSE_ERROR.findall(output)
+        if errors:
+            return errors[-1].strip()
+    return describe_exit(exitcode)
+
+
+def read(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
+
+
+def log_line(log: Path, code: int | None) -> str:
+    """A process that wrote no error line: the last line of its output where it exited by
+    itself with code 2 (an argparse error), else how it ended, with its last line."""
+    if code is None:
+        return "stopped"
+    lines = [line.strip() for line in read(log).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if code == USAGE_EXIT and last:
+        return last
+    ended = describe_exit(code)
+    if code > 0 and last:
+        return f"exited with code {code}; its last output: {last[:200]}"
+    return ended
+
+
+def fatal(folder: Path) -> Failure | None:
+    """A failure that ends the split at once (guard.py: a rank claimed twice, a launcher
+    that started another number of ranks)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        found = json.loads((folder / guard.FATAL).read_text())
+        return Failure(int(found["rank"]), int(found["exitcode"]), str(found["line"]))
+    return None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A rank's progress as it last wrote it."""
+
+    steps: int
+    forwards: int
+    #: Wall time of its last change.
+    at: float
+
+    def __str__(self) -> str:
+        if self.steps == self.forwards == 0:
+            return "before its first forward pass"
+        return f"at step {self.steps} after {self.forwards} forward pass(es)"
+
+
+def progress(folder: Path, rank: int) -> Progress | None:
+    path = folder / guard.PROGRESS / f"rank{rank}"
+    with contextlib.suppress(OSError, ValueError):
+        steps, forwards = path.read_text().split()
+        return Progress(int(steps), int(forwards), path.stat().st_mtime)
+    return None
+
+
+def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
+    """The split ran past ``--timeout``: the ranks furthest behind hung (``started``: wall
+    time of the split's start, the last progress of a rank that never wrote any)."""
+    now = time.time()
+    seen = {rank: progress(folder, rank) for rank in range(nproc)}
+
+    def reached(rank: int) -> tuple[int, int]:
+        found = seen[rank]
+        return (-1, -1) if found is None else (found.steps, found.forwards)
+
+    behind = min(reached(rank) for rank in seen)
+    hung = tuple(rank for rank in seen if reached(rank) == behind)
+    last = max((found.at if (found := seen[rank]) else started) for rank in hung)
+    idle = now - last
+    who = (f"rank {hung[0]}" if len(hung) == 1 else "ranks " + ", ".join(map(str, hung)))
+    where = (str(seen[hung[0]]) if seen[hung[0]] else "before its first forward pass")
+    if len(hung) > 1:
+        where = where.replace(" its ", " their ")
+    stopped = f"--timeout {timeout:g} s stopped the split"
+    if idle < min(timeout / 2, 30.0):
+        return Failure(hung[0], None, f"{who} still making progress when {stopped} ({where}, "
+                       f"{idle:.1f} s before): the script trains longer than --timeout "
+                       "allows; raise --timeout", hung)
+    if len(hung) == len(seen) and nproc > 1:
+        why = ("all alike: they wait for something outside the split (input, a file, a "
+               "peer), or train longer than --steps needs")
+    elif len(hung) == len(seen):
+        why = "it waits for something (input, a file, a peer), or trains longer than --steps needs"
+    else:
+        ahead = [rank for rank in seen if rank not in hung]
+        others = ", ".join(f"rank {rank} {seen[rank]}" for rank in ahead[:3])
+        why = f"{others}: waiting for {'them' if len(hung) > 1 else 'it'}"
+    return Failure(hung[0], None, f"{who} hung: no progress for {idle:.0f} s {where} "
+                   f"({stopped}; {why})", hung)
+
+
+def missing_ranks(folder: Path, nproc: int, launcher: str, split: str) -> Failure | None:
+    """Under a launcher: every one of the split's N ranks must have stepped (its summary,
+    ``rank<R>.pt``: capture.py's ``summary_file``), and no other."""
+    wrote = sorted(int(match[1]) for path in folder.glob("rank*.pt")
+                   if (match := re.fullmatch(r"rank(\d+)\.pt", path.name)))
+    if not wrote or wrote == list(range(nproc)):
+        return None
+    ranks = ", ".join(map(str, wrote))
+    return Failure(None, USAGE_EXIT, f"{launcher} started {len(wrote)} rank(s) that stepped "
+                   f"(rank {ranks}) at split {split}, which needs {nproc}; allowed: a launcher "
+                   "given {nproc} as its number of processes, that starts them all "
+                   "(e.g. torchrun --nproc_per_node={nproc})")

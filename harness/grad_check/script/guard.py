@@ -1,0 +1,369 @@
+"""What ``grad-check run`` watches inside every process of a split, beside the capture.
+
+``startup/sitecustomize.py`` calls :func:`install_from_environment` in each Python
+process the command starts (the ranks, a launcher at the command's head and the workers
+it starts, a DataLoader's spawned workers), wherever ``GRAD_CHECK_CAPTURE`` names the
+split's folder. In each it:
+
+- registers the process (``processes/<pid>``: its start time, process group, rank and
+  command), so that grad-check can end, after the split, what its own stop did not reach
+  (a launcher's workers run in sessions of their own);
+- watches grad-check: a thread holds a pidfd of grad-check's process (the pid and start
+  time come through the environment, as a pipe's end cannot: a launcher in the command
+  closes the descriptors it does not know before it starts its workers) and, once
+  grad-check is gone however it ended (SIGKILL included), kills its own process group
+  (its DataLoader workers with it) and exits;
+- in a rank (any process but the launcher grad-check started for a command that starts
+  its own ranks): installs the capture, writes the rank's progress (optimizer steps and
+  forward passes, ``progress/rank<R>``) for the hang that names the rank that made
+  none, claims its RANK when it joins the process group (``claims/rank<R>``, created
+  exclusively: a second live process joining as the same rank ends the split at once,
+  naming both), and, under a launcher, checks that the launcher started the split's N.
+
+A failure that ends the split at once is ``fatal`` in the folder (its rank and line),
+which grad-check looks for while the split runs. Nothing here imports torch before the
+capture has (a launcher's process need not load it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import linecache
+import os
+import select
+import signal
+import sys
+import sysconfig
+import threading
+import time
+import traceback as tracebacks
+from pathlib import Path
+from typing import Any
+
+#: The split's folder (the capture's own variable: harness/grad_check/script/capture.py).
+FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
+#: grad-check's process: its pid, its start time (``/proc``, '' where unknown) and its
+#: process group, which the guard never signals.
+PID_VARIABLE = "GRAD_CHECK_PID"
+PID_START_VARIABLE = "GRAD_CHECK_PID_START"
+PGID_VARIABLE = "GRAD_CHECK_PGID"
+#: N: the split's ranks.
+NPROC_VARIABLE = "GRAD_CHECK_NPROC"
+#: The split's label (``2x1``), for the lines.
+SPLIT_VARIABLE = "GRAD_CHECK_SPLIT"
+#: "command": the command starts the split's ranks itself (a launcher at its head); the
+#: process grad-check started is then its launcher, not a rank.
+LAUNCHER_VARIABLE = "GRAD_CHECK_LAUNCHER"
+#: The launcher's name as the messages say it (``torchrun``).
+LAUNCHER_NAME_VARIABLE = "GRAD_CHECK_LAUNCHER_NAME"
+#: Seconds between looks at grad-check where no pidfd is to be had, and between writes
+#: of the rank's progress.
+WATCH_S = 0.2
+#: Exit code of a process whose grad-check is gone (nobody reads it).
+GONE_EXIT = 128 + signal.SIGKILL
+#: Exit code of a rank that found a split the check cannot run as given (bad input).
+USAGE_EXIT = 2
+#: The folders the guard writes in the split's folder.
+PROCESSES, PROGRESS, CLAIMS, FATAL = "processes", "progress", "claims", "fatal"
+
+
+def process_start(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, from ``/proc``; '' where unknown):
+    with the pid, it names one process, not whichever reuses the number later."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return ""
+
+
+def alive(pid: int, start: str) -> bool:
+    """Whether process ``pid`` that started at ``start`` still runs (a zombie does not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return fields[0] not in "ZX" and (not start or fields[19] == start)
+
+
+def command_line(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+            errors="replace").split("\0")).strip()
+    return ""
+
+
+def write_exclusively(path: Path, text: str) -> bool:
+    """``text`` into a new file ``path``; False where it exists already."""
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    return True
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+# ---------------------------------------------------------------- the failing frame
+#: Where Python's own modules and installed packages live (this interpreter's, and any
+#: ``site-packages`` on the path): a frame there is not the line of the user's that failed,
+#: unless no frame of theirs is on the way.
+_LIBRARIES = tuple({os.path.realpath(path) + os.sep for path in (
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]) if path})
+_PACKAGES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+#: grad-check's own code in the user's processes (the guard's wrapper of
+#: init_process_group, the capture's hooks): never the user's line either.
+_OURS = os.path.dirname(os.path.realpath(__file__)) + os.sep
+
+
+def failing_frame(traceback) -> tracebacks.FrameSummary | None:
+    """The frame to name for an error: the innermost of the user's own code (not Python's
+    library, not an installed package, not grad-check's), else the innermost."""
+    frames = tracebacks.extract_tb(traceback) if traceback is not None else []
+    for frame in reversed(frames):
+        path = os.path.realpath(frame.filename)
+        if os.path.isfile(path) and not path.startswith((*_LIBRARIES, _OURS)) and \
+                not any(folder in path for folder in _PACKAGES):
+            return frame
+    return frames[-1] if frames else None
+
+
+def shown_path(filename: str) -> str:
+    """A file as the user would type it: relative to the current folder where under it."""
+    path = os.path.realpath(filename)
+    here = os.path.realpath(os.getcwd()) + os.sep
+    return path[len(here):] if path.startswith(here) else filename
+
+
+def failing_line(error: BaseException, traceback) -> str:
+    """``Type: first sentence (at file:line)``; where the error says nothing (a bare
+    ``assert``), the failing source line stands for its message."""
+    from harness.errors import first_sentence
+
+    line = first_sentence(error)
+    frame = failing_frame(traceback)
+    if frame is None:
+        return line
+    if not str(error).strip():
+        source = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+        line = f"{type(error).__name__}: {source}" if source else type(error).__name__
+    return f"{line} (at {shown_path(frame.filename)}:{frame.lineno})"
+
+
+# ---------------------------------------------------------------- the guard
+class Guard:
+    """The guard of one process of a split (see the module's docstring)."""
+
+    def __init__(self, folder: Path, environment: dict[str, str]) -> None:
+        self.folder = folder
+        self.grad_check = int(environment.get(PID_VARIABLE) or 0)
+        self.grad_check_start = environment.get(PID_START_VARIABLE, "")
+        self.grad_check_group = int(environment.get(PGID_VARIABLE) or 0)
+        self.nproc = int(environment.get(NPROC_VARIABLE) or 1)
+        self.split = environment.get(SPLIT_VARIABLE, "")
+        self.launched_by_command = environment.get(LAUNCHER_VARIABLE) == "command"
+        self.launcher_name = environment.get(LAUNCHER_NAME_VARIABLE, "the launcher")
+        self.rank = int(environment.get("RANK") or 0)
+        self.world_size = environment.get("WORLD_SIZE")
+        #: The process grad-check started, where the command starts the ranks itself.
+        self.is_launcher = self.launched_by_command and os.getppid() == self.grad_check
+        self.steps = 0
+        self.forwards = 0
+        self.depth = 0
+        self._written: tuple[int, int] | None = None
+        self.progressing = False
+
+    # ------------------------------------------------------------ every process
+    def start(self) -> None:
+        """Register this process and watch grad-check from a thread of its own."""
+        with contextlib.suppress(OSError):
+            (self.folder / PROCESSES).mkdir(exist_ok=True)
+            write_atomically(self.folder / PROCESSES / str(os.getpid()), json.dumps({
+                "pid": os.getpid(), "start": process_start(os.getpid()),
+                "pgid": os.getpgrp(), "rank": None if self.is_launcher else self.rank,
+                "command": " ".join(sys.argv)}))
+        if self.grad_check:
+            threading.Thread(target=self._watch, name="grad-check-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Until grad-check is gone: write the rank's progress now and then; then end."""
+        handle = None
+        with contextlib.suppress(OSError, AttributeError):
+            handle = os.pidfd_open(self.grad_check)
+        # Opened after grad-check ended, the number may be another process's already.
+        if not alive(self.grad_check, self.grad_check_start):
+            self.end()
+        poller = None
+        if handle is not None:
+            poller = select.poll()
+            poller.register(handle, select.POLLIN)
+        while True:
+            if poller is not None:
+                gone = bool(poller.poll(WATCH_S * 1000))
+            else:
+                time.sleep(WATCH_S)
+                gone = not alive(self.grad_check, self.grad_check_start)
+            if gone:
+                self.end()
+            if self.progressing:
+                self.write_progress()
+
+    def end(self) -> None:
+        """grad-check is gone: this process's group (its DataLoader workers, a launcher's
+        own children) killed, and this process with it."""
+        group = os.getpgrp()
+        if group != self.grad_check_group and group > 1:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
+        os._exit(GONE_EXIT)
+
+    # ------------------------------------------------------------ a rank
+    def check_world_size(self) -> None:
+        """Under a launcher: it must have started the split's N ranks."""
+        if not self.launched_by_command or self.world_size in (None, ""):
+            return
+        if int(self.world_size) != self.nproc:
+            self.fail(f"{self.launcher_name} started {self.world_size} rank(s) "
+                      f"(WORLD_SIZE={self.world_size}) at split {self.split}, which needs "
+                      f"{self.nproc}; allowed: a launcher given {{nproc}} as its number of "
+                      "processes (e.g. torchrun --nproc_per_node={nproc}, accelerate launch "
+                      "--num_processes {nproc})", USAGE_EXIT)
+
+    def watch_training(self) -> None:
+        """The rank's progress, and its claim on its RANK when it joins the process group
+        (torch is loaded by now: the capture loaded it)."""
+        import torch.distributed
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.progressing = True
+        register_module_forward_pre_hook(self._entering)
+        register_module_forward_hook(self._leaving, always_call=True)
+        register_optimizer_step_post_hook(self._stepped)
+        if torch.distributed.is_available():
+            import torch.distributed.distributed_c10d as c10d
+
+            original = c10d.init_process_group
+
+            def init_process_group(*args: Any, **kwargs: Any) -> Any:
+                self.claim(kwargs.get("rank", -1))
+                return original(*args, **kwargs)
+
+            init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+            c10d.init_process_group = init_process_group
+            torch.distributed.init_process_group = init_process_group
+
+    def _entering(self, _module, _args) -> None:
+        self.depth += 1
+
+    def _leaving(self, _module, _args, _result) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.forwards += 1
+
+    def _stepped(self, _optimizer, _args, _kwargs) -> None:
+        self.steps += 1
+
+    def write_progress(self) -> None:
+        """``steps forwards`` into ``progress/rank<R>`` where they changed: the file's time
+        is the rank's last progress, as far as the watch's period tells."""
+        now = (self.steps, self.forwards)
+        if now == self._written:
+            return
+        self._written = now
+        with contextlib.suppress(OSError):
+            (self.folder / PROGRESS).mkdir(exist_ok=True)
+            write_atomically(self.folder / PROGRESS / f"rank{self.rank}", f"{now[0]} {now[1]}\n")
+
+    def claim(self, rank: int) -> None:
+        """This process joins the process group as ``rank`` (its RANK where not given):
+        another live process that did already is named with it, and the split ends."""
+        rank = self.rank if rank is None or int(rank) < 0 else int(rank)
+        me = {"pid": os.getpid(), "start": process_start(os.getpid()),
+              "command": " ".join(sys.argv)}
+        claims = self.folder / CLAIMS
+        with contextlib.suppress(OSError):
+            claims.mkdir(exist_ok=True)
+        path = claims / f"rank{rank}"
+        for _ in range(2):
+            with contextlib.suppress(OSError):
+                if write_exclusively(path, json.dumps(me)):
+                    return
+            try:
+                other = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return  # nothing to name: let it join
+            if other["pid"] == me["pid"]:
+                return  # the same process again (after destroy_process_group)
+            if alive(other["pid"], other["start"]):
+                self.fail(twice_line(rank, other, me, self.launched_by_command,
+                                     self.launcher_name), 1)
+            with contextlib.suppress(OSError):
+                path.unlink()  # a claim its process left behind
+
+    def fail(self, line: str, code: int) -> None:
+        """End the split now: ``line`` for grad-check (``fatal``, and the rank's line),
+        then this process."""
+        from harness.errors import error_file
+
+        with contextlib.suppress(OSError):
+            write_exclusively(self.folder / FATAL, json.dumps({"rank": self.rank,
+                                                                "line": line,
+                                                                "exitcode": code}))
+            write_exclusively(error_file(self.folder, self.rank), line + "\n")
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def twice_line(rank: int, first: dict, second: dict, launched_by_command: bool,
+               launcher_name: str) -> str:
+    """Two live processes joining the process group as one rank, named."""
+    def named(claim: dict) -> str:
+        command = claim["command"]
+        return f"pid {claim['pid']} ({command[:120] + '...' if len(command) > 120 else command})"
+
+    what = (f"the command's processes join as the ranks {launcher_name} started; let only "
+            "the workers it starts join" if launched_by_command else
+            "the command starts workers of its own, which join as the ranks grad-check "
+            "started; let it start them: --launcher command, with {nproc} passed to it")
+    return (f"rank {rank} joined the process group twice, by {named(first)} and "
+            f"{named(second)}: {what}")
+
+
+def install_from_environment() -> Any:
+    """The guard this process's environment asks for, and in a rank the capture (returned;
+    None in the launcher grad-check started, and where no capture is asked for)."""
+    global INSTALLED
+    folder = os.environ.get(FOLDER_VARIABLE)
+    if not folder or INSTALLED is not None:
+        return None
+    INSTALLED = Guard(Path(folder), dict(os.environ))
+    INSTALLED.start()
+    if INSTALLED.is_launcher:
+        return None
+    INSTALLED.check_world_size()
+    from harness.grad_check.script import capture
+
+    installed = capture.install_from_environment()
+    INSTALLED.watch_training()
+    return installed
+
+
+#: The guard of this process, if any.
+INSTALLED: Guard | None = None

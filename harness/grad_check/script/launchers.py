@@ -1,0 +1,167 @@
+"""Commands that start the split's ranks themselves: a launcher at the command's head.
+
+``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``, ``deepspeed``
+and ``trl <command>`` (which calls ``accelerate launch`` itself) each start N worker
+processes with torchrun's variables. Given grad-check's environment N times over, they
+would start N x N workers, or, a CLI that joins the process group itself, two processes
+per rank. So such a command runs once per split, as it is (its count of processes given
+``{nproc}``), without torchrun's variables; the capture reaches every worker it starts
+through the environment (the startup hook on PYTHONPATH).
+
+Refused by name, before anything runs: a launcher told to span machines, and one whose
+number of processes does not follow ``{nproc}`` where a split needs more than one.
+
+Where the machine forces it, the command is adapted, and the command shown is the one
+run: ``accelerate launch`` (and ``trl``) on a machine without GPUs starts one plain
+process whatever ``--num_processes`` says, so at N > 1 it is given ``--multi_gpu`` (its
+torch elastic launcher, as it picks itself with N GPUs) and every run
+``ACCELERATE_USE_CPU=1`` (its own variable for a run on CPUs).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.errors import UsageError
+from harness.grad_check.script.splits import Split, expressions, names_in
+
+#: ``--launcher``: who starts a split's N ranks.
+LAUNCHER_CHOICES = ("auto", "grad-check", "command")
+#: trl's subcommands that do not train (every other one launches a training script).
+TRL_OTHER_COMMANDS = ("env", "vllm-serve", "-h", "--help")
+#: accelerate launch's arguments that choose its launcher themselves.
+ACCELERATE_CHOOSES = ("--multi_gpu", "--multi-gpu", "--config_file", "--config-file",
+                      "--use_fsdp", "--use-fsdp", "--use_deepspeed", "--use-deepspeed",
+                      "--cpu", "--tpu", "--use_megatron_lm", "--use-megatron-lm")
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A launcher at the head of a command."""
+
+    #: As the user would say it: ``torchrun``, ``accelerate launch``, ``trl sft``.
+    name: str
+    #: Where its own arguments begin in the command (after ``accelerate launch``).
+    arguments_at: int
+    #: The flags that give its number of processes, the first as messages name it.
+    count_flags: tuple[str, ...]
+    #: Its number of processes where the count is not given.
+    default_count: str
+    #: The flags that span machines, with the value that keeps it on one.
+    machine_flags: tuple[str, ...] = ()
+    #: It starts its workers through ``accelerate launch``.
+    accelerate: bool = False
+
+    @property
+    def example(self) -> str:
+        return f"{self.count_flags[0]} {{nproc}}"
+
+
+TORCHRUN = dict(count_flags=("--nproc_per_node", "--nproc-per-node"),
+                default_count="1", machine_flags=("--nnodes",))
+ACCELERATE = dict(count_flags=("--num_processes", "--num-processes"),
+                  default_count="1 on a machine without GPUs, else one per GPU",
+                  machine_flags=("--num_machines", "--num-machines"), accelerate=True)
+DEEPSPEED = dict(count_flags=("--num_gpus", "--num-gpus", "--num_accelerators"),
+                 default_count="one per GPU", machine_flags=("--num_nodes", "--num-nodes"))
+
+
+def is_python(program: str) -> bool:
+    return re.fullmatch(r"python[0-9.]*", os.path.basename(program)) is not None
+
+
+def launcher_of(command: Sequence[str]) -> Launcher | None:
+    """The launcher at the head of ``command``, if one is there."""
+    if not command:
+        return None
+    program, rest = os.path.basename(command[0]), list(command[1:])
+    if is_python(command[0]) and rest[:1] == ["-m"] and len(rest) > 1:
+        module, rest, at = rest[1], rest[2:], 3
+        if module in ("torch.distributed.run", "torch.distributed.launch"):
+            return Launcher(f"python -m {module}", at, **TORCHRUN)
+        if module == "accelerate.commands.launch":
+            return Launcher("accelerate launch", at, **ACCELERATE)
+        if module == "accelerate.commands.accelerate_cli" and rest[:1] == ["launch"]:
+            return Launcher("accelerate launch", at + 1, **ACCELERATE)
+        if module == "deepspeed.launcher.runner":
+            return Launcher("deepspeed", at, **DEEPSPEED)
+        if module in ("trl", "trl.cli", "trl.cli.main") and rest and \
+                rest[0] not in TRL_OTHER_COMMANDS:
+            return Launcher(f"trl {rest[0]}", at + 1, **ACCELERATE)
+        return None
+    if program == "torchrun":
+        return Launcher("torchrun", 1, **TORCHRUN)
+    if program == "accelerate" and rest[:1] == ["launch"]:
+        return Launcher("accelerate launch", 2, **ACCELERATE)
+    if program == "accelerate-launch":
+        return Launcher("accelerate launch", 1, **ACCELERATE)
+    if program == "deepspeed":
+        return Launcher("deepspeed", 1, **DEEPSPEED)
+    if program == "trl" and rest and rest[0] not in TRL_OTHER_COMMANDS:
+        return Launcher(f"trl {rest[0]}", 2, **ACCELERATE)
+    return None
+
+
+def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value given to any of ``flags`` (``--flag value`` or ``--flag=value``), the last
+    one where given twice; None where none is given."""
+    found = None
+    for position, argument in enumerate(command):
+        name, equals, value = argument.partition("=")
+        if name in flags:
+            found = value if equals else (command[position + 1]
+                                          if position + 1 < len(command) else "")
+    return found
+
+
+def check_launcher(launcher: Launcher, command: Sequence[str], splits: Sequence[Split]) -> None:
+    """Refuse, by name, a launcher that cannot run the splits on this machine."""
+    arguments = list(command[launcher.arguments_at:])
+    machines = flag_value(arguments, launcher.machine_flags)
+    if machines is not None and machines not in ("1", "1:1"):
+        raise UsageError(f"{launcher.name} {launcher.machine_flags[0]} {machines} spans "
+                         "machines; allowed: one machine (leave it out, or 1): grad-check run "
+                         "runs every split on this one")
+    count = flag_value(arguments, launcher.count_flags)
+    if count is not None and "nproc" in {name for expression in expressions(count)
+                                         for name in names_in(expression)}:
+        return
+    given = (f"{launcher.count_flags[0]} {count}" if count is not None else
+             f"without {launcher.count_flags[0]} ({launcher.default_count})")
+    needs = [split for split in splits if count is None or str(split.world_size) != count]
+    if count is None:
+        needs = [split for split in splits if split.world_size > 1]
+    if needs:
+        split = needs[0]
+        raise UsageError(f"{launcher.name} {given} starts the same processes at every split, "
+                         f"but split {split.label} needs {split.world_size}; allowed: "
+                         f"{launcher.example}, which grad-check sets at each split")
+
+
+def visible_gpus() -> int:
+    """The GPUs the command's processes would see (without loading CUDA): the NVIDIA
+    devices, as far as ``CUDA_VISIBLE_DEVICES`` leaves them."""
+    devices = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        chosen = [item for item in visible.split(",") if item.strip()]
+        if not chosen or chosen[0].strip() == "-1":
+            return 0
+        devices = min(devices, len(chosen))
+    return devices
+
+
+def adapted(launcher: Launcher | None, command: list[str], split: Split,
+            gpus: int) -> tuple[list[str], dict[str, str]]:
+    """The command as it runs on this machine, and the variables it is given besides."""
+    if launcher is None or not launcher.accelerate or gpus:
+        return command, {}
+    arguments = command[launcher.arguments_at:]
+    if split.world_size > 1 and not any(argument.partition("=")[0] in ACCELERATE_CHOOSES
+                                        for argument in arguments):
+        command = [*command[:launcher.arguments_at], "--multi_gpu", *arguments]
+    return command, {"ACCELERATE_USE_CPU": "1"}
