@@ -26,23 +26,36 @@
    one step, DDP), with its whole-batch reference and with ``loss_terms`` (the
    reference spread over the ranks in chunks), against a bare hand-written DDP loop
    with the same model, batches and k: wall time (from before the process group to
-   after the last step, the slowest rank) and peak RSS per rank. A fourth launch runs
+   after the last step, the slowest rank) and peak RSS per rank. Another launch runs
    the bare loop while each rank holds one more copy of the model, filled before its
    clock starts: what the check holds at N = 2 (the compared half of the reference's
    gradients and parameters), so that the cost of that memory on the machine shows
-   apart from the check's own work. The four launches take turns in an order that
-   rotates each round (``--check-repeat`` rounds): the minimum and the median of each,
-   of wall time and of CPU time (user and system of every thread of the busiest rank:
-   the work done, steadier than wall time where other processes share the cores; the
-   machine's load average before and after is printed).
-   Targets: time <= 1.5x the bare loop's, <= 1.3x the bare loop holding as much with
-   ``loss_terms``, and peak memory within one extra copy of the gradients plus the
-   reference's parameters and gradients. Then a setup whose activations outweigh its
-   model (0.26M parameters, 64 sequences of 128 positions), at N = 4, k = 4 (16
-   micro-batches per global batch): each rank's seconds computing the reference and
-   training the one case, and its peak RSS, with and without ``loss_terms``; and the
-   most tensor memory the reference holds at once in one process, as the allocator
-   records it.
+   apart from the check's own work. Two more launches are the floor of a check: the
+   work any check of that loop must do, written by hand in plain torch (nothing of the
+   harness imported; bench_programs.FLOOR_CHECK_RANK says exactly what it does): a copy
+   of the initial model for the reference, the bare loop's micro-steps, the big-batch
+   reference's backward (every rank on the whole batch; or, as ``loss_terms``'s chunked
+   reference does, each rank on its 1/N of the batch in chunks of at most a micro-batch,
+   then the shares exchanged point to point in buckets, each rank summing one part of
+   each in float64), one float64 dot-product pass over the rank's half of the gradient
+   against the reference's, and both SGD steps. The six launches take turns in an order
+   that rotates each round (``--check-repeat`` rounds): the minimum and the median of
+   each, of wall time and of CPU time (user and system of every thread of the busiest
+   rank: the work done, steadier than wall time where other processes share the cores;
+   the machine's load average before and after is printed). Inside the check's own
+   launches, wrappers set before the check imports them sum the CPU seconds of every
+   comparison (``compare`` and ``compare_each``) and of the case's micro-steps
+   (``CaseModel.backward_window``): the comparisons' share of the micro-steps, of the
+   rank where it is largest, min and median over the rounds.
+   Targets: time <= 1.15x the floor's with either reference (min of rounds), the
+   comparisons' CPU <= 0.15 of the micro-steps', time <= 1.5x the bare loop's, <= 1.3x
+   the bare loop holding as much with ``loss_terms``, and peak memory within one extra
+   copy of the gradients plus the reference's parameters and gradients. Then a setup
+   whose activations outweigh its model (0.26M parameters, 64 sequences of 128
+   positions), at N = 4, k = 4 (16 micro-batches per global batch): each rank's seconds
+   computing the reference and training the one case, and its peak RSS, with and
+   without ``loss_terms``; and the most tensor memory the reference holds at once in one
+   process, as the allocator records it.
 
 6. frameworks: one case of ``grad-check --frameworks`` (examples.mlp, N = 2, k = 4,
    float64: training, the two big-batch references, the fits) per framework, against the
@@ -86,6 +99,7 @@ from bench_programs import (
     BARE_COMM,
     CHECK_RANK,
     CHECK_SETUP,
+    FLOOR_CHECK_RANK,
     FRAMEWORKS_RANK,
     REFERENCE_MEMORY,
     SPREAD_RANK,
@@ -230,8 +244,14 @@ def rank_reports(folder: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
 
 
-#: The check benchmark's launches: (rank program, the setup's factory or the held count).
-CHECK_LAUNCHES = ("bare", "bare_holding", "check", "check_terms")
+#: The check benchmark's launches: the bare loop (alone, and holding one more model), the
+#: floor of a check (its whole-batch and its chunked reference), the check (the same two).
+CHECK_LAUNCHES = ("bare", "bare_holding", "floor", "floor_terms", "check", "check_terms")
+#: What each check launch is measured against: (key, the launch).
+CHECK_OVER = (("ratio", "bare"), ("ratio_holding", "bare_holding"))
+CHECK_FLOORS = {"check": "floor", "check_terms": "floor_terms"}
+#: The check's target against its floor, and its comparisons' against its micro-steps.
+FLOOR_TARGET, SHARE_TARGET = " (target <= 1.15x)", 0.15
 
 
 def rotated(names: tuple[str, ...], round_: int) -> list[str]:
@@ -245,22 +265,13 @@ def spread_of(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values)}
 
 
-def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
-    """Seconds (slowest rank) and peak RSS (largest rank) of the bare loop, the bare loop
-    holding one more model, the check and the check with loss_terms, in rotating order,
-    ``repeat`` rounds: min and median of each; plus the model's size for the budget."""
-    (scratch / "bench_check_setup.py").write_text(CHECK_SETUP)
-    (scratch / "bare_check.py").write_text(BARE_CHECK_RANK)
-    (scratch / "check_rank.py").write_text(CHECK_RANK)
-    sys.path.insert(0, str(scratch))
-    from bench_check_setup import make_setup
-
-    parameters = sum(p.numel() for p in make_setup().make_model().parameters())
+def check_launches(repeat: int, scratch: Path, parameters: int) -> dict[str, list[list[dict]]]:
+    """Every rank's report of each launch, round by round, in rotating order."""
     launches = {"bare": ("bare_check.py",), "bare_holding": ("bare_check.py", str(parameters)),
+                "floor": ("floor_check.py", "whole"), "floor_terms": ("floor_check.py", "terms"),
                 "check": ("check_rank.py", "make_setup"),
                 "check_terms": ("check_rank.py", "make_terms_setup")}
     runs: dict[str, list[list[dict]]] = {name: [] for name in launches}
-    load_before = os.getloadavg()[0]
     for attempt in range(repeat):
         for name in rotated(CHECK_LAUNCHES, attempt):
             script, *more = launches[name]
@@ -269,22 +280,66 @@ def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
             completed(torchrun(2, str(scratch / script), str(scratch), str(ROOT),
                                str(scratch / "out"), str(reports), *more))
             runs[name].append(rank_reports(reports))
-    results: dict[str, dict] = {
-        name: {"seconds": spread_of([max(r["seconds"] for r in run) for run in every]),
+    return runs
+
+
+#: The parts of a launch its rank program times apart: the key of each in a rank's report
+#: is ``{part}_cpu_seconds``; what is left of the rank's CPU seconds is ``rest``.
+PARTS = ("micro_steps", "reference", "compare")
+
+
+def launch_summary(every: list[list[dict]]) -> dict:
+    """The slowest rank's seconds and the busiest rank's CPU seconds (min and median over
+    the rounds), the largest rank's peak RSS (median); where the program timed its parts,
+    the CPU seconds of each (and of the rest) on the rank where it is largest, and the
+    comparisons' share of the case's micro-steps likewise."""
+    summary = {"seconds": spread_of([max(r["seconds"] for r in run) for run in every]),
                "cpu_seconds": spread_of([max(r["cpu_seconds"] for r in run) for run in every]),
                "peak_rss_mb": statistics.median(max(r["peak_rss_mb"] for r in run)
                                                 for run in every),
                # Each round's slowest rank, for the JSON: what the minima and medians are of.
                "rounds": [{key: max(r[key] for r in run) for key in ("seconds", "cpu_seconds")}
                           for run in every]}
-        for name, every in runs.items()}
+    keys = [f"{part}_cpu_seconds" for part in PARTS if f"{part}_cpu_seconds" in every[0][0]]
+    if not keys:
+        return summary
+    for run in every:
+        for report in run:
+            report["rest_cpu_seconds"] = report["cpu_seconds"] - sum(report[k] for k in keys)
+    for key in [*keys, "rest_cpu_seconds"]:
+        summary[key] = spread_of([max(r[key] for r in run) for run in every])
+    shares = [max(r["compare_cpu_seconds"] / r["micro_steps_cpu_seconds"] for r in run)
+              for run in every]
+    summary["compare_share"] = spread_of(shares)
+    for row, run, share in zip(summary["rounds"], every, shares, strict=True):
+        row.update({key: max(r[key] for r in run) for key in [*keys, "rest_cpu_seconds"]},
+                   compare_share=share)
+    return summary
+
+
+def bench_check(repeat: int, scratch: Path) -> dict[str, dict]:
+    """Seconds (slowest rank) and peak RSS (largest rank) of the bare loop, the bare loop
+    holding one more model, the floor of a check with either reference, the check and the
+    check with loss_terms, in rotating order, ``repeat`` rounds: min and median of each;
+    the comparisons' share of the case's micro-steps; the model's size for the budget."""
+    (scratch / "bench_check_setup.py").write_text(CHECK_SETUP)
+    (scratch / "bare_check.py").write_text(BARE_CHECK_RANK)
+    (scratch / "floor_check.py").write_text(FLOOR_CHECK_RANK)
+    (scratch / "check_rank.py").write_text(CHECK_RANK)
+    sys.path.insert(0, str(scratch))
+    from bench_check_setup import make_setup
+
+    parameters = sum(p.numel() for p in make_setup().make_model().parameters())
+    load_before = os.getloadavg()[0]
+    runs = check_launches(repeat, scratch, parameters)
+    results: dict[str, dict] = {name: launch_summary(every) for name, every in runs.items()}
     copy_mb = parameters * 4 / 2**20
     results["model"] = {"parameters": parameters, "copy_mb": copy_mb,
                         # One extra copy of the gradients + the reference's params and grads.
                         "budget_mb": 3 * copy_mb, "rounds": repeat,
                         "load": [load_before, os.getloadavg()[0]]}
-    for name in ("check", "check_terms"):
-        for key, over in (("ratio", "bare"), ("ratio_holding", "bare_holding")):
+    for name, floor in CHECK_FLOORS.items():
+        for key, over in (*CHECK_OVER, ("ratio_floor", floor)):
             results[name][key] = ratios(results[name]["seconds"], results[over]["seconds"])
             results[name][f"cpu_{key}"] = ratios(results[name]["cpu_seconds"],
                                                  results[over]["cpu_seconds"])
@@ -423,6 +478,10 @@ def check_lines(check: dict, spread: dict | None) -> list[str]:
 
     runs = [("bare DDP loop", "bare"),
             ("bare DDP loop, each rank holding one more model copy", "bare_holding"),
+            ("floor: the bare loop + the whole-batch reference and one float64 comparison "
+             "by hand", "floor"),
+            ("floor with the chunked reference by hand (`loss_terms`'s chunks and exchange)",
+             "floor_terms"),
             ("`check.py --strategies ddp` (whole-batch reference)", "check"),
             ("the same with `loss_terms` (chunked reference)", "check_terms")]
     lines += table(["run", "wall time, slowest rank (min / median)",
@@ -431,6 +490,11 @@ def check_lines(check: dict, spread: dict | None) -> list[str]:
                      f"{check[name]['peak_rss_mb']:.0f} MB"] for label, name in runs], right=3)
     lines += table(["ratio", "wall time (min / median)", "CPU time (min / median)",
                     "peak RSS"], [
+        ["check / floor", ratio("check", "ratio_floor") + FLOOR_TARGET,
+         ratio("check", "cpu_ratio_floor"), ""],
+        ["check with `loss_terms` / floor with chunks",
+         ratio("check_terms", "ratio_floor") + FLOOR_TARGET,
+         ratio("check_terms", "cpu_ratio_floor"), ""],
         ["check / bare", ratio("check", "ratio") + " (target <= 1.5x)",
          ratio("check", "cpu_ratio"),
          f"+{check['check']['extra_mb']:.0f} MB (budget +{model['budget_mb']:.0f} MB)"],
@@ -441,6 +505,7 @@ def check_lines(check: dict, spread: dict | None) -> list[str]:
         ["check with `loss_terms` / bare holding as much",
          ratio("check_terms", "ratio_holding") + " (target <= 1.3x)",
          ratio("check_terms", "cpu_ratio_holding"), ""]], right=3)
+    lines += share_lines(check)
     if spread is None:
         return lines
     tensors = spread["tensors"]
@@ -455,6 +520,26 @@ def check_lines(check: dict, spread: dict | None) -> list[str]:
         for label, name in (("whole batch", "whole"), ("chunked (`loss_terms`)", "chunked"))],
         right=5)
     return lines
+
+
+def share_lines(check: dict) -> list[str]:
+    """Where each rank's CPU goes in the floors and the checks (the rank where each part
+    is largest: min / median over the rounds), and the comparisons' share of the case's
+    micro-steps (likewise)."""
+    def pair(name: str, key: str) -> str:
+        return f"{check[name][key]['min']:.2f} / {check[name][key]['median']:.2f} s"
+
+    def share(name: str) -> str:
+        return (f"{check[name]['compare_share']['min']:.3f} / "
+                f"{check[name]['compare_share']['median']:.3f}")
+
+    rows = [("floor, whole-batch reference", "floor"), ("floor, chunked", "floor_terms"),
+            ("check, whole-batch reference", "check"), ("check, `loss_terms`", "check_terms")]
+    return table(["CPU seconds (min / median)", "the case's micro-steps", "the reference",
+                  "the comparisons", "the rest", "comparisons / micro-steps"],
+                 [[label, *(pair(name, f"{part}_cpu_seconds") for part in (*PARTS, "rest")),
+                   share(name) + (f" (target <= {SHARE_TARGET})" if "check" in name else "")]
+                  for label, name in rows], right=5)
 
 
 def launch_rows(nproc: int, launch: dict) -> list[list[str]]:

@@ -100,20 +100,45 @@ def make_terms_setup():
                  name="bench-spread")
 """
 #: Every rank's seconds, CPU seconds (user and system, every thread: what the rank
-#: computed, without the time it waited for a core another process held) and peak RSS,
-#: as a JSON file of its own in the folder argv[4] (a file, not stdout: the ranks' lines
-#: would interleave).
+#: computed, without the time it waited for a core another process held), peak RSS and
+#: the CPU seconds of its parts the program timed (``spent``), as a JSON file of its own
+#: in the folder argv[4] (a file, not stdout: the ranks' lines would interleave).
 RANK_REPORT = """
 import json, resource
 with open(f"{sys.argv[4]}/rank{dist_rank}.json", "w") as report:
     json.dump({"rank": dist_rank, "seconds": seconds, "cpu_seconds": cpu_seconds,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
-              report)
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               **spent}, report)
 """
 #: The check, timed in each rank around its whole command line (process group included);
-#: argv[5] names the setup's factory.
+#: argv[5] names the setup's factory. The CPU seconds (process_time: every thread, the
+#: all-reduces' included) of the comparisons (every call of ``compare`` and
+#: ``compare_each``, the scalars' all-reduces included), of the case's micro-steps
+#: (``CaseModel.backward_window``: every forward and backward of the window, DDP's
+#: all-reduce included) and of the reference (``compute_reference``: its model's copy,
+#: its optimizer, its backward, probe, copies and step) are summed by wrappers set before
+#: the check imports them: a call to process_time on entry and exit, microseconds
+#: against seconds.
 CHECK_RANK = """import os, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import harness.check.compare as compare
+spent = {"compare_cpu_seconds": 0.0, "micro_steps_cpu_seconds": 0.0,
+         "reference_cpu_seconds": 0.0}
+def timed(function, key):
+    def run(*args, **kwargs):
+        cpu = time.process_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[key] += time.process_time() - cpu
+    return run
+compare.compare = timed(compare.compare, "compare_cpu_seconds")
+compare.compare_each = timed(compare.compare_each, "compare_cpu_seconds")
+import harness.check.baseline as baseline
+import harness.check.case as case
+case.CaseModel.backward_window = timed(case.CaseModel.backward_window,
+                                       "micro_steps_cpu_seconds")
+baseline.compute_reference = timed(baseline.compute_reference, "reference_cpu_seconds")
 from harness.grad_check.cli import main
 start, cpu_start = time.perf_counter(), time.process_time()
 code = main([f"bench_check_setup:{sys.argv[5]}", "--strategies", "ddp", "--world-sizes", "2",
@@ -121,6 +146,7 @@ code = main([f"bench_check_setup:{sys.argv[5]}", "--strategies", "ddp", "--world
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 dist_rank = int(os.environ["RANK"])
 assert code == 0
+assert all(spent.values()), f"the wrappers timed nothing: {spent}"
 """ + RANK_REPORT
 #: The check of the spread setup (argv[5] names its factory) at N = 4, k = 4, ddp only:
 #: each rank's seconds computing the big-batch reference and training the one case,
@@ -173,22 +199,8 @@ chunked = peak(lambda: compute_reference(make_terms_setup(), torch.float32, cpu,
                                          "b", initial=initial, spread=Spread(None, 0, 1, 16)))
 print(json.dumps({"whole_mb": whole, "chunked_mb": chunked, "model_mb": model_mb}))
 """
-#: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
-#: With a count in argv[5], the rank first fills a tensor of that many float32 elements
-#: and holds it throughout, outside the timing.
-BARE_CHECK_RANK = """import os, sys, time
-sys.path[:0] = [sys.argv[1], sys.argv[2]]
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from bench_check_setup import make_setup
-setup, accum_steps = make_setup(), 2
-held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
-start, cpu_start = time.perf_counter(), time.process_time()
-dist.init_process_group("gloo")
-dist_rank, world_size = dist.get_rank(), dist.get_world_size()
-model = DistributedDataParallel(setup.make_model())
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-x, y = setup.batch(0)
+#: The micro-steps of the loop a user would write: DDP, no_sync for the first k-1.
+MICRO_STEPS = """x, y = setup.batch(0)
 per_piece = len(x) // (world_size * accum_steps)
 for micro in range(accum_steps):
     first = (dist_rank * accum_steps + micro) * per_piece
@@ -198,8 +210,122 @@ for micro in range(accum_steps):
             (setup.loss(model, piece) / accum_steps).backward()
     else:
         (setup.loss(model, piece) / accum_steps).backward()
-optimizer.step()
+"""
+#: The loop a user would write: DDP, no_sync for the first k-1 micro-steps, one SGD step.
+#: With a count in argv[5], the rank first fills a tensor of that many float32 elements
+#: and holds it throughout, outside the timing.
+BARE_CHECK_RANK = """import os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from bench_check_setup import make_setup
+setup, accum_steps, spent = make_setup(), 2, {}
+held = torch.ones(int(sys.argv[5])) if len(sys.argv) > 5 else None
+start, cpu_start = time.perf_counter(), time.process_time()
+dist.init_process_group("gloo")
+dist_rank, world_size = dist.get_rank(), dist.get_world_size()
+model = DistributedDataParallel(setup.make_model())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+""" + MICRO_STEPS + """optimizer.step()
 optimizer.zero_grad(set_to_none=True)
+dist.destroy_process_group()
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+""" + RANK_REPORT
+#: The floor of a check of that loop: the work any check of it must do, by hand, with
+#: nothing of the harness. Each rank copies the initial model for the reference, runs the
+#: bare loop's micro-steps, then the big-batch reference's backward and one float64 pass
+#: comparing its half of the case's gradient with the reference's (the tensors dealt by
+#: size, every other one, as the check deals them at N = 2: their dot product, chunk by
+#: chunk converted with ``.double()``, one all-reduce of the sum), then both SGD steps.
+#: argv[5] says how the reference's gradient is computed: ``whole``, every rank
+#: backpropagates the whole global batch, as the check's whole-batch reference does;
+#: ``terms``, as the check's chunked reference does (harness/check/chunked.py and
+#: spread.py): each rank backpropagates its contiguous 1/N of the batch in chunks of at
+#: most a micro-batch's samples (each chunk's summed squared errors over a power of two
+#: near the count), the ranks all-gather their counts and divisors, and exchange their
+#: shares point to point in buckets of at most 4M elements of a parameter: each rank
+#: receives its 1/N part of every bucket from the others, sums it in float64 weighted by
+#: the counts (64K elements at a time), and sends the sum back to each of them. The CPU
+#: seconds of the micro-steps, of the reference's backward (and exchange) and of the
+#: comparison are reported apart.
+FLOOR_CHECK_RANK = """import copy, math, os, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from bench_check_setup import loss_terms, make_setup
+setup, accum_steps, chunked, spent = make_setup(), 2, sys.argv[5] == "terms", {}
+BUCKET, SUM_CHUNK, COMPARE_CHUNK = 1 << 22, 1 << 16, 1 << 16
+start, cpu_start = time.perf_counter(), time.process_time()
+dist.init_process_group("gloo")
+dist_rank, world_size = dist.get_rank(), dist.get_world_size()
+others = [rank for rank in range(world_size) if rank != dist_rank]
+initial = setup.make_model()
+reference = copy.deepcopy(initial)
+model = DistributedDataParallel(initial)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+def timed(key, work):
+    cpu = time.process_time()
+    work()
+    spent[key] = time.process_time() - cpu
+cpu = time.process_time()
+""" + MICRO_STEPS + """spent["micro_steps_cpu_seconds"] = time.process_time() - cpu
+
+def exchanged(flat, weights):
+    parts = [flat[rank * flat.numel() // world_size:(rank + 1) * flat.numel() // world_size]
+             for rank in range(world_size)]
+    mine = parts[dist_rank]
+    shares = {rank: torch.empty_like(mine) for rank in others}
+    for request in ([dist.isend(parts[rank], rank) for rank in others]
+                    + [dist.irecv(shares[rank], rank) for rank in others]):
+        request.wait()
+    shares[dist_rank] = mine
+    total = torch.empty(min(SUM_CHUNK, mine.numel()), dtype=torch.float64)
+    for first in range(0, mine.numel(), SUM_CHUNK):
+        stop = min(first + SUM_CHUNK, mine.numel())
+        summed = total[:stop - first].copy_(shares[0][first:stop]).mul_(weights[0])
+        for rank in range(1, world_size):
+            summed.add_(shares[rank][first:stop], alpha=weights[rank])
+        mine[first:stop].copy_(summed)
+    for request in ([dist.isend(mine, rank) for rank in others]
+                    + [dist.irecv(parts[rank], rank) for rank in others]):
+        request.wait()
+
+def chunked_backward():
+    samples = len(x)
+    first, stop = dist_rank * samples // world_size, (dist_rank + 1) * samples // world_size
+    size, divisor, count = max(1, samples // (world_size * accum_steps)), None, 0.0
+    for begin in range(first, stop, size):
+        end = min(begin + size, stop)
+        total, terms = loss_terms(reference, (x[begin:end], y[begin:end]))
+        divisor = divisor or 2.0 ** round(math.log2(terms * samples / (end - begin)))
+        (total / divisor).backward()
+        count += terms
+    numbers = [torch.empty(2, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(numbers, torch.tensor([divisor, count], dtype=torch.float64))
+    counted = sum(float(n[1]) for n in numbers)
+    weights = [float(n[0]) / counted for n in numbers]
+    for param in reference.parameters():
+        flat = param.grad.view(-1)
+        for begin in range(0, flat.numel(), BUCKET):
+            exchanged(flat[begin:begin + BUCKET], weights)
+
+def compared_dot_product():
+    pairs = sorted(zip(model.parameters(), reference.parameters()), key=lambda p: -p[0].numel())
+    dot = torch.zeros((), dtype=torch.float64)
+    for measured, expected in pairs[dist_rank::world_size]:
+        m, r = measured.grad.view(-1), expected.grad.view(-1)
+        for first in range(0, m.numel(), COMPARE_CHUNK):
+            stop = first + COMPARE_CHUNK
+            dot += torch.dot(m[first:stop].double(), r[first:stop].double())
+    dist.all_reduce(dot)
+
+timed("reference_cpu_seconds", chunked_backward if chunked
+      else lambda: setup.loss(reference, (x, y)).backward())
+timed("compare_cpu_seconds", compared_dot_product)
+for step in (optimizer, reference_optimizer):
+    step.step()
+    step.zero_grad(set_to_none=True)
 dist.destroy_process_group()
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 """ + RANK_REPORT

@@ -1,0 +1,132 @@
+"""The comparison's pass over a pair of tensors against the same sums computed the plain
+way, in float64 on whole tensors: what every verdict of the check is computed from.
+
+Tensors span several chunks (a last one partly filled), so that what a chunk carries
+over to the next is tested too."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.check.compare import CHUNK, Pair, _residual_sq, _sums, compare
+from harness.verdicts import Equivalence
+
+CPU = torch.device("cpu")
+#: Elements of the tensors compared: two whole chunks and a part of a third.
+SIZE = 2 * CHUNK + 1234
+
+
+def random(seed: int, dtype: torch.dtype = torch.float32, size: int = SIZE) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def plain_sums(measured, reference, origin=None) -> list[float]:
+    """[m.r, r.r, m.m, d.d, d.r], d = m - r, on whole float64 copies (None as zeros)."""
+    like = measured if measured is not None else reference
+    m, r = (torch.zeros_like(like) if t is None else t for t in (measured, reference))
+    m, r = m.double().reshape(-1), r.double().reshape(-1)
+    if origin is not None:
+        m, r = m - origin.double().reshape(-1), r - origin.double().reshape(-1)
+    d = m - r
+    return [float(m @ r), float(r @ r), float(m @ m), float(d @ d), float(d @ r)]
+
+
+def assert_same_sums(pair: Pair, expected: list[float]) -> None:
+    """Equal to float64 rounding: each sum within 1e-12 of the largest it could round to
+    (|a.b| <= ||a|| ||b||), so that a sum near zero is held to the norms it comes from."""
+    got = _sums(pair).tolist()
+    mr, rr, mm, dd, dr = expected
+    bounds = [math.sqrt(mm * rr), rr, mm, dd, math.sqrt(dd * rr)]
+    for name, value, want, bound in zip(("m.r", "r.r", "m.m", "d.d", "d.r"), got, expected,
+                                        bounds, strict=True):
+        assert value == pytest.approx(want, rel=1e-12, abs=1e-12 * bound), name
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
+def test_the_pass_gives_the_plain_float64_sums(dtype):
+    reference = random(0, dtype)
+    measured = (reference.double() * 0.75 + 1e-3 * random(1)).to(dtype)
+    assert_same_sums(Pair("t", measured, reference), plain_sums(measured, reference))
+
+
+def test_updates_give_the_plain_float64_sums_of_their_differences_from_the_origin():
+    origin, step = random(2), random(3)
+    reference = origin - 1e-3 * step
+    measured = origin - 0.5e-3 * step + 1e-7 * random(4)
+    expected = plain_sums(measured, reference, origin)
+    assert_same_sums(Pair("t", measured, reference, origin), expected)
+
+
+@pytest.mark.parametrize("origin", (None, 5))
+def test_a_missing_tensor_reads_as_zeros(origin):
+    tensor = random(6)
+    start = random(origin) if origin is not None else None
+    for measured, reference in ((None, tensor), (tensor, None)):
+        expected = plain_sums(measured, reference, start)
+        assert_same_sums(Pair("t", measured, reference, start), expected)
+
+
+def test_tensors_of_any_shape_and_layout_are_compared_element_by_element():
+    reference = random(7).reshape(2, -1)
+    measured = (2 * reference.t().contiguous()).t()   # the same values, another layout
+    assert not measured.is_contiguous()
+    assert _sums(Pair("t", measured, reference)).tolist() == pytest.approx(
+        plain_sums(measured, reference), rel=1e-12, abs=0)
+
+
+def test_tensors_of_different_sizes_are_refused():
+    with pytest.raises(ValueError, match="cannot compare 3 elements with 4"):
+        _sums(Pair("t", torch.zeros(3), torch.zeros(4)))
+
+
+def test_an_empty_tensor_sums_to_zeros():
+    assert _sums(Pair("t", torch.zeros(0), torch.zeros(0))).tolist() == [0.0] * 5
+
+
+def one_ulp_apart(reference: torch.Tensor, every: int) -> torch.Tensor:
+    """``reference`` with every ``every``-th element moved to the next float64 up."""
+    measured = reference.clone()
+    measured[::every] = torch.nextafter(reference[::every], torch.tensor(math.inf,
+                                                                         dtype=torch.float64))
+    return measured
+
+
+@pytest.mark.parametrize("with_origin", (False, True))
+def test_a_difference_of_one_rounding_is_not_buried(with_origin):
+    # Elements near 1 one float64 ulp (2.2e-16) apart: ||m - r||^2 ~ 1e-28 of ||r||^2,
+    # which ||m||^2 - 2 m.r + ||r||^2 would bury under roundings of ~1e-16 of ||r||^2.
+    reference = 1 + 0.5 * random(8, torch.float64).abs()
+    measured = one_ulp_apart(reference, every=7)
+    origin = torch.zeros_like(reference) if with_origin else None
+    sums = _sums(Pair("t", measured, reference, origin)).tolist()
+    exact = float(((measured - reference) ** 2).sum())
+    assert 0 < exact < 1e-26 * sums[1]
+    assert sums[3] == pytest.approx(exact, rel=1e-12, abs=0)
+
+
+def test_a_residual_of_one_rounding_is_reported_as_computed_directly():
+    reference = 1 + 0.5 * random(9, torch.float64).abs()
+    measured = one_ulp_apart(reference, every=5)
+    names = ["t"]
+    result = compare([Pair("t", measured, reference)], names, None, CPU, rtol=1e-20)
+    direct = float((measured - result.scale * reference).norm() / measured.norm())
+    assert 0 < result.residual == pytest.approx(direct, rel=1e-6, abs=0)
+    assert result.verdict is Equivalence.DIFFERS   # against a tolerance below it
+
+
+@pytest.mark.parametrize("with_origin", (False, True))
+def test_the_second_pass_is_the_plain_residual_at_the_scale(with_origin):
+    origin = random(10) if with_origin else None
+    reference, noise = random(11), random(12)
+    measured = 3 * reference + 1e-6 * noise
+    scale = 3.0000001
+    m, r = measured.double(), reference.double()
+    if origin is not None:
+        m, r = m - origin.double(), r - origin.double()
+    expected = float(((m - scale * r) ** 2).sum())
+    got = _residual_sq(Pair("t", measured, reference, origin), scale)
+    assert got == pytest.approx(expected, rel=1e-9, abs=0)
