@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON
+from harness.check.outcome import FAIL_ON
 from harness.errors import UsageError
 from harness.grad_check.script.launchers import (
     LAUNCHER_CHOICES,
@@ -29,6 +29,7 @@ from harness.grad_check.script.splits import (
     substituted,
 )
 from harness.options import check_known, check_timeout
+from harness.verdicts import Equivalence
 
 CSV_NAME = "script.csv"
 #: The folder in ``--out`` that keeps every run's output (matrix.py).
@@ -36,6 +37,11 @@ LOGS = "logs"
 #: Optimizer steps compared per split: enough for a second step to show what the first
 #: one's update did to the next gradient; more only costs time.
 DEFAULT_STEPS = 2
+#: ``--fail-on``'s default here: a script run unchanged means no scale of its gradient
+#: (the Setup matrix's default, ``differs``, leaves a deliberate one, a summed loss with
+#: its learning rate divided to match, to its ``params`` rows); a scale a clip or Adam
+#: absorbs at one step is still not the big batch's gradient.
+DEFAULT_FAIL_ON = str(Equivalence.SCALED)
 #: Steps beyond this would only make a check slow: every step's tensors are kept on disk.
 MAX_STEPS = 100
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code
+from harness.check.outcome import FAIL_ON, exit_code
 from harness.check.table import (
     N_AND_K,
     POINT,
@@ -30,7 +30,13 @@ from harness.check.table import (
 from harness.check.table import render as table_render
 from harness.config import add_timeout_flag
 from harness.errors import INTERRUPTED_EXIT, UsageError, refuse
-from harness.grad_check.script.config import CSV_NAME, DEFAULT_STEPS, LOGS, ScriptConfig
+from harness.grad_check.script.config import (
+    CSV_NAME,
+    DEFAULT_FAIL_ON,
+    DEFAULT_STEPS,
+    LOGS,
+    ScriptConfig,
+)
 from harness.grad_check.script.launchers import LAUNCHER_CHOICES, visible_gpus
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
 from harness.grad_check.script.splits import PLACEHOLDERS, parse_split, parse_splits
@@ -116,10 +122,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="check-results", metavar="DIR",
                         help=f"folder for {CSV_NAME} (default: check-results)")
     parser.add_argument("--fail-on", default=DEFAULT_FAIL_ON, choices=tuple(FAIL_ON),
-                        help="exit code 1 when a split errors or a step fed other samples "
-                             "(always) or a row's verdict is 'differs' (differs), 'differs' "
-                             "or 'scaled' (scaled), or only on those (error); default: "
-                             f"{DEFAULT_FAIL_ON}")
+                        help="exit code 1 when a split errors or compared nothing (always) "
+                             "or a row's verdict is 'differs' or 'ranks differ' (differs), "
+                             "those or 'scaled' (scaled), or only on those (error); default: "
+                             f"{DEFAULT_FAIL_ON}: an unchanged script means no scale")
     add_timeout_flag(parser, "one run of the command")
     parser.add_argument("--launcher", default="auto", choices=LAUNCHER_CHOICES,
                         help="who starts a split's N ranks: grad-check (N processes of "
