@@ -31,6 +31,7 @@ from harness.grad_check.script.splits import (
     parse_splits,
     substituted,
 )
+from harness.verdicts import Equivalence
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
 COMMAND = [sys.executable, SCRIPT, "--batch-size", "{batch}", "--grad-accum", "{accum}"]
@@ -596,3 +597,30 @@ def test_a_token_count_difference_under_the_trainer_is_said_in_its_terms(tmp_pat
     rows = SplitJudge(Captured.read(split.run), reference, {}, 8).rows()
     assert "normalize by the window's token count" in rows[0]["fix"]
     assert "average_tokens_across_devices=True" in rows[0]["fix"]
+
+
+def test_a_float32_match_above_float32s_rounding_says_so(tmp_path):
+    """LitGPT's per-micro-batch token mean is 1e-3 off: within float32's tolerance, 500 times
+    its rounding. The row matches, and says a run in float64 would resolve it."""
+    def off(relative: float):
+        return lambda s: {n: t * (1 + relative * t.cos()) for n, t in gradients(s).items()}
+
+    near = rows_of(tmp_path / "near", Split(1, 2), grads=off(5e-4), dtypes=("torch.float32",))
+    assert near[0]["verdict"] == "matches"
+    assert "above its rounding" in near[0]["fix"] and "float64" in near[0]["fix"]
+    tight = rows_of(tmp_path / "tight", Split(1, 2), grads=off(1e-8),
+                    dtypes=("torch.float32",))
+    assert tight[0]["verdict"] == "matches" and tight[0]["fix"] == ""
+
+
+def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_rate():
+    from harness.check.compare import Comparison
+    from harness.check.fix import Facts
+    from harness.fit import ScaleFit
+    from harness.grad_check.script.judge import amplified_fix, rounding_only
+
+    facts = Facts(world_size=1, accum_steps=2, rtol=1e-3)
+    near = Comparison(ScaleFit(1.0, 9.6e-4), Equivalence.MATCHES, {})
+    tight = Comparison(ScaleFit(1.0, 2e-7), Equivalence.MATCHES, {})
+    assert not rounding_only(near, facts) and rounding_only(tight, facts)
+    assert "Adam" in amplified_fix(near) and "9.6e-04" in amplified_fix(near)

@@ -129,7 +129,8 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
         if fix is None:
             fix = suggest(measured.point, measured.comparison, facts)
         if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
-            fix = unresolved_below(precision, rtol)
+            fix = unresolved_below(precision, rtol, measured.comparison.residual,
+                                   measured.point)
         judged.append(Judged(step, measured.point, measured.comparison, precision, fix,
                              ranks_agree=measured.ranks_agree, own=measured.own,
                              ranks_differ=rank_zero_only and measured.ranks_agree is False))

@@ -15,7 +15,7 @@ import torch
 
 from harness.check.compare import Comparison
 from harness.check.setup import Setup
-from harness.tolerances import check_tolerance, dtype_name
+from harness.tolerances import FLOAT32_ROUNDING, check_tolerance, dtype_name
 from harness.verdicts import Equivalence
 
 
@@ -57,10 +57,17 @@ def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
             f"{cause}")
 
 
-def unresolved_below(dtype: torch.dtype, rtol: float) -> str:
-    """What a ``matches`` at a precision coarser than float32 leaves open, where no twin
-    without autocast was run (``grad-check run``: the script is the user's)."""
-    if torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+def unresolved_below(dtype: torch.dtype, rtol: float, residual: float = 0.0,
+                     point: str = "grad") -> str:
+    """What a ``matches`` leaves open where no twin without autocast was run (``grad-check
+    run``: the script is the user's): at a precision coarser than float32, any split off
+    by less than the tolerance; in float32, one whose residual is above float32's rounding
+    (``FLOAT32_ROUNDING``), which only a run in float64 resolves."""
+    if torch.finfo(dtype).eps > torch.finfo(torch.float32).eps:
+        return (f"in {dtype_name(dtype)} a split off by less than {rtol:.2g} matches too: run "
+                "once in float32 to resolve it")
+    bound = FLOAT32_ROUNDING.get(point) if dtype == torch.float32 else None
+    if bound is None or not residual > bound:
         return ""
-    return (f"in {dtype_name(dtype)} a split off by less than {rtol:.2g} matches too: run once "
-            "in float32 to resolve it")
+    return (f"residual {residual:.2g} is within float32's tolerance {rtol:.2g} but above its "
+            f"rounding (~{bound:.0e}): not rounding; run once in float64 to resolve it")

@@ -32,7 +32,7 @@ from harness.errors import UsageError
 from harness.grad_check.script import explain
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
-from harness.tolerances import CLIPPED_ALIKE, close, dtype_name
+from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close, dtype_name
 from harness.verdicts import Equivalence, Status
 
 CPU = torch.device("cpu")
@@ -110,6 +110,21 @@ def learning_rate_fix(update: Comparison, facts: Facts) -> str:
     return ("the gradient matches but the update does not: the optimizer's state or settings "
             "differ from the reference's (a scheduler, an lr or weight decay set from N or k, "
             "state carried from an earlier step, a clip that bound differently)")
+
+
+def rounding_only(gradient: Comparison, facts: Facts) -> bool:
+    """Whether a matching gradient is off by no more than its precision's rounding (float32:
+    ``FLOAT32_ROUNDING``; at other precisions the tolerance is the bound there is)."""
+    bound = FLOAT32_ROUNDING["grad"] if facts.rtol == tolerance(torch.float32) else facts.rtol
+    return gradient.residual <= bound
+
+
+def amplified_fix(gradient: Comparison) -> str:
+    """An update off where the gradient is within its tolerance but not its rounding."""
+    return (f"the gradient is within the precision's tolerance but off by more than its "
+            f"rounding (residual {gradient.residual:.2g}), and the update follows from it: an "
+            "adaptive optimizer (Adam) magnifies a small gradient difference in its step; "
+            "the gradient's difference is the cause: run once in float64 to resolve it")
 
 
 def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
@@ -249,7 +264,8 @@ class SplitJudge:
             if (measured.point == "params" and gradient is not None
                     and gradient.verdict is Equivalence.MATCHES
                     and facts.gradient_scale is None):  # else the step-0 scale explains it
-                return learning_rate_fix(comparison, facts)
+                return (learning_rate_fix(comparison, facts)
+                        if rounding_only(gradient, facts) else amplified_fix(gradient))
             return (self.clip_note(optimizer, step, measured, facts)
                     or self.trainer_count_fix(measured, facts))
 
