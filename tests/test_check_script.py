@@ -624,3 +624,16 @@ def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_
     tight = Comparison(ScaleFit(1.0, 2e-7), Equivalence.MATCHES, {})
     assert not rounding_only(near, facts) and rounding_only(tight, facts)
     assert "Adam" in amplified_fix(near) and "residual 0.00096" in amplified_fix(near)
+
+
+def test_tokens_are_counted_from_the_samples_where_no_labels_are_passed():
+    """LitGPT passes the model its padded token ids and no labels: each micro-batch's
+    tokens are its samples' lengths without the padding (0 here, ending several rows)."""
+    from harness.grad_check.script.explain import padding_of, tokens
+
+    micro = [samples.sample(torch.tensor(row)) for row in ([5, 6, 7, 0, 0], [8, 9, 0, 0, 0])]
+    other = [samples.sample(torch.tensor(row)) for row in ([4, 4, 4, 4, 4], [3, 1, 2, 9, 9])]
+    padding = padding_of(micro + other)
+    assert tokens(micro, padding) == 5 and tokens(other, padding) == 10
+    features = [samples.sample(torch.tensor([0.5, 0.0, 0.0]))]  # floats are not padded
+    assert tokens(features, padding_of(features * 2)) == 3

@@ -27,6 +27,20 @@ def counted(samples: Sequence[Sample], padding: str | None) -> collections.Count
                                else sample[0] for sample in samples)
 
 
+def padding_of(samples: Sequence[Sample]) -> str | None:
+    """The value rows end in where they are padded: the most common last value, where
+    several rows end in it (None: no padding shows)."""
+    lasts = collections.Counter(sample[2] for sample in samples)
+    value, count = max(lasts.items(), key=lambda item: item[1], default=(None, 0))
+    return value if count > 1 else None
+
+
+def tokens(samples: Sequence[Sample], padding: str | None) -> int:
+    """The samples' length, padding left out (a sample's record without lengths counts 1)."""
+    return sum((sample[4] if sample[2] == padding else sample[3]) if len(sample) > 4 else 1
+               for sample in samples)
+
+
 def same_samples(ours: Sequence[Sample], theirs: Sequence[Sample]) -> bool:
     """Whether two steps fed the same samples, counted with repeats, once padding (a
     trailing run of one value, the same in every padded row) is left out."""

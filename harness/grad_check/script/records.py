@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from harness.grad_check.script.capture import summary_file, tensors_file
+from harness.grad_check.script.explain import padding_of, tokens
 from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import Run
 
@@ -99,9 +100,21 @@ class Captured:
                 for sample in record["samples"]]
 
     def counts(self, optimizer: int, step: int) -> tuple[int, ...]:
-        """The labelled tokens of each of the step's training forwards, over all ranks."""
-        return tuple(count for record in self.records(optimizer, step)
-                     for count in record["counts"])
+        """The labelled tokens of each of the step's training forwards, over all ranks;
+        where the forwards took no ``labels`` (LitGPT computes its loss outside the model),
+        the tokens of their samples, padding left out."""
+        records = self.records(optimizer, step)
+        labelled = tuple(count for record in records for count in record["counts"])
+        if labelled:
+            return labelled
+        padding = padding_of([s for record in records for s in record["samples"]])
+        counted = []
+        for record in records:
+            start = 0
+            for size in record.get("per_forward", []):
+                counted.append(tokens(record["samples"][start:start + size], padding))
+                start += size
+        return tuple(counted)
 
     def forwards(self, optimizer: int, step: int) -> list[int]:
         """Each rank's training forwards in the step's window (its micro-steps)."""

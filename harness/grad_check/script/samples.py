@@ -10,9 +10,10 @@ the same sample at every split, and otherwise kept cheap:
   delimited by ``position_ids`` restarting at 0, or by ``cu_seqlens``) are cut into their
   sequences;
 - padding is not content: positions an ``attention_mask`` drops are left out, and each
-  row also carries a second fingerprint with the trailing run of its last value left out
-  (padding to the longest row of a micro-batch, without a mask, as LitGPT pads), which
-  the judge uses where that value is the step's padding;
+  row of token ids also carries a second fingerprint and a length with the trailing run
+  of its last value left out (padding to the longest row of a micro-batch, without a
+  mask, as LitGPT pads), which the judge uses where that value is the step's padding
+  (the lengths count a micro-batch's tokens where no ``labels`` do);
 - a tensor the capture cannot read (on the meta device, say) gives no fingerprint.
 """
 
@@ -127,15 +128,18 @@ def trailing_run_removed(row: torch.Tensor) -> torch.Tensor:
     return row[:int(differing[-1]) + 1] if len(differing) else row[:0]
 
 
-def sample(row: torch.Tensor) -> list[str]:
+def sample(row: torch.Tensor) -> list:
     """A sample's record: its fingerprint, the fingerprint without the trailing run of its
-    last value, and that value (how the judge tells padding from content)."""
+    last value, and that value (how the judge tells padding from content); then its length
+    along its first axis, with and without that run (its tokens, padding left out)."""
     last = row.reshape(-1)[-1] if row.numel() else torch.tensor(0)
-    return [row_fingerprint(row), row_fingerprint(trailing_run_removed(row)),
-            row_fingerprint(last)]
+    # Padding pads token ids; a float sample's trailing values are its content.
+    content = row if row.is_floating_point() else trailing_run_removed(row)
+    return [row_fingerprint(row), row_fingerprint(content), row_fingerprint(last),
+            int(row.shape[0]) if row.dim() else 1, int(content.shape[0]) if row.dim() else 1]
 
 
-def samples_of(first: torch.Tensor, kwargs: dict, micro_batch: int | None) -> list[list[str]]:
+def samples_of(first: torch.Tensor, kwargs: dict, micro_batch: int | None) -> list[list]:
     return [sample(row) for row in sample_rows(first, kwargs, micro_batch)]
 
 

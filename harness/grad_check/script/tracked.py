@@ -144,6 +144,7 @@ class Tracked:
         self.record = {"optimizer": self.index, "step": self.steps,
                        "samples": [sample for event in fed for sample in event.samples],
                        "forwards": len(fed),
+                       "per_forward": [len(event.samples) for event in fed],
                        "counts": [event.count for event in fed if event.count is not None],
                        "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key)}
         return self.record
