@@ -31,25 +31,12 @@ from harness.grad_check.script.grad_check_run import main, program_name
 from harness.grad_check.script.launchers import adapted, check_launcher, launcher_of
 from harness.grad_check.script.processes import CommandLauncher, sweep
 from harness.grad_check.script.splits import Split, check_placeholders, substituted
+from tests.test_check_script import refused
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node={nproc}", SCRIPT, "--batch-size", "{batch}",
             "--grad-accum", "{accum}"]
-
-
-def refused(capsys, tmp_path: Path, *argv: str) -> str:
-    """``argv``'s one line (exit code 2, nothing written)."""
-    out = tmp_path / "out"
-    cut = argv.index("--")
-    code = main([*argv[:cut], "--out", str(out), *argv[cut:]])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert not out.exists()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("grad-check run: error: ")
-    return lines[0]
 
 
 # ---------------------------------------------------------------- placeholders

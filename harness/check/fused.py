@@ -45,8 +45,7 @@ def kernels() -> dict[str, Any] | None:
         from harness.check import fused_loops
     except ImportError:
         return None
-    return {"sums": fused_loops.sums, "update_sums": fused_loops.update_sums,
-            "residual": fused_loops.residual}
+    return {"sums": fused_loops.sums, "residual": fused_loops.residual}
 
 
 def applies(*tensors: torch.Tensor | None) -> bool:
@@ -74,19 +73,19 @@ def sums(measured: torch.Tensor, reference: torch.Tensor,
          origin: torch.Tensor | None) -> torch.Tensor:
     """[m.r, r.r, m.m, d.d, d.r] of the pair (both minus ``origin`` where given), d = m - r,
     in float64."""
-    loops = kernels()
-    if origin is None:
-        found = loops["sums"](_array(measured), _array(reference))
-    else:
-        found = loops["update_sums"](_array(measured), _array(reference), _array(origin))
+    found = kernels()["sums"](_array(measured), _array(reference), _origins(origin))
     return torch.tensor(found, dtype=torch.float64)
 
 
 def residual_sq(measured: torch.Tensor, reference: torch.Tensor, origin: torch.Tensor | None,
                 scale: float) -> float:
     """``||(m - o) - s (r - o)||^2`` of the pair, in float64."""
+    return float(kernels()["residual"](_array(measured), _array(reference), _origins(origin),
+                                       float(scale)))
+
+
+def _origins(origin: torch.Tensor | None):
+    """The origin's elements, or none (the loops read an empty origin as zeros)."""
     import numpy as np
 
-    origins = _array(origin) if origin is not None else np.empty(0, dtype=np.float64)
-    return float(kernels()["residual"](_array(measured), _array(reference), origins,
-                                       float(scale)))
+    return _array(origin) if origin is not None else np.empty(0, dtype=np.float64)
