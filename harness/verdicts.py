@@ -35,6 +35,15 @@ class Equivalence(StrEnum):
     RANKS_DIFFER = "ranks differ"
 
 
+#: The ``--fail-on`` levels under which a row with each verdict fails a check (a verdict
+#: not named here fails under none; a row's status may fail it whatever its verdict).
+FAILS_UNDER: dict[Equivalence, frozenset[str]] = {
+    Equivalence.DIFFERS: frozenset({"differs", "scaled"}),
+    Equivalence.RANKS_DIFFER: frozenset({"differs", "scaled"}),
+    Equivalence.SCALED: frozenset({"scaled"}),
+}
+
+
 class Status(StrEnum):
     """Whether a row of the check was judged, and where not, why."""
 

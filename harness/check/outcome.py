@@ -15,18 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.verdicts import FAILING_STATUSES, Equivalence, Status
+from harness.verdicts import FAILING_STATUSES, FAILS_UNDER, Equivalence, Status
 
 Row = dict[str, Any]
 #: ``--fail-on`` value -> the verdicts that fail the run. A row whose status is in
 #: :data:`~harness.verdicts.FAILING_STATUSES` (an error, a step that fed other samples)
 #: always fails: nothing was checked.
-FAIL_ON = {
-    str(Status.ERROR): frozenset(),
-    str(Equivalence.DIFFERS): frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER}),
-    str(Equivalence.SCALED): frozenset({Equivalence.DIFFERS, Equivalence.RANKS_DIFFER,
-                                        Equivalence.SCALED}),
-}
+FAIL_ON = {level: frozenset(verdict for verdict, levels in FAILS_UNDER.items()
+                            if level in levels)
+           for level in (str(Status.ERROR), str(Equivalence.DIFFERS), str(Equivalence.SCALED))}
 #: A pure scale is sometimes meant (a summed loss with the learning rate divided to
 #: match), and the params rows then say whether it is compensated; a difference no
 #: scale explains never is.
