@@ -65,6 +65,12 @@ def pairs(measured: Captured, reference: Captured, optimizer: int, step: int,
         raise Unmatched(unmatched(measured, reference, optimizer))
     ours = measured.tensors(optimizer, step, point)
     theirs = reference.tensors(optimizer, step, point)
+    reshaped = [name for name in names if ours[name] is not None and theirs[name] is not None
+                and ours[name].shape != theirs[name].shape]
+    if reshaped:
+        raise Unmatched(f"{reference.label(optimizer)} holds tensors of other shapes than at "
+                        f"the reference ({shown(reshaped)}): a shard of each rather than the "
+                        "whole tensor, which the capture could not gather")
     origin = reference.before(optimizer, step) if point == "params" else {}
     return [Pair(name, ours[name], theirs[name], origin.get(name)) for name in names], names
 
@@ -228,6 +234,7 @@ class SplitJudge:
     def own_cells(self, optimizer: int, step: int) -> dict[str, Any]:
         clips = self.measured.clips(optimizer, step)
         return {"optimizer": self.reference.label(optimizer),
+                "sharding": self.measured.sharding(optimizer),
                 "clip": "; ".join(dict.fromkeys(clips)),
                 "clip_factor": self.measured.clip_factor(optimizer, step) if clips else math.nan}
 
@@ -306,7 +313,9 @@ class SplitJudge:
     def errors(self, optimizer: int, step: int, error: str) -> list[Judged]:
         label = (self.reference.label(optimizer)
                  if optimizer < len(self.reference.optimizers) else "")
-        own = {"optimizer": label, "clip": "", "clip_factor": math.nan,
+        sharding = (self.measured.sharding(optimizer)
+                    if optimizer < len(self.measured.optimizers) else "")
+        own = {"optimizer": label, "sharding": sharding, "clip": "", "clip_factor": math.nan,
                "reference_noise": math.nan}
         return [Judged(step, point, status=Status.ERROR, error=error, own=own)
                 for point in POINTS]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from harness.grad_check.script.capture import summary_file, tensors_file
+from harness.grad_check.script.files import summary_file, tensors_file
 from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import Run
 
@@ -58,6 +58,10 @@ class Captured:
         every = self.optimizers
         others = [o["names"] for i, o in enumerate(every) if i != optimizer]
         return optimizer_label(every[optimizer]["kind"], every[optimizer]["names"], others)
+
+    def sharding(self, optimizer: int) -> str:
+        """How the optimizer's tensors were spread over the ranks (sharded.py SHARDINGS)."""
+        return str(self.optimizers[optimizer].get("sharding", "none"))
 
     def names(self, optimizer: int) -> list[str]:
         return list(self.optimizers[optimizer]["names"])

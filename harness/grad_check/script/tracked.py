@@ -125,13 +125,15 @@ class Window:
 
 @dataclass
 class Tracked:
-    """One optimizer, known by its parameters; ``since``: the first forward of its window."""
+    """One optimizer, known by its parameters; ``since``: the first forward of its window;
+    ``reader`` (harness/grad_check/script/sharded.py): how its tensors are read whole, by
+    name, whatever shards them."""
 
     index: int
     kind: str
     key: frozenset[int]
     parameters: list[nn.Parameter]
-    names: list[str]
+    reader: Any
     since: int = 0
     steps: int = 0
     record: dict[str, Any] | None = None
@@ -154,9 +156,13 @@ class Tracked:
         self.since = window.forwards
         return record
 
+    @property
+    def names(self) -> list[str]:
+        return list(self.reader.names)
+
     def parameters_now(self) -> dict[str, torch.Tensor]:
-        return {name: whole(p).detach() for name, p in zip(self.names, self.parameters,
-                                                           strict=True)}
+        return self.reader.parameters(self.parameters)
 
     def summary(self) -> dict[str, Any]:
-        return {"kind": self.kind, "names": list(self.names), "steps": self.steps}
+        return {"kind": self.kind, "names": self.names, "steps": self.steps,
+                "sharding": self.reader.sharding}
