@@ -76,10 +76,27 @@ def test_bad_input_is_one_line_exit_2_and_no_csv(capsys, tmp_path, argv, named):
     assert named in refused(capsys, tmp_path, *argv)
 
 
-def test_more_ranks_than_cores_is_refused_before_anything_runs():
-    with pytest.raises(UsageError, match=r"split 4x1 starts 4 ranks .* 2 CPU core\(s\)"):
+def test_more_ranks_than_gpus_is_refused_before_anything_runs():
+    with pytest.raises(UsageError, match=r"split 4x1 starts 4 ranks .* shows 2 GPU\(s\), one "
+                                         r"per rank .* CUDA_VISIBLE_DEVICES="):
         ScriptConfig(command=tuple(COMMAND), global_batch=8,
-                     splits=(Split(1, 1), Split(4, 1)), cores=2)
+                     splits=(Split(1, 1), Split(4, 1)), gpus=2)
+
+
+def test_more_ranks_than_cores_run_with_one_line_saying_so(capsys, monkeypatch):
+    """As the studies do (harness/launcher.py): the verdicts are the same, the runs slower."""
+    from harness.grad_check.script import grad_check_run, matrix
+
+    monkeypatch.setattr("harness.launcher.usable_cores", lambda: 2)
+    monkeypatch.setattr(matrix.ScriptCheck, "rows", lambda self: [])
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8,
+                          splits=(Split(1, 1), Split(4, 1)), quiet=True, out=Path("unused"))
+    assert config.most_ranks == 4
+    monkeypatch.setattr("harness.results.write_csv_atomic", lambda *args: None)
+    grad_check_run.run(config)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("check.py run: note: 4 ranks share 2 CPU cores: the findings are the same, "
+                    "but timings will be slow")
 
 
 def test_help_explains_every_flag_and_the_placeholders(capsys):

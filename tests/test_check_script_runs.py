@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from harness.grad_check.script.processes import STARTUP
-from tests.script_runs import PROGRAM, python, run_check
+from harness.launcher import usable_cores
+from tests.script_runs import EXAMPLES, PROGRAM, python, run_check, run_checks
 
 pytestmark = pytest.mark.launches(seconds=2)
 
@@ -152,3 +153,29 @@ def test_fresh_interpreters_load_the_capture_through_the_startup_hook(tmp_path):
     assert done.code == 0, done.stderr
     assert list(done.rows["verdict"]) == ["matches"] * 2
     assert set(done.rows["precision"]) == {"float64"}
+
+
+@pytest.mark.launches(seconds=8)
+def test_four_ranks_on_two_cores_give_the_verdicts_of_two(tmp_path):
+    """More ranks than cores run (the machine's cores shared, one line says so) and judge as
+    N = 2 does: the DDP loop without / k is k times the big batch's at N = 2 and N = 4
+    alike, and ranks that never all-reduce differ at both."""
+    buggy, apart = run_checks([
+        (["--global-batch", "16", "--splits", "2x1,4x1,2x2,4x2", "--", *python(
+            EXAMPLES / "ddp_loop.py", "--batch-size", "{batch}", "--grad-accum", "{accum}",
+            "--forget-divide")], tmp_path / "buggy"),
+        (["--global-batch", "8", "--splits", "2x1,4x1", *program("without-ddp")],
+         tmp_path / "apart")])
+    for done in (buggy, apart):
+        assert done.code in (0, 1), done.stdout + done.stderr
+        if usable_cores() < 4:
+            assert "note: 4 ranks share" in done.stderr
+    for k in (1, 2):
+        for point in ("grad", "params"):
+            two, four = buggy.row(f"2x{k}", point=point), buggy.row(f"4x{k}", point=point)
+            assert (four["verdict"], four["fix"]) == (two["verdict"], two["fix"]), (k, point)
+            assert four["scale"] == pytest.approx(two["scale"], rel=1e-4)
+    assert buggy.row("4x2")["verdict"] == "scaled"
+    assert buggy.row("4x2")["scale"] == pytest.approx(2.0, rel=1e-4)
+    assert buggy.row("4x1")["verdict"] == "matches"
+    assert apart.row("2x1")["verdict"] == apart.row("4x1")["verdict"] == "ranks differ"

@@ -1,7 +1,9 @@
 """The settings of one ``grad-check run``, as a dataclass that refuses bad values itself.
 
 Everything that can be refused before the command first runs is refused here: the
-splits, the global batch, the placeholders, the command's program, the machine's cores.
+splits, the global batch, the placeholders, the command's program, more ranks than the
+machine's GPUs (each rank takes the GPU its LOCAL_RANK names). More ranks than CPU cores
+is allowed, as the studies allow it: the verdicts are the same, the runs slower.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class ScriptConfig:
     #: Seconds one run of the command may take before it is stopped as hung.
     timeout: float = 300.0
     quiet: bool = False
-    #: CPU cores this process may use (a rank per core at most).
-    cores: int = 1
+    #: GPUs this machine shows (CUDA_VISIBLE_DEVICES): one per rank at most; 0: none.
+    gpus: int = 0
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -59,16 +61,21 @@ class ScriptConfig:
             check_divides(split, self.global_batch, "--splits")
         check_divides(self.reference, self.global_batch, "--reference")
         for split in self.runs:
-            if split.world_size > self.cores:
+            if self.gpus and split.world_size > self.gpus:
                 raise UsageError(f"split {split.label} starts {split.world_size} ranks on this "
-                                 f"machine, which has {self.cores} CPU core(s) for them; "
-                                 f"allowed: N <= {self.cores}")
+                                 f"machine, which shows {self.gpus} GPU(s), one per rank "
+                                 f"(LOCAL_RANK); allowed: N <= {self.gpus}, or the ranks on "
+                                 "CPU cores with CUDA_VISIBLE_DEVICES= (empty)")
         check_placeholders(self.command, self.runs)
         if not 1 <= self.steps <= MAX_STEPS:
             raise UsageError(f"--steps {self.steps} is not allowed; allowed: 1..{MAX_STEPS}")
         check_timeout(self.timeout)
         check_known("--fail-on", [self.fail_on], tuple(FAIL_ON))
         check_program(self.command)
+
+    @property
+    def most_ranks(self) -> int:
+        return max(split.world_size for split in self.runs)
 
     @property
     def runs(self) -> tuple[Split, ...]:

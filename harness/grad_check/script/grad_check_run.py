@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--splits", metavar="NxK[,NxK]", default=DEFAULT_SPLITS,
                         help="the splits to compare with the reference, N ranks x k "
                              f"micro-steps, e.g. 1x1,1x4,2x2,4x1 (default: {DEFAULT_SPLITS}); "
-                             "N at most the CPU cores of this machine")
+                             "N at most the GPUs of this machine where it has any (one per "
+                             "rank); more ranks than CPU cores share them")
     parser.add_argument("--reference", metavar="NxK", default="1x1",
                         help="the split every other is compared with, run twice (default: "
                              "1x1, one process taking the whole global batch; name another "
@@ -110,7 +111,7 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConfig:
-    from harness.launcher import usable_cores
+    import torch
 
     config = ScriptConfig(command=tuple(command),
                           global_batch=parse_int(args.global_batch, "--global-batch"),
@@ -119,7 +120,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
                           out=Path(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
-                          cores=usable_cores())
+                          gpus=torch.cuda.device_count())
     check_out_folder(config.out)
     return config
 
@@ -140,8 +141,11 @@ def run(config: ScriptConfig, starter=None) -> int:
     from harness.failure import STOPPED_EXIT
     from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
-    from harness.launcher import Stopped, stopped_by_sigterm
+    from harness.launcher import Stopped, say_if_oversubscribed, stopped_by_sigterm
     from harness.results import write_csv_atomic
+
+    if not config.gpus:
+        say_if_oversubscribed(config.most_ranks, PROG)
 
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
                              timeout=config.timeout, starter=starter or start_subprocess,
