@@ -113,6 +113,8 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConfig:
     import torch
 
+    from harness.grad_check.script import slurm
+
     config = ScriptConfig(command=tuple(command),
                           global_batch=parse_int(args.global_batch, "--global-batch"),
                           splits=parse_splits(args.splits),
@@ -120,7 +122,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
                           out=Path(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
-                          gpus=torch.cuda.device_count())
+                          gpus=torch.cuda.device_count() * slurm.nodes())
     check_out_folder(config.out)
     return config
 
@@ -141,14 +143,16 @@ def run(config: ScriptConfig, starter=None) -> int:
     from harness.failure import STOPPED_EXIT
     from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
+    from harness.grad_check.script.slurm import srun_starter
     from harness.launcher import Stopped, say_if_oversubscribed, stopped_by_sigterm
     from harness.results import write_csv_atomic
 
-    if not config.gpus:
+    if not config.gpus and srun_starter() is None:
         say_if_oversubscribed(config.most_ranks, PROG)
 
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
-                             timeout=config.timeout, starter=starter or start_subprocess,
+                             timeout=config.timeout,
+                             starter=starter or srun_starter() or start_subprocess,
                              global_batch=config.global_batch)
     say = (lambda line: None) if config.quiet else (
         lambda line: print(f"{PROG}: {line}", flush=True))
