@@ -16,12 +16,16 @@ import pytest
 import torch
 from torch import nn
 
+from harness.check import shards
 from harness.check.outcome import exit_code
+from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import capture, naming, samples
 from harness.grad_check.script.config import ScriptConfig
+from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.grad_check_run import main, render
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
+from harness.grad_check.script.points import Points
 from harness.grad_check.script.processes import CommandLauncher, Failure, Run, first_failure
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
@@ -194,11 +198,11 @@ def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
 
     seen = capture.Capture(tmp_path, steps=1, keep_going=True, timeout=10)
     args, kwargs = seen.before_step(optimizer, (optimizer, closure), {})
-    assert not list(tmp_path.glob("*step0.grad.pt"))  # nothing read before the closure ran
+    assert not list(tmp_path.glob("*step0.grad*"))  # nothing read before the closure ran
     args[1]()
-    written = torch.load(capture.tensors_file(tmp_path, 0, 0, "grad"))
-    assert torch.equal(written["weight"], model.weight.grad)
-    assert written["weight"].abs().sum() > 0
+    written = shards.Mapped(tensors_file(tmp_path, 0, 0, "grad")).whole("weight")
+    assert torch.equal(written, model.weight.grad)
+    assert written.abs().sum() > 0
 
 
 # ---------------------------------------------------------------- rows from captures
@@ -215,22 +219,32 @@ def gradients(step: int) -> dict[str, torch.Tensor]:
 EIGHT = tuple(f"s{i}" for i in range(8))
 
 
+def point(points: Points, step: int, name: str, tensors: dict[str, torch.Tensor]):
+    """What the capture does with one point of whole tensors (harness/grad_check/script/
+    points.py): writes it (the reference) or compares it with the reference's."""
+    specs = [(key, tuple(t.shape), t.dtype, True) for key, t in tensors.items()]
+    pieces = [Piece(key, 0, t.reshape(-1)) for key, t in tensors.items()]
+    return points.done(0, step, name, specs, pieces, sharded=False)
+
+
 def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1, forwards=None) -> Captured:
+                    lr=0.1, forwards=None, against: Captured | None = None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
-    gradient digests are ``fingerprints[r]``."""
+    gradient digests are ``fingerprints[r]``. Without ``against`` it is the reference's
+    first run, which writes its tensors; else compared with that run, as a rank does."""
     folder.mkdir(parents=True)
+    points = Points(folder, against.run.folder if against else None, 0)
     params = {name: torch.zeros_like(tensor) for name, tensor in gradients(0).items()}
-    torch.save(params, capture.tensors_file(folder, 0, 0, "initial"))
+    point(points, 0, "initial", params)
     records = []
     for step in range(2):
         grad = grads(step)
-        torch.save(grad, capture.tensors_file(folder, 0, step, "grad"))
+        compared = {"grad": point(points, step, "grad", grad)}
         params = {name: params[name] - lr * grad[name] for name in NAMES}
-        torch.save(params, capture.tensors_file(folder, 0, step, "params"))
-        records.append({"optimizer": 0, "step": step,
+        compared["params"] = point(points, step, "params", params)
+        records.append({"optimizer": 0, "step": step, "compared": compared,
                         "samples": [[name, name, "pad"] for name in samples],
                         "counts": list(counts), "lrs": [lr], "clips": [],
                         "forwards": split.accum_steps,
@@ -252,10 +266,10 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
 
 def rows_of(tmp_path: Path, split: Split, **made) -> list[dict]:
     reference = written_capture(tmp_path / "reference", Split(1, 1))
-    again = written_capture(tmp_path / "again", Split(1, 1))
+    again = written_capture(tmp_path / "again", Split(1, 1), against=reference)
     noise = check_deterministic(reference, again)
-    return SplitJudge(written_capture(tmp_path / split.label, split, **made), reference,
-                      noise, 8).rows()
+    return SplitJudge(written_capture(tmp_path / split.label, split, against=reference,
+                                      **made), reference, noise, 8).rows()
 
 
 def test_a_gradient_k_times_too_large_is_scaled_and_names_k(tmp_path):
@@ -337,7 +351,7 @@ def test_other_samples_explain_a_gradient_that_differs(tmp_path):
 def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
     twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"),
-                            grads=different)
+                            grads=different, against=reference)
     rows = SplitJudge(twice, reference, {}, 2).rows()
     assert rows[0]["verdict"] == "differs"
     assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
@@ -428,8 +442,9 @@ def test_an_all_zero_gradient_compares_nothing_and_fails(tmp_path):
         return {name: torch.zeros_like(t) for name, t in gradients(step).items()}
 
     reference = written_capture(tmp_path / "reference", Split(1, 1), grads=zero)
-    again = written_capture(tmp_path / "again", Split(1, 1), grads=zero)
-    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), grads=zero), reference,
+    again = written_capture(tmp_path / "again", Split(1, 1), grads=zero, against=reference)
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), grads=zero,
+                                      against=reference), reference,
                       check_deterministic(reference, again), 8).rows()
     assert [row["status"] for row in rows[:2]] == ["no gradient", "no update"]
     assert {row["verdict"] for row in rows} == {""}
@@ -438,8 +453,8 @@ def test_an_all_zero_gradient_compares_nothing_and_fails(tmp_path):
 
 def test_an_update_at_learning_rate_0_is_skipped_not_failed(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), lr=0.0)
-    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), lr=0.0), reference,
-                      {}, 8).rows()
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), lr=0.0,
+                                      against=reference), reference, {}, 8).rows()
     assert rows[0]["verdict"] == "matches"
     assert rows[1]["status"].startswith("skipped: the learning rate was 0")
     assert exit_code(rows, "differs", "check.py run", case_label) == 0
@@ -472,11 +487,12 @@ def test_a_reference_that_does_not_repeat_itself_is_refused(tmp_path):
     first = written_capture(tmp_path / "first", Split(1, 1))
     drifted = written_capture(tmp_path / "again", Split(1, 1),
                               grads=lambda s: {n: t + 1e-3 * t.cos() for n, t in
-                                               gradients(s).items()})
+                                               gradients(s).items()}, against=first)
     with pytest.raises(UsageError, match=r"ran twice and its step 0 gradient differed .* not "
                                          r"deterministic.*dropout.*unseeded sampler"):
         check_deterministic(first, drifted)
-    shuffled = written_capture(tmp_path / "shuffled", Split(1, 1), samples=("s1", "s2"))
+    shuffled = written_capture(tmp_path / "shuffled", Split(1, 1), samples=("s1", "s2"),
+                               against=first)
     with pytest.raises(UsageError, match="fed other samples in step 0"):
         check_deterministic(first, shuffled)
 

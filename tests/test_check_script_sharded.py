@@ -119,7 +119,9 @@ def test_a_correct_sharded_script_matches_at_every_split(runs, name):
     assert list(rows["split"].unique()) == ["1x1", *SPLITS]
     assert set(rows["verdict"]) == {"matches"}, sound.stdout
     assert set(rows["status"]) == {"ok"}
-    assert rows[rows["world_size"] > 1]["ranks_agree"].all()
+    # Where each rank holds its own shard there are no copies to agree; replicas do.
+    apart = rows[rows["world_size"] > 1]["ranks_agree"]
+    assert apart.isna().all() if name != "zero-redundancy" else (apart == True).all()  # noqa: E712
     # One optimizer: an inner optimizer's step (DeepSpeed's over its partitions,
     # ZeroRedundancyOptimizer's over this rank's shard) is never a second one.
     assert set(rows["optimizer"]) == {SHARDED[name].optimizer}

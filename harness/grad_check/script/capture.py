@@ -12,11 +12,12 @@ wrapped functions it sees:
   S steps of each: the gradient at the end of its window, before anything edits it (on
   entry to ``clip_grad_norm_`` or ``clip_grad_value_``, after ``GradScaler.unscale_``, at
   DeepSpeed's boundary before its clip, else as ``step()`` receives it), how far a clip
-  scaled it, the learning rates, and the parameters after the step, each whole and named
-  as the model names it however it is sharded (sharded.py: FSDP1's flat parameters, FSDP2's
-  DTensors, DeepSpeed's partitions). Rank 0 writes the tensors, one file per optimizer,
-  step and point; every rank writes a digest of each tensor, so that ranks that disagree
-  show, and where;
+  scaled it, the learning rates, and the parameters after the step, named as the model
+  names them however they are sharded (sharded.py: FSDP1's flat parameters, FSDP2's
+  DTensors; engines.py: DeepSpeed's partitions). The reference's first run writes each
+  point, every rank its shard; every other run compares each rank's shard with the
+  reference's matching slice, the ranks' sums combined (points.py). Where the ranks hold
+  whole copies, every rank writes a digest of each, so that ranks that disagree show;
 - every training forward (a module with parameters called outermost, with autograd on,
   in training mode, on input data rather than activations, and not while a backward
   recomputes it): a fingerprint of each sample it fed (harness/grad_check/script/
@@ -59,11 +60,11 @@ from torch.optim.optimizer import (
 
 from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, error_file, first_sentence
-from harness.grad_check.script import engines, samples, wrappers
-from harness.grad_check.script.files import save_atomically, summary_file, tensors_file
+from harness.grad_check.script import engines, points, samples, wrappers
+from harness.grad_check.script.files import save_atomically, summary_file
 from harness.grad_check.script.naming import owner, parameter_names, stripped
 from harness.grad_check.script.sharded import reader_for
-from harness.grad_check.script.tracked import Tracked, Window, digests, norm
+from harness.grad_check.script.tracked import Tracked, Window
 
 #: The folder a run's captures go to; the capture is installed only where it is set.
 FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
@@ -103,11 +104,13 @@ class Capture:
     """The capture of one process: rank ``RANK`` of ``WORLD_SIZE`` (0 of 1 without them)."""
 
     def __init__(self, folder: Path, steps: int, keep_going: bool, timeout: float,
-                 micro_batch: int | None = None) -> None:
+                 micro_batch: int | None = None, against: Path | None = None) -> None:
         self.folder, self.steps, self.keep_going, self.timeout = (folder, steps, keep_going,
                                                                   timeout)
         self.micro_batch = micro_batch
         self.rank = int(os.environ.get("RANK", "0"))
+        #: Where each point goes: written (the reference's first run) or compared.
+        self.points = points.Points(folder, against, self.rank)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.tracked: list[Tracked] = []
         #: Optimizers constructed and still alive, with where their first window starts.
@@ -196,25 +199,25 @@ class Capture:
     @never_raising
     def read_gradients(self, tracked: Tracked, optimizer: torch.optim.Optimizer,
                        clip: str | None = None) -> None:
-        """The window's gradient, before any clip: digested, and written by rank 0.
-        ``clip``: the optimizer's own (DeepSpeed's), whose received norm comes later."""
+        """The window's gradient, before any clip: digested, written or compared shard by
+        shard (points.py). ``clip``: the optimizer's own (DeepSpeed's), whose received
+        norm comes later."""
         received = [p.grad for p in tracked.parameters]
         before = [self.window.kept.get(id(p), grad)
                   for p, grad in zip(tracked.parameters, received, strict=True)]
-        gathered = tracked.reader.gradients(tracked.parameters, before)
+        specs, pieces, kept = tracked.read(before, "grad", self.rank)
         self.dtypes.update(str(p.dtype) for p in tracked.parameters)
-        self.dtypes.update(str(g.dtype) for g in gathered.values() if g is not None)
+        self.dtypes.update(str(dtype) for _, _, dtype, present in specs if present)
         record = tracked.open_record(self.window, optimizer)
-        record["grad_digests"] = digests(gathered)
+        record["grad_digests"] = kept
         record["clips"] += [clip] if clip else []
         if record["clips"]:
-            record["before_norm"] = norm(gathered.values())
+            record["before_norm"] = points.norm(pieces, tracked.sharded)
         if record["clips"] and not clip:
-            record["received_norm"] = norm(tracked.reader.gradients(tracked.parameters,
-                                                                    received).values())
-        if self.rank == 0:
-            save_atomically(gathered, tensors_file(self.folder, tracked.index, tracked.steps,
-                                                   "grad"))
+            record["received_norm"] = points.norm(tracked.read(received, "grad", self.rank)[1],
+                                                  tracked.sharded)
+        record["compared"] = {"grad": self.points.done(tracked.index, tracked.steps, "grad",
+                                                       specs, pieces, tracked.sharded)}
 
     @never_raising
     def after_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
@@ -226,16 +229,15 @@ class Capture:
             self.finish_step(tracked)
 
     def finish_step(self, tracked: Tracked) -> None:
-        """The parameters after a step: digested, written by rank 0; the window closed."""
+        """The parameters after a step: digested, written or compared; the window closed."""
         if tracked.record is None:  # a step not captured: its window is done with too
             tracked.since = self.window.forwards
             self.window.forget(tracked.parameters, self.oldest_window())
             return
-        params = tracked.parameters_now()
-        tracked.record["params_digests"] = digests(params)
-        if self.rank == 0:
-            save_atomically(params, tensors_file(self.folder, tracked.index, tracked.steps,
-                                                 "params"))
+        specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
+        tracked.record["params_digests"] = kept
+        tracked.record.setdefault("compared", {})["params"] = self.points.done(
+            tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)
         self.records.append(tracked.close_record(self.window))
         self.window.forget(tracked.parameters, self.oldest_window())
         if not self.keep_going and self.captured_enough():
@@ -300,7 +302,7 @@ class Capture:
         model = owner(parameters)
         groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
         names = parameter_names(parameters, model, groups)
-        if "deepspeed" in sys.modules and any(n.startswith("param_groups.") for n in names):
+        if any(n.startswith("param_groups.") for n in names) and engines.engine_alive():
             raise Refused(engines.OUTSIDE_THE_ENGINE)
         return self._track(type(optimizer).__name__, key, parameters,
                            reader_for(optimizer, parameters, names), model,
@@ -308,14 +310,13 @@ class Capture:
 
     def _track(self, kind: str, key: frozenset[int], parameters: list[nn.Parameter],
                reader: Any, model: nn.Module | None, since: int) -> Tracked:
-        """A new optimizer, its initial parameters written by rank 0."""
+        """A new optimizer, its initial parameters written (by the reference's first run)."""
         tracked = Tracked(len(self.tracked), kind, key, parameters, reader, since)
         self.tracked.append(tracked)
         if model is not None:
             self._learn_facts(model)
-        initial = tracked.parameters_now()
-        if self.rank == 0:
-            save_atomically(initial, tensors_file(self.folder, tracked.index, 0, "initial"))
+        specs, pieces, _ = tracked.read(parameters, "initial", self.rank)
+        self.points.done(tracked.index, 0, "initial", specs, pieces, tracked.sharded)
         return tracked
 
     # ------------------------------------------------------------------ DeepSpeed
@@ -433,10 +434,12 @@ def install_from_environment() -> Capture | None:
     if not folder or INSTALLED is not None:
         return INSTALLED
     micro_batch = os.environ.get(MICRO_BATCH_VARIABLE)
+    against = os.environ.get(points.REFERENCE_VARIABLE)
     INSTALLED = Capture(Path(folder), int(os.environ.get(STEPS_VARIABLE, "2")),
                         os.environ.get(KEEP_GOING_VARIABLE) == "1",
                         float(os.environ.get(TIMEOUT_VARIABLE, "300")),
-                        int(micro_batch) if micro_batch else None)
+                        int(micro_batch) if micro_batch else None,
+                        Path(against) if against else None)
     INSTALLED.install()
     return INSTALLED
 

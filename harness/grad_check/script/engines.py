@@ -17,16 +17,20 @@ of the gradient the optimizer received, summed over the ranks' partitions.
 from __future__ import annotations
 
 import functools
+import gc
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from harness.check.shards import Piece
 from harness.grad_check.script.naming import parameter_names
-from harness.grad_check.script.sharded import Engine
 from harness.grad_check.script.wrappers import after_import
 
 if TYPE_CHECKING:
@@ -44,6 +48,64 @@ OUTSIDE_THE_ENGINE = (
     "of deepspeed.initialize, stepped with engine.step()")
 
 
+@dataclass
+class Engine:
+    """A DeepSpeed engine's model, read as DeepSpeed holds it: the gradient as its
+    partitions hold it at the accumulation boundary (reduced over the ranks, before its
+    clip), the parameters as its fp32 master copy (the model's own where it keeps none);
+    each rank its partition's part of each tensor, which is what DeepSpeed's own gather
+    (``safe_get_full_grad``, ``safe_get_full_fp32_param``) assembles: stages 1 and 2 by
+    each parameter's fragment (``_hp_mapping``), stage 3 by its partition
+    (``safe_get_local_grad`` / ``safe_get_local_fp32_param``)."""
+
+    names: list[str]
+    sharding: str
+    #: Whether DeepSpeed partitions the parameters' fp32 copies over the ranks (ZeRO, or
+    #: its bf16 optimizer); else every rank holds them whole (stage 0 in float32).
+    sharded: bool
+
+    def specs(self, parameters: Sequence[nn.Parameter], tensors: Sequence[Any],
+              point: str = "") -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
+        return [(name, tuple(getattr(p, "ds_shape", p.shape)),
+                 torch.float32 if self.sharded else p.dtype, True)
+                for name, p in zip(self.names, parameters, strict=True)]
+
+    def pieces(self, parameters: Sequence[nn.Parameter], tensors: Sequence[Any], rank: int,
+               point: str = "grad") -> list[Piece]:
+        found = []
+        for name, p in zip(self.names, parameters, strict=True):
+            found += fragments(name, p, point, rank)
+        return found
+
+
+def fragments(name: str, p: nn.Parameter, point: str, rank: int) -> list[Piece]:
+    """This rank's part of parameter ``p``'s gradient or fp32 master copy."""
+    if hasattr(p, "ds_id"):  # stage 3: each rank one partition of every parameter
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad
+
+        local = (safe_get_local_grad(p) if point == "grad" else safe_get_local_fp32_param(p))
+        if local is None:
+            return []
+        group = p._z3_optimizer._get_param_partition_group(p)
+        start = local.numel() * dist.get_rank(group=group)
+        kept = max(0, min(local.numel(), p.ds_numel - start))
+        return [Piece(name, start, local.detach().reshape(-1)[:kept])] if kept else []
+    if hasattr(p, "_hp_mapping"):  # stages 1 and 2: a fragment of the flat partition
+        mapping = p._hp_mapping
+        if mapping is None:  # none of it in this rank's partition
+            return []
+        address = mapping.lp_fragment_address
+        if point != "grad":
+            return [Piece(name, address.start, mapping.get_hp_fragment().detach().reshape(-1))]
+        grad = mapping.get_lp_grad_fragment(p._index_in_param_group).detach().reshape(-1)
+        if grad.numel() == p.numel() and grad.numel() != address.numel:
+            grad = grad.narrow(0, address.start, address.numel)  # a full buffer (bf16)
+        return [Piece(name, address.start, grad.to(torch.float32))]
+    tensor = p.grad if point == "grad" else p  # no partition: every rank holds it whole
+    return [Piece(name, 0, tensor.detach().reshape(-1))] if rank == 0 and tensor is not None \
+        else []
+
+
 def wrap_engine(capture: Capture) -> None:
     """The engine's boundary step through ``capture.engine_step``, once DeepSpeed loads."""
     def patch(module: ModuleType) -> None:
@@ -57,6 +119,15 @@ def wrap_engine(capture: Capture) -> None:
         setattr(kind, BOUNDARY_STEP, boundary_step)
 
     after_import(capture, ENGINE_MODULE, patch)
+
+
+def engine_alive() -> bool:
+    """Whether a DeepSpeed engine exists in this process (importing DeepSpeed, as the
+    Trainer may, makes none)."""
+    if "deepspeed" not in sys.modules:
+        return False
+    return any(issubclass(type(o), torch.nn.Module) and type(o).__name__.endswith("Engine")
+               and type(o).__module__.startswith("deepspeed.") for o in gc.get_objects())
 
 
 def engine_model(engine: Any) -> torch.nn.Module:
@@ -119,8 +190,9 @@ def before_step(capture: Capture, engine: Any) -> Tracked:
     if tracked is None:
         names = parameter_names(parameters, model, [0] * len(parameters))
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        sharded = any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for p in parameters)
         tracked = capture._track(engine_kind(engine), key, parameters,
-                                 Engine(names, engine_sharding(engine)), model,
+                                 Engine(names, engine_sharding(engine), sharded), model,
                                  capture.constructed.get(inner, 0))
     if tracked.steps < capture.steps:
         capture.read_gradients(tracked, engine.optimizer, engine_clip(engine))

@@ -1,5 +1,6 @@
-"""Where a run's capture lies on disk: each rank's summary, rank 0's tensors (one file per
-optimizer, step and point), each written whole under a temporary name and then renamed."""
+"""Where a run's capture lies on disk: each rank's summary (written whole under a temporary
+name, then renamed) and, in the reference's first run, one tensor file per optimizer,
+step and point."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ def summary_file(folder: Path, rank: int) -> Path:
 
 
 def tensors_file(folder: Path, optimizer: int, step: int, point: str) -> Path:
-    """Rank 0's tensors of one optimizer: ``initial`` (its parameters before its step 0),
-    or a step's ``grad`` or ``params``."""
+    """The stem of one optimizer's tensor file (harness/check/shards.py, written by the
+    reference's ranks): ``initial`` (its parameters before its step 0), or a step's
+    ``grad`` or ``params``."""
     stem = "initial" if point == "initial" else f"step{step}.{point}"
-    return folder / f"optimizer{optimizer}.{stem}.pt"
+    return folder / f"optimizer{optimizer}.{stem}"
 
 
 def save_atomically(value: Any, path: Path) -> None:

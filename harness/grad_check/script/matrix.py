@@ -39,13 +39,13 @@ class ScriptCheck:
     def _rows(self, scratch: Path) -> list[dict[str, Any]]:
         reference = self.config.reference
         first = self.reference_run(scratch / "reference-1", 1)
-        again = self.reference_run(scratch / "reference-2", 2)
+        again = self.reference_run(scratch / "reference-2", 2, against=first.run.folder)
         noise = check_deterministic(first, again)
         self.say_what_the_reference_left_out(first)
         rows: list[dict[str, Any]] = []
         for split in self.config.splits:
-            measured = again if split == reference else self.run(split, scratch / split.label,
-                                                                 "split")
+            measured = again if split == reference else self.run(
+                split, scratch / split.label, "split", against=first.run.folder)
             rows += SplitJudge(measured, first, noise, self.config.global_batch).rows()
         return rows
 
@@ -61,17 +61,20 @@ class ScriptCheck:
         for line in first.unknown:
             self.say(f"the capture could not read everything (recorded as unknown): {line}")
 
-    def run(self, split: Split, folder: Path, what: str, attempt: str = "") -> Captured:
+    def run(self, split: Split, folder: Path, what: str, attempt: str = "",
+            against: Path | None = None) -> Captured:
+        """One run; ``against``: the reference's first run, which it compares with."""
         command = self.config.command_of(split)
         self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
-        return Captured.read(self.launch.run(split, command, folder))
+        return Captured.read(self.launch.run(split, command, folder, against))
 
-    def reference_run(self, folder: Path, attempt: int) -> Captured:
+    def reference_run(self, folder: Path, attempt: int, against: Path | None = None
+                      ) -> Captured:
         """One of the reference's two runs; its failure ends the check."""
         split = self.config.reference
-        captured = self.run(split, folder, "reference", f", run {attempt} of 2")
+        captured = self.run(split, folder, "reference", f", run {attempt} of 2", against)
         failure = captured.run.failure
         where = f"the reference {split.label}"
         if failure is not None and failure.refused:

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from harness.errors import USAGE_EXIT, error_file
 from harness.grad_check.script import capture
+from harness.grad_check.script.points import REFERENCE_VARIABLE
 from harness.grad_check.script.splits import Split
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S, describe_exit, error_line
@@ -113,8 +114,11 @@ class CommandLauncher:
     #: G, so that each rank's capture knows the split's micro-batch (its samples' axis).
     global_batch: int | None = None
 
-    def run(self, split: Split, command: Sequence[str], folder: Path) -> Run:
-        """Run ``command`` on ``split.world_size`` ranks, its capture into ``folder``."""
+    def run(self, split: Split, command: Sequence[str], folder: Path,
+            against: Path | None = None) -> Run:
+        """Run ``command`` on ``split.world_size`` ranks, its capture into ``folder``,
+        compared with the reference's capture in ``against`` (None: this is the reference,
+        its capture written: harness/grad_check/script/points.py)."""
         folder.mkdir(parents=True, exist_ok=True)
         n = split.world_size
         # The store lives as long as the run: the ranks meet through it.
@@ -131,6 +135,8 @@ class CommandLauncher:
                 if self.capture and self.global_batch:
                     environment[capture.MICRO_BATCH_VARIABLE] = str(
                         split.micro_batch(self.global_batch))
+                if self.capture and against is not None:
+                    environment[REFERENCE_VARIABLE] = str(against)
                 processes.append(self.starter(list(command), environment,
                                               folder / f"rank{rank}.log"))
             failure = self.watch(processes, folder, start + self.timeout)

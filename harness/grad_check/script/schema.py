@@ -23,8 +23,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("sharding", "text",
            "how this split spread the optimizer's step over its ranks: `none` (one process), "
            "`ddp`, `fsdp1` (flat parameters), `fsdp2` (DTensors), `zero-redundancy` "
-           "(ZeroRedundancyOptimizer), `zero0`..`zero3` (DeepSpeed's ZeRO stage); its "
-           "tensors are compared whole, by the model's names, whatever the sharding"),
+           "(ZeroRedundancyOptimizer), `zero0`..`zero3` (DeepSpeed's ZeRO stage); each rank "
+           "compares its own shard, by the model's names, the ranks' sums combined"),
     *shared.judged_columns(
         step="optimizer step compared, from 0: the script's own steps, each on the script's "
              "own next global batch",

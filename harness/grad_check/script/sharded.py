@@ -1,29 +1,34 @@
-"""How the capture reads an optimizer's tensors whole, by the model's names, however they
-are sharded, and how rows name that sharding.
+"""How the capture reads an optimizer's tensors, by the model's names, however they are
+sharded, and how rows name that sharding.
 
-A reader turns what one optimizer holds into ``{name: whole tensor}``, the same at every
-split:
+A reader knows, for what one optimizer holds (its parameters, or their gradients):
 
-- :class:`Whole`: the optimizer holds the model's own parameters, whole (one process,
-  DDP, ZeroRedundancyOptimizer, whose wrapper's step holds them all) or as FSDP2's
-  DTensors, gathered with ``full_tensor()``;
+- ``specs``: each whole tensor's name, shape and type, without gathering anything;
+- ``pieces``: the pieces this rank holds (harness/check/shards.py ``Piece``), each a run
+  of a whole tensor's flattened elements: every rank's pieces together make each tensor
+  once (where the ranks hold whole copies, rank 0's alone).
+
+The readers:
+
+- :class:`Whole`: the model's own parameters, whole (one process, DDP,
+  ZeroRedundancyOptimizer, whose wrapper's step holds them all: rank 0's), or FSDP2's
+  DTensors, each rank's ``Shard(0)`` rows its piece (any other placement gathered with
+  ``full_tensor()``);
 - :class:`Flat`: FSDP1 with ``use_orig_params=False`` hands the optimizer one
-  FlatParameter per wrapped module, this rank's piece of the module's parameters
-  flattened and concatenated. Every rank's piece is all-gathered (the handle's process
-  group), the padding cut, and the rest split by the FlatParameter's own layout (its
-  ``_numels_with_padding``, ``_shapes``), named by the module's prefix and ``_fqns``:
-  ``summon_full_params(with_grads=True)`` refuses these;
-- :class:`Engine`: DeepSpeed's engine, read at its accumulation boundary (harness/
-  grad_check/script/deepspeed.py) with DeepSpeed's own gather, ``safe_get_full_grad`` and
-  ``safe_get_full_fp32_param``, per parameter of the model it wraps.
+  FlatParameter per wrapped module, this rank's shard of the module's parameters
+  flattened and concatenated; its layout (``_shard_param_infos``, ``_shapes``, ``_fqns``
+  under the module's prefix) says which part of which tensor each piece of the shard is.
+  With ``use_orig_params=True`` the optimizer holds those parts, one per parameter;
+- ``Engine`` (harness/grad_check/script/engines.py): DeepSpeed's partitions.
 
-Every gather is a collective: every rank reads the same optimizer's tensors in the same
-order.
+A gather (a DTensor not sharded by rows) is a collective: every rank reads the same
+optimizer's tensors in the same order.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.grad_check.script.tracked import whole
+from harness.check.shards import Piece
 
 #: How rows name the sharding of an optimizer's step (the ``sharding`` column).
 SHARDINGS = ("none", "ddp", "fsdp1", "fsdp2", "zero-redundancy", "zero0", "zero1", "zero2",
@@ -42,7 +47,26 @@ FLAT = "_is_flat_param"
 #: The name FSDP1 registers each FlatParameter under, on the module it wraps.
 FLAT_NAME = "_flat_param"
 
-Named = dict[str, "torch.Tensor | None"]
+#: A whole tensor's name, shape, type, and whether it is there (a gradient may not be).
+Spec = tuple[str, tuple[int, ...], torch.dtype, bool]
+
+
+def rows_of(tensor: torch.Tensor, name: str, rank: int) -> list[Piece]:
+    """This rank's piece of ``tensor``: a DTensor's rows where it is sharded on its first
+    dimension over one mesh dimension, else the whole tensor, from rank 0 alone (every
+    rank holds it, or gathers it: a collective)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is not None:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0:
+            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                              placements)
+            local = tensor.to_local().detach()
+            return [Piece(name, offset[0] * math.prod(tensor.shape[1:]), local.reshape(-1))]
+        tensor = tensor.full_tensor()
+    return [Piece(name, 0, tensor.detach().reshape(-1))] if rank == 0 else []
 
 
 def is_flat(parameter: torch.Tensor) -> bool:
@@ -82,14 +106,21 @@ class Whole:
     names: list[str]
     sharding: str = "none"
 
-    def gradients(self, parameters: Sequence[nn.Parameter],
-                  grads: Sequence[torch.Tensor | None]) -> Named:
-        return {name: None if g is None else whole(g).detach()
-                for name, g in zip(self.names, grads, strict=True)}
+    @property
+    def sharded(self) -> bool:
+        """FSDP2's DTensors: each rank its own rows; else every rank a whole copy."""
+        return self.sharding == "fsdp2"
 
-    def parameters(self, parameters: Sequence[nn.Parameter]) -> Named:
-        return {name: whole(p).detach() for name, p in zip(self.names, parameters,
-                                                            strict=True)}
+    def specs(self, parameters: Sequence[nn.Parameter], tensors: Sequence[torch.Tensor | None],
+              point: str = "") -> list[Spec]:
+        return [(name, tuple(t.shape), t.dtype, True) if t is not None
+                else (name, (), torch.float32, False)
+                for name, t in zip(self.names, tensors, strict=True)]
+
+    def pieces(self, parameters: Sequence[nn.Parameter], tensors: Sequence[torch.Tensor | None],
+               rank: int, point: str = "") -> list[Piece]:
+        return [piece for name, t in zip(self.names, tensors, strict=True) if t is not None
+                for piece in rows_of(t, name, rank)]
 
 
 @dataclass(frozen=True)
@@ -111,32 +142,18 @@ class Layout:
     #: Where each tensor's piece lies in this rank's shard, (offset, elements), or None
     #: where it has none here: the optimizer holds these pieces under ``use_orig_params``.
     pieces: tuple[tuple[int, int] | None, ...]
+    #: Where each piece starts in its tensor's flattened elements.
+    starts: tuple[int, ...]
 
-    def assembled(self, pieces: dict[int, torch.Tensor | None]) -> torch.Tensor:
-        """This rank's shard from the pieces the optimizer holds, by tensor index."""
-        like = next((t for t in pieces.values() if t is not None), None)
-        local = torch.zeros(self.shard, dtype=like.dtype if like is not None else self.dtype,
-                            device=like.device if like is not None else None)
-        for index, tensor in pieces.items():
-            where = self.pieces[index]
-            if where is not None and tensor is not None and where[1]:
-                local[where[0]:where[0] + where[1]] = tensor.detach().reshape(-1)
-        return local
-
-    def split(self, local: torch.Tensor | None) -> Named:
-        """The tensors of this rank's shard ``local``, gathered from every rank."""
-        if local is None:
-            return dict.fromkeys(self.names)
+    def shard_pieces(self, local: torch.Tensor | None, rank: int) -> list[Piece]:
+        """The pieces of this rank's shard ``local`` (rank 0's alone where every rank holds
+        the whole flat tensor)."""
+        if local is None or (not self.sharded and rank != 0):
+            return []
         flat = local.detach().reshape(-1)
-        if self.sharded:
-            pieces = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(pieces, flat, group=self.group)
-            flat = torch.cat(pieces)
-        tensors = [t for t, pad in zip(torch.split(flat[:self.unpadded], list(self.numels)),
-                                       self.padding, strict=True) if not pad]
-        return {name: tensor.reshape(shape).clone()
-                for name, tensor, shape in zip(self.names, tensors, self.shapes, strict=True)}
-
+        return [Piece(name, start, flat[where[0]:where[0] + where[1]])
+                for name, where, start in zip(self.names, self.pieces, self.starts, strict=True)
+                if where is not None and where[1]]
 
 def handles() -> dict[int, Any]:
     """FSDP1's handles alive, by the id of their FlatParameter and, under
@@ -166,13 +183,15 @@ def layout_of(handle: Any, names: dict[int, str], name: str) -> Layout:
     group = handle.process_group
     sharded = (handle.uses_sharded_strategy and dist.is_initialized()
                and dist.get_world_size(group) > 1)
+    infos = flat._shard_param_infos
     pieces = tuple((info.offset_in_shard, info.numel_in_shard) if info.in_shard else None
-                   for info in flat._shard_param_infos)
+                   for info in infos)
+    starts = tuple(info.intra_param_start_idx if info.in_shard else 0 for info in infos)
     return Layout(tuple(n or prefix + fqn for n, fqn in zip(own, fqns, strict=True)),
                   tuple(flat._shapes), numels,
                   tuple(getattr(flat, "_is_padding_mask", [False] * len(numels))),
                   flat._unpadded_unsharded_size.numel(), group, sharded,
-                  flat._sharded_size.numel(), flat.dtype, pieces)
+                  flat._sharded_size.numel(), flat.dtype, pieces, starts)
 
 
 @dataclass(frozen=True)
@@ -187,15 +206,25 @@ class Part:
     layout: Layout | None = None
     slots: tuple[int, ...] = ()
 
-    def read(self, tensors: Sequence[torch.Tensor | None]) -> Named:
+    def specs(self, tensors: Sequence[torch.Tensor | None]) -> list[Spec]:
         if self.layout is None:
             tensor = tensors[self.positions[0]]
-            return {self.name: None if tensor is None else whole(tensor).detach()}
+            return Whole([self.name]).specs((), [tensor])
+        here = [tensors[position] for position in self.positions]
+        dtype = next((t.dtype for t in here if t is not None), self.layout.dtype)
+        return [(name, tuple(shape), dtype, True)
+                for name, shape in zip(self.layout.names, self.layout.shapes, strict=True)]
+
+    def pieces(self, tensors: Sequence[torch.Tensor | None], rank: int) -> list[Piece]:
+        if self.layout is None:
+            return Whole([self.name]).pieces((), [tensors[self.positions[0]]], rank)
         if not self.slots:
-            return self.layout.split(tensors[self.positions[0]])
-        return self.layout.split(self.layout.assembled(
-            {slot: tensors[position] for position, slot in zip(self.positions, self.slots,
-                                                                strict=True)}))
+            return self.layout.shard_pieces(tensors[self.positions[0]], rank)
+        layout = self.layout
+        return [Piece(layout.names[slot], layout.starts[slot], tensor.detach().reshape(-1))
+                for position, slot in zip(self.positions, self.slots, strict=True)
+                if (tensor := tensors[position]) is not None and layout.pieces[slot]
+                and (layout.sharded or rank == 0)]
 
 
 @dataclass
@@ -207,6 +236,7 @@ class Flat:
 
     parts: list[Part]
     sharding: str = "fsdp1"
+    sharded: bool = True
 
     @classmethod
     def of(cls, parameters: Sequence[nn.Parameter], names: Sequence[str]) -> Flat:
@@ -236,55 +266,17 @@ class Flat:
         return [name for part in self.parts
                 for name in (part.layout.names if part.layout is not None else (part.name,))]
 
-    def _read(self, tensors: Sequence[torch.Tensor | None]) -> Named:
-        named: Named = {}
-        for part in self.parts:
-            named.update(part.read(tensors))
-        return named
+    def specs(self, parameters: Sequence[nn.Parameter], tensors: Sequence[torch.Tensor | None],
+              point: str = "") -> list[Spec]:
+        return [spec for part in self.parts for spec in part.specs(tensors)]
 
-    def gradients(self, parameters: Sequence[nn.Parameter],
-                  grads: Sequence[torch.Tensor | None]) -> Named:
-        return self._read(grads)
-
-    def parameters(self, parameters: Sequence[nn.Parameter]) -> Named:
-        return self._read(list(parameters))
-
-
-@dataclass
-class Engine:
-    """A DeepSpeed engine's model, read with DeepSpeed's own gather: the gradient as its
-    partitions hold it at the accumulation boundary (reduced over the ranks, before
-    DeepSpeed's clip), the parameters as its fp32 master copy (the model's own where
-    DeepSpeed keeps none)."""
-
-    names: list[str]
-    sharding: str
-
-    def gradients(self, parameters: Sequence[nn.Parameter],
-                  grads: Sequence[torch.Tensor | None]) -> Named:
-        from deepspeed.utils import safe_get_full_grad
-
-        named: Named = {}
-        for name, p in zip(self.names, parameters, strict=True):
-            grad = safe_get_full_grad(p)
-            named[name] = None if grad is None else grad.detach()
-        return named
-
-    def parameters(self, parameters: Sequence[nn.Parameter]) -> Named:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        named: Named = {}
-        for name, p in zip(self.names, parameters, strict=True):
-            master = safe_get_full_fp32_param(p)
-            named[name] = (master if master is not None else p).detach()
-        return named
-
-
-Reader = Whole | Flat | Engine
+    def pieces(self, parameters: Sequence[nn.Parameter], tensors: Sequence[torch.Tensor | None],
+               rank: int, point: str = "") -> list[Piece]:
+        return [piece for part in self.parts for piece in part.pieces(tensors, rank)]
 
 
 def reader_for(optimizer: torch.optim.Optimizer, parameters: Sequence[nn.Parameter],
-               names: Sequence[str]) -> Reader:
+               names: Sequence[str]) -> Whole | Flat:
     sharding = sharding_of(optimizer, parameters)
     if sharding == "fsdp1":
         return Flat.of(parameters, names)
