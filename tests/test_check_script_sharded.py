@@ -166,3 +166,60 @@ def test_adam_hides_a_gradient_scale_in_the_update_the_gradient_row_shows_it(run
     update = buggy.row("1x2", point="params")
     assert update["scale"] == pytest.approx(1.0, abs=1e-3)
     assert buggy.row("1x2")["scale"] == pytest.approx(0.5, rel=1e-4)
+
+
+def _memory_runs(folder: Path, width: int) -> None:
+    """In a forked child: FSDP1's 1x1 reference, then 2x1 measuring its memory."""
+    import os
+
+    from harness.grad_check.script.points import MEMORY_VARIABLE
+    from harness.grad_check.script.processes import CommandLauncher
+    from harness.grad_check.script.splits import Split, substituted
+    from tests.script_runs import forked_python
+
+    code = 1
+    try:
+        command = python(EXAMPLES / "fsdp_loop.py", "--fsdp", "1", "--width", str(width),
+                         "--batch-size", "{batch}", "--grad-accum", "{accum}", "--steps", "1")
+        launch = CommandLauncher(steps=1, keep_going=False, timeout=120, global_batch=G,
+                                 starter=forked_python)
+        reference = launch.run(Split(1, 1), substituted(command, Split(1, 1), G),
+                               folder / "reference")
+        os.environ[MEMORY_VARIABLE] = "1"
+        split = launch.run(Split(2, 1), substituted(command, Split(2, 1), G), folder / "split",
+                           reference.folder)
+        code = 0 if reference.failure is None and split.failure is None else 1
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.launches(seconds=5)
+def test_a_rank_holds_its_shard_and_a_bounded_buffer_beyond_the_run(tmp_path):
+    """What the capture adds to a rank of FSDP1 at 2x1: the gradient it keeps before the
+    clip (its shard, no more) and the float64 chunks of its comparing (bounded by
+    harness/check/compare.py's CHUNK, whatever the model's size); the reference's slices
+    are views of its file."""
+    import multiprocessing as mp
+
+    from harness.check.compare import CHUNK
+    from harness.grad_check.script.processes import Run
+    from harness.grad_check.script.records import Captured
+    from harness.grad_check.script.splits import Split
+
+    pytest.importorskip("torch.distributed.fsdp")
+    child = mp.get_context("fork").Process(target=_memory_runs, args=(tmp_path, 1024))
+    child.start()
+    child.join(240)
+    assert child.exitcode == 0
+    summaries = Captured.read(Run(Split(2, 1), (), tmp_path / "split", 0.0, None)).summaries
+    # Float64 chunks of m, r, o and their differences; then the sums, a few hundred bytes.
+    bound = 8 * CHUNK * 8 + 2**16
+    for summary in summaries:
+        record = summary["records"][0]
+        grad = record["compared"]["grad"]["memory"]
+        # Half of the 1024 x 1024 layer and the rest: one shard, kept once.
+        assert grad["pieces"] > 1024 * 1024 * 4 // 2
+        # Its flat shard: the pieces and FSDP1's padding of the last rank's, a few elements.
+        assert grad["pieces"] <= record["kept_bytes"] <= grad["pieces"] + 64
+        for point in ("grad", "params"):
+            assert record["compared"][point]["memory"]["work"] <= bound

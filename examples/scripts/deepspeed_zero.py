@@ -31,6 +31,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="samples per micro-step")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train")
+    parser.add_argument("--width", type=int, default=32, help="hidden layers' width")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--divide-again", action="store_true",
@@ -69,8 +70,9 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)  # the same initial weights on every rank and at every split
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 1))
+    width = args.width
+    model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, 1))
     config = {
         "train_micro_batch_size_per_gpu": args.batch_size,
         "gradient_accumulation_steps": args.grad_accum,

@@ -35,6 +35,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--use-orig-params", action="store_true",
                         help="FSDP1: hand the optimizer the original parameters (as "
                              "Accelerate and the Trainer do), each a piece of a flat shard")
+    parser.add_argument("--width", type=int, default=32, help="hidden layers' width")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--forget-divide", action="store_true",
@@ -92,8 +93,10 @@ def main() -> None:
     init_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank and at every split
-    model = sharded(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                                  nn.Linear(32, 1)), args.fsdp, args.use_orig_params)
+    width = args.width
+    model = sharded(nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width),
+                                  nn.Tanh(), nn.Linear(width, 1)), args.fsdp,
+                    args.use_orig_params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = regression_data()
     # Shuffled once, with one seed: the first N*k*b samples of the permutation make up the

@@ -210,6 +210,7 @@ class Capture:
         self.dtypes.update(str(dtype) for _, _, dtype, present in specs if present)
         record = tracked.open_record(self.window, optimizer)
         record["grad_digests"] = kept
+        record["kept_bytes"] = self.window.kept_bytes()
         record["clips"] += [clip] if clip else []
         if record["clips"]:
             record["before_norm"] = points.norm(pieces, tracked.sharded)

@@ -18,6 +18,7 @@ views of the mapped file.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,16 @@ import torch.distributed as dist
 
 from harness.check import shards
 from harness.check.compare import compare, compare_each
+from harness.check.memory import peak_tensor_bytes
 from harness.check.shards import Piece
 from harness.grad_check.script.files import tensors_file
 
 #: The reference's first run's folder, where a run compares instead of writing.
 REFERENCE_VARIABLE = "GRAD_CHECK_REFERENCE"
+#: "1": each compared point also records the tensor memory its work held at its peak
+#: beyond what the process held before (harness/check/memory.py) and its pieces' bytes
+#: (scripts/bench.py measures the capture's extra memory per rank with it).
+MEMORY_VARIABLE = "GRAD_CHECK_MEMORY"
 #: (name, shape, dtype, present) of each whole tensor (harness/check/shards.py entries).
 Spec = tuple[str, Sequence[int], torch.dtype, bool]
 
@@ -91,8 +97,16 @@ class Points:
             return None
         if point == "initial" or not (sharded or self.rank == 0):
             return None
-        return compared(self.against, optimizer, step, point, specs, pieces,
-                        group() if sharded else None)
+        ranks = group() if sharded else None
+        if os.environ.get(MEMORY_VARIABLE) != "1":
+            return compared(self.against, optimizer, step, point, specs, pieces, ranks)
+        found: list[dict[str, Any] | None] = []
+        peak = peak_tensor_bytes(lambda: found.append(compared(
+            self.against, optimizer, step, point, specs, pieces, ranks)))
+        if found[0] is not None:
+            found[0]["memory"] = {"work": peak, "pieces": sum(
+                p.tensor.numel() * p.tensor.element_size() for p in pieces)}
+        return found[0]
 
 
 def compared(against: Path, optimizer: int, step: int, point: str, specs: Sequence[Spec],

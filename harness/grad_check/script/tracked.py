@@ -91,6 +91,11 @@ class Window:
             if parameter.grad is not None and id(parameter) not in self.kept:
                 self.kept[id(parameter)] = parameter.grad.detach().clone()
 
+    def kept_bytes(self) -> int:
+        """The memory the kept gradients take in this process (a DTensor's: its shard's)."""
+        local = [getattr(t, "to_local", lambda t=t: t)() for t in self.kept.values()]
+        return sum(t.numel() * t.element_size() for t in local)
+
     def clipped(self, text: str, parameters: Iterable[nn.Parameter]) -> None:
         self.clips.append((text, {id(p) for p in parameters}))
 
