@@ -205,6 +205,42 @@ def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
     assert written.abs().sum() > 0
 
 
+def test_an_fsdp1_shard_is_cut_into_pieces_of_its_tensors_at_their_places(monkeypatch):
+    """FSDP1 at N = 2 flattens a (2, 3) weight and a (3,) bias into 9 elements, padded to
+    10: rank 0's shard is the weight's first 5, rank 1's the weight's last one, the bias
+    and the padding. Each piece goes where its elements sit in its own tensor."""
+    from types import SimpleNamespace
+
+    from harness.grad_check.script import sharded
+
+    def info(offset, numel, first):
+        return SimpleNamespace(in_shard=numel > 0, offset_in_shard=offset,
+                               numel_in_shard=numel, intra_param_start_idx=first)
+
+    monkeypatch.setattr(sharded.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sharded.dist, "get_world_size", lambda group=None: 2)
+    weight, bias = torch.arange(6.0).reshape(2, 3), torch.arange(6.0, 9.0)
+    whole = torch.cat([weight.reshape(-1), bias, torch.zeros(1)])
+    for rank, infos in ((0, (info(0, 5, 0), info(None, 0, None))),
+                        (1, (info(0, 1, 5), info(1, 3, 0)))):
+        flat = SimpleNamespace(_fqns=("weight", "bias"), _shapes=(weight.shape, bias.shape),
+                               _numels_with_padding=(6, 3), _is_padding_mask=(False, False),
+                               _shard_param_infos=infos, _params=None, dtype=torch.float32,
+                               _unpadded_unsharded_size=torch.Size([9]),
+                               _sharded_size=torch.Size([5]))
+        handle = SimpleNamespace(flat_param=flat, process_group=None,
+                                 uses_sharded_strategy=True)
+        layout = sharded.layout_of(handle, {}, "layers.0._flat_param")
+        pieces = layout.shard_pieces(whole[5 * rank:5 * rank + 5], rank)
+        placed = {"layers.0.weight": weight.reshape(-1), "layers.0.bias": bias}
+        assert pieces and all(
+            torch.equal(piece.tensor, placed[piece.name][piece.start:
+                                                          piece.start + piece.tensor.numel()])
+            for piece in pieces)
+    assert [(p.name, p.start, p.tensor.numel()) for p in pieces] == [
+        ("layers.0.weight", 5, 1), ("layers.0.bias", 0, 3)]
+
+
 # ---------------------------------------------------------------- rows from captures
 NAMES = ("w", "b")
 

@@ -179,7 +179,7 @@ def layout_of(handle: Any, names: dict[int, str], name: str) -> Layout:
               else name[:len(name) - len(fqns[known])] if known is not None else "")
     own = [names.get(id(originals[j])) if j < len(originals) else None
            for j in range(len(fqns))]
-    numels = tuple(getattr(flat, "_numels_with_padding", flat._numels))
+    numels = tuple(getattr(flat, "_numels_with_padding", None) or flat._numels)
     group = handle.process_group
     sharded = (handle.uses_sharded_strategy and dist.is_initialized()
                and dist.get_world_size(group) > 1)
