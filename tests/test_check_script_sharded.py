@@ -94,7 +94,7 @@ def buggy_command(sharded: Sharded) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-@launching(seconds=25)
+@launching(seconds=35)
 def runs(tmp_path_factory) -> dict[str, tuple[CheckRun, CheckRun]]:
     """Every sharded script as it is (at every split) and with its bug (at k > 1)."""
     pytest.importorskip("deepspeed")
