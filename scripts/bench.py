@@ -71,7 +71,12 @@
    other, with torchrun's environment but no capture: wall time and CPU time (of the
    processes each starts) of each, alternating, ``--repeat`` times; medians. The check
    runs the reference twice and stops each run after its steps. Target: at most 1.2x
-   the bare runs.
+   the bare runs. Then the capture's extra memory per rank on sharded scripts
+   (examples/scripts/fsdp_loop.py under FSDP1 and FSDP2, deepspeed_zero.py under ZeRO-2,
+   hidden width 4096, 16.8M parameters, one step at 2x1 against the 1x1 reference):
+   each rank's gradient kept before the clip plus the most tensor memory its comparing
+   held at once (the allocator's record, harness/check/memory.py), over the bytes of its
+   shard of the gradient. Target: <= 1.2x.
 
 Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
@@ -435,6 +440,51 @@ def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
             "cpu_ratio": results["check_cpu"] / results["bare_cpu"], "splits": splits}
 
 
+#: The sharded scripts of the script benchmark's memory measurement, and their width.
+SHARDED = {"FSDP1": ("examples/scripts/fsdp_loop.py", "--fsdp", "1"),
+           "FSDP2": ("examples/scripts/fsdp_loop.py", "--fsdp", "2"),
+           "ZeRO-2": ("examples/scripts/deepspeed_zero.py", "--stage", "2")}
+SHARDED_WIDTH = 4096
+
+
+def bench_script_memory(scratch: Path) -> dict[str, dict[str, float]]:
+    """Per sharded script: the capture's extra tensor memory per rank at 2x1 (its kept
+    gradient and the peak of its comparing, the worst rank), over its gradient shard."""
+    from harness.grad_check.script.points import MEMORY_VARIABLE
+    from harness.grad_check.script.processes import CommandLauncher
+    from harness.grad_check.script.records import Captured
+    from harness.grad_check.script.splits import Split, substituted
+
+    launch = CommandLauncher(steps=1, keep_going=False, timeout=600, global_batch=16)
+    results = {}
+    for name, (script, *flags) in SHARDED.items():
+        command = [sys.executable, str(ROOT / script), *flags, "--width", str(SHARDED_WIDTH),
+                   "--batch-size", "{batch}", "--grad-accum", "{accum}", "--steps", "1"]
+        runs = {}
+        for split in (Split(1, 1), Split(2, 1)):
+            os.environ[MEMORY_VARIABLE] = "1" if runs else "0"
+            runs[split] = launch.run(split, substituted(command, split, 16),
+                                     scratch / f"memory-{name}-{split.label}",
+                                     against=runs[Split(1, 1)].folder if runs else None)
+            if runs[split].failure is not None:
+                sys.exit(f"bench.py: error: {name} {split.label}: {runs[split].failure}")
+        os.environ.pop(MEMORY_VARIABLE)
+        worst = max((ranks_memory(summary) for summary
+                     in Captured.read(runs[Split(2, 1)]).summaries), key=lambda m: m["ratio"])
+        results[name] = worst
+    return results
+
+
+def ranks_memory(summary: dict) -> dict[str, float]:
+    """One rank's step 0: its kept gradient, its comparing's peak, its shard, in MiB."""
+    record = summary["records"][0]
+    compared = record["compared"]
+    shard = compared["grad"]["memory"]["pieces"]
+    work = max(compared[point]["memory"]["work"] for point in ("grad", "params"))
+    return {"shard": shard / 2**20, "kept": record["kept_bytes"] / 2**20,
+            "work": work / 2**20, "ratio": (record["kept_bytes"] + work) / shard}
+
+
 def wall_and_cpu(work) -> tuple[float, float]:
     """Seconds ``work()`` takes, and the CPU seconds of the processes it started and
     waited for (theirs and their own children's): on a machine other work shares, the CPU
@@ -605,6 +655,14 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
             ["`grad-check run` (reference twice, captured, compared)",
              f"{script['check']:.1f} s", f"{script['ratio']:.2f}x (target <= 1.2x)",
              f"{script['check_cpu']:.1f} s", f"{script['cpu_ratio']:.2f}x"]], right=4)
+    if "script_memory" in timings:
+        lines += ["", f"script memory: the capture's extra tensor memory per rank (the worst "
+                  f"rank) at 2x1 against the 1x1 reference, hidden width {SHARDED_WIDTH}"]
+        lines += table(["script", "gradient shard", "kept before the clip",
+                        "comparing's peak", "extra / shard"],
+                       [[name, f"{m['shard']:.1f} MiB", f"{m['kept']:.1f} MiB",
+                         f"{m['work']:.1f} MiB", f"{m['ratio']:.2f}x (target <= 1.2x)"]
+                        for name, m in timings["script_memory"].items()], right=4)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
@@ -644,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             timings["frameworks"] = bench_frameworks(args.repeat, Path(scratch))
         if args.only in (None, "script"):
             timings["script"] = bench_script(args.repeat, Path(scratch))
+            timings["script_memory"] = bench_script_memory(Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.nproc, args.repeat, Path(scratch))
     print(markdown(args.nproc, args.repeat, timings))

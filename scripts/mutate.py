@@ -130,6 +130,15 @@ MUTATIONS = (
              "                     killed_in_case(error_dir, failure.rank)) or failure.line",
              ("tests/test_launcher.py::test_a_rank_stopped_after_it_wrote_its_line_is_named_by_"
               "its_line",)),
+    Mutation("shard-piece-at-tensor-start", "harness/check/shards.py",
+             "written, at = 0, entry.offset + piece.start * size",
+             "written, at = 0, entry.offset",
+             ("tests/test_check_shards.py",)),
+    Mutation("fsdp1-piece-at-shard-offset", "harness/grad_check/script/sharded.py",
+             "starts = tuple(info.intra_param_start_idx if info.in_shard else 0",
+             "starts = tuple(info.offset_in_shard if info.in_shard else 0",
+             ("tests/test_check_script.py::test_an_fsdp1_shard_is_cut_into_pieces_of_its_"
+              "tensors_at_their_places",)),
     Mutation("chunk-weighed-by-its-own-count", "harness/check/chunked.py",
              "whole.backward(total / share.divisor)", "whole.backward(total / max(count, 1.0))",
              ("tests/test_check_chunked.py::test_the_chunked_reference_is_the_whole_batch_"

@@ -10,7 +10,9 @@ Correct scripts (each must match at every split):
 - ``checkpointed``: a sequence-first GRU (its samples on axis 1) whose head runs under
   activation checkpointing, reentrant and not;
 - ``bf16-layer``: a float32 model whose middle layer runs under bfloat16 autocast entered
-  inside its ``forward``.
+  inside its ``forward``;
+- ``zero-redundancy``: DDP with a ZeroRedundancyOptimizer (each rank steps the state of
+  its shard of the parameters, then broadcasts them), plain SGD in one process.
 
 Scripts with a bug (each must read what it is):
 
@@ -19,7 +21,8 @@ Scripts with a bug (each must read what it is):
 - ``two-optimizers``: the head has an optimizer of its own and a loss not divided by k;
 - ``clip-on-rank-0``: rank 0 alone clips before the step;
 - ``remainder``: the dataset ends in a window of fewer micro-steps than k, stepped with
-  the loss divided by k.
+  the loss divided by k;
+- ``zero-redundancy-no-divide``: ``zero-redundancy`` with the loss not divided by k.
 """
 
 import argparse
@@ -28,12 +31,14 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
-         "two-optimizers", "clip-on-rank-0", "remainder")
+         "two-optimizers", "clip-on-rank-0", "remainder", "zero-redundancy",
+         "zero-redundancy-no-divide")
 
 
 def arguments() -> argparse.Namespace:
@@ -131,10 +136,14 @@ def composite(args, distributed: bool, rank: int):
 
 def single_model(module: nn.Module, distributed: bool, clip: float | None = None,
                  divide: bool = True, loss=nn.functional.mse_loss, clip_ranks=None,
-                 inputs=lambda x: x):
+                 inputs=lambda x: x, sharded_state: bool = False):
     def make(args, dist_on: bool, rank: int):
         model = wrapped(module, distributed and dist_on)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                             momentum=0.9)
+                     if sharded_state and dist_on else
+                     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if sharded_state
+                                     else 0.0))
 
         def step(x, y, last: bool) -> None:
             output = model(inputs(x))
@@ -209,6 +218,10 @@ TRAINERS = {
     "clip-on-rank-0": lambda args, d, rank: single_model(mlp(), True, clip=0.05,
                                                          clip_ranks={0})(args, d, rank),
     "remainder": lambda args, d, rank: single_model(mlp(), True)(args, d, rank),
+    "zero-redundancy": lambda args, d, rank: single_model(
+        mlp(), True, sharded_state=True)(args, d, rank),
+    "zero-redundancy-no-divide": lambda args, d, rank: single_model(
+        mlp(), True, sharded_state=True, divide=False)(args, d, rank),
 }
 
 

@@ -16,12 +16,16 @@ import pytest
 import torch
 from torch import nn
 
+from harness.check import shards
 from harness.check.outcome import exit_code
+from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import capture, naming, samples
 from harness.grad_check.script.config import ScriptConfig
+from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.grad_check_run import main, render
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
+from harness.grad_check.script.points import Points
 from harness.grad_check.script.processes import CommandLauncher, Failure, Run, first_failure
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
@@ -77,10 +81,27 @@ def test_bad_input_is_one_line_exit_2_and_no_csv(capsys, tmp_path, argv, named):
     assert named in refused(capsys, tmp_path, *argv)
 
 
-def test_more_ranks_than_cores_is_refused_before_anything_runs():
-    with pytest.raises(UsageError, match=r"split 4x1 starts 4 ranks .* 2 CPU core\(s\)"):
+def test_more_ranks_than_gpus_is_refused_before_anything_runs():
+    with pytest.raises(UsageError, match=r"split 4x1 starts 4 ranks .* shows 2 GPU\(s\), one "
+                                         r"per rank .* CUDA_VISIBLE_DEVICES="):
         ScriptConfig(command=tuple(COMMAND), global_batch=8,
-                     splits=(Split(1, 1), Split(4, 1)), cores=2)
+                     splits=(Split(1, 1), Split(4, 1)), gpus=2)
+
+
+def test_more_ranks_than_cores_run_with_one_line_saying_so(capsys, monkeypatch):
+    """As the studies do (harness/launcher.py): the verdicts are the same, the runs slower."""
+    from harness.grad_check.script import grad_check_run, matrix
+
+    monkeypatch.setattr("harness.launcher.usable_cores", lambda: 2)
+    monkeypatch.setattr(matrix.ScriptCheck, "rows", lambda self: [])
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8,
+                          splits=(Split(1, 1), Split(4, 1)), quiet=True, out=Path("unused"))
+    assert config.most_ranks == 4
+    monkeypatch.setattr("harness.results.write_csv_atomic", lambda *args: None)
+    grad_check_run.run(config)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("grad-check run: note: 4 ranks share 2 CPU cores: the findings are the "
+                    "same, but timings will be slow")
 
 
 def test_help_explains_every_flag_and_the_placeholders(capsys):
@@ -178,11 +199,47 @@ def test_a_step_given_a_closure_is_read_once_the_closure_has_run(tmp_path):
 
     seen = capture.Capture(tmp_path, steps=1, keep_going=True, timeout=10)
     args, kwargs = seen.before_step(optimizer, (optimizer, closure), {})
-    assert not list(tmp_path.glob("*step0.grad.pt"))  # nothing read before the closure ran
+    assert not list(tmp_path.glob("*step0.grad*"))  # nothing read before the closure ran
     args[1]()
-    written = torch.load(capture.tensors_file(tmp_path, 0, 0, "grad"))
-    assert torch.equal(written["weight"], model.weight.grad)
-    assert written["weight"].abs().sum() > 0
+    written = shards.Mapped(tensors_file(tmp_path, 0, 0, "grad")).whole("weight")
+    assert torch.equal(written, model.weight.grad)
+    assert written.abs().sum() > 0
+
+
+def test_an_fsdp1_shard_is_cut_into_pieces_of_its_tensors_at_their_places(monkeypatch):
+    """FSDP1 at N = 2 flattens a (2, 3) weight and a (3,) bias into 9 elements, padded to
+    10: rank 0's shard is the weight's first 5, rank 1's the weight's last one, the bias
+    and the padding. Each piece goes where its elements sit in its own tensor."""
+    from types import SimpleNamespace
+
+    from harness.grad_check.script import sharded
+
+    def info(offset, numel, first):
+        return SimpleNamespace(in_shard=numel > 0, offset_in_shard=offset,
+                               numel_in_shard=numel, intra_param_start_idx=first)
+
+    monkeypatch.setattr(sharded.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sharded.dist, "get_world_size", lambda group=None: 2)
+    weight, bias = torch.arange(6.0).reshape(2, 3), torch.arange(6.0, 9.0)
+    whole = torch.cat([weight.reshape(-1), bias, torch.zeros(1)])
+    for rank, infos in ((0, (info(0, 5, 0), info(None, 0, None))),
+                        (1, (info(0, 1, 5), info(1, 3, 0)))):
+        flat = SimpleNamespace(_fqns=("weight", "bias"), _shapes=(weight.shape, bias.shape),
+                               _numels_with_padding=(6, 3), _is_padding_mask=(False, False),
+                               _shard_param_infos=infos, _params=None, dtype=torch.float32,
+                               _unpadded_unsharded_size=torch.Size([9]),
+                               _sharded_size=torch.Size([5]))
+        handle = SimpleNamespace(flat_param=flat, process_group=None,
+                                 uses_sharded_strategy=True)
+        layout = sharded.layout_of(handle, {}, "layers.0._flat_param")
+        pieces = layout.shard_pieces(whole[5 * rank:5 * rank + 5], rank)
+        placed = {"layers.0.weight": weight.reshape(-1), "layers.0.bias": bias}
+        assert pieces and all(
+            torch.equal(piece.tensor, placed[piece.name][piece.start:
+                                                          piece.start + piece.tensor.numel()])
+            for piece in pieces)
+    assert [(p.name, p.start, p.tensor.numel()) for p in pieces] == [
+        ("layers.0.weight", 5, 1), ("layers.0.bias", 0, 3)]
 
 
 # ---------------------------------------------------------------- rows from captures
@@ -199,22 +256,32 @@ def gradients(step: int) -> dict[str, torch.Tensor]:
 EIGHT = tuple(f"s{i}" for i in range(8))
 
 
+def point(points: Points, step: int, name: str, tensors: dict[str, torch.Tensor]):
+    """What the capture does with one point of whole tensors (harness/grad_check/script/
+    points.py): writes it (the reference) or compares it with the reference's."""
+    specs = [(key, tuple(t.shape), t.dtype, True) for key, t in tensors.items()]
+    pieces = [Piece(key, 0, t.reshape(-1)) for key, t in tensors.items()]
+    return points.done(0, step, name, specs, pieces, sharded=False)
+
+
 def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1, forwards=None) -> Captured:
+                    lr=0.1, forwards=None, against: Captured | None = None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
-    gradient digests are ``fingerprints[r]``."""
+    gradient digests are ``fingerprints[r]``. Without ``against`` it is the reference's
+    first run, which writes its tensors; else compared with that run, as a rank does."""
     folder.mkdir(parents=True)
+    points = Points(folder, against.run.folder if against else None, 0)
     params = {name: torch.zeros_like(tensor) for name, tensor in gradients(0).items()}
-    torch.save(params, capture.tensors_file(folder, 0, 0, "initial"))
+    point(points, 0, "initial", params)
     records = []
     for step in range(2):
         grad = grads(step)
-        torch.save(grad, capture.tensors_file(folder, 0, step, "grad"))
+        compared = {"grad": point(points, step, "grad", grad)}
         params = {name: params[name] - lr * grad[name] for name in NAMES}
-        torch.save(params, capture.tensors_file(folder, 0, step, "params"))
-        records.append({"optimizer": 0, "step": step,
+        compared["params"] = point(points, step, "params", params)
+        records.append({"optimizer": 0, "step": step, "compared": compared,
                         "samples": [[name, name, "pad"] for name in samples],
                         "counts": list(counts), "lrs": [lr], "clips": [],
                         "forwards": split.accum_steps,
@@ -236,10 +303,10 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
 
 def rows_of(tmp_path: Path, split: Split, **made) -> list[dict]:
     reference = written_capture(tmp_path / "reference", Split(1, 1))
-    again = written_capture(tmp_path / "again", Split(1, 1))
+    again = written_capture(tmp_path / "again", Split(1, 1), against=reference)
     noise = check_deterministic(reference, again)
-    return SplitJudge(written_capture(tmp_path / split.label, split, **made), reference,
-                      noise, 8).rows()
+    return SplitJudge(written_capture(tmp_path / split.label, split, against=reference,
+                                      **made), reference, noise, 8).rows()
 
 
 def test_a_gradient_k_times_too_large_is_scaled_and_names_k(tmp_path):
@@ -321,7 +388,7 @@ def test_other_samples_explain_a_gradient_that_differs(tmp_path):
 def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
     twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"),
-                            grads=different)
+                            grads=different, against=reference)
     rows = SplitJudge(twice, reference, {}, 2).rows()
     assert rows[0]["verdict"] == "differs"
     assert "every one of the 2 ranks fed the same 1 sample(s)" in rows[0]["fix"]
@@ -412,8 +479,9 @@ def test_an_all_zero_gradient_compares_nothing_and_fails(tmp_path):
         return {name: torch.zeros_like(t) for name, t in gradients(step).items()}
 
     reference = written_capture(tmp_path / "reference", Split(1, 1), grads=zero)
-    again = written_capture(tmp_path / "again", Split(1, 1), grads=zero)
-    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), grads=zero), reference,
+    again = written_capture(tmp_path / "again", Split(1, 1), grads=zero, against=reference)
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), grads=zero,
+                                      against=reference), reference,
                       check_deterministic(reference, again), 8).rows()
     assert [row["status"] for row in rows[:2]] == ["no gradient", "no update"]
     assert {row["verdict"] for row in rows} == {""}
@@ -422,8 +490,8 @@ def test_an_all_zero_gradient_compares_nothing_and_fails(tmp_path):
 
 def test_an_update_at_learning_rate_0_is_skipped_not_failed(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), lr=0.0)
-    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), lr=0.0), reference,
-                      {}, 8).rows()
+    rows = SplitJudge(written_capture(tmp_path / "split", Split(1, 2), lr=0.0,
+                                      against=reference), reference, {}, 8).rows()
     assert rows[0]["verdict"] == "matches"
     assert rows[1]["status"].startswith("skipped: the learning rate was 0")
     assert exit_code(rows, "differs", "check.py run", case_label) == 0
@@ -456,11 +524,12 @@ def test_a_reference_that_does_not_repeat_itself_is_refused(tmp_path):
     first = written_capture(tmp_path / "first", Split(1, 1))
     drifted = written_capture(tmp_path / "again", Split(1, 1),
                               grads=lambda s: {n: t + 1e-3 * t.cos() for n, t in
-                                               gradients(s).items()})
+                                               gradients(s).items()}, against=first)
     with pytest.raises(UsageError, match=r"ran twice and its step 0 gradient differed .* not "
                                          r"deterministic.*dropout.*unseeded sampler"):
         check_deterministic(first, drifted)
-    shuffled = written_capture(tmp_path / "shuffled", Split(1, 1), samples=("s1", "s2"))
+    shuffled = written_capture(tmp_path / "shuffled", Split(1, 1), samples=("s1", "s2"),
+                               against=first)
     with pytest.raises(UsageError, match="fed other samples in step 0"):
         check_deterministic(first, shuffled)
 
@@ -476,9 +545,9 @@ def test_a_reference_drifting_past_its_tolerance_is_refused_and_one_within_it_is
 
     with pytest.raises(UsageError, match="its step 0 gradient differed"):
         check_deterministic(first, written_capture(tmp_path / "far", Split(1, 1),
-                                                   grads=drifted(5e-9)))
+                                                   grads=drifted(5e-9), against=first))
     noise = check_deterministic(first, written_capture(tmp_path / "near", Split(1, 1),
-                                                       grads=drifted(5e-10)))
+                                                       grads=drifted(5e-10), against=first))
     assert noise[(0, 0, "grad")] == pytest.approx(5e-10, rel=1e-3)
 
 
@@ -590,7 +659,8 @@ def test_a_module_call_that_raised_closes_its_forward_without_its_keyword_argume
 
 def test_a_token_count_difference_under_the_trainer_is_said_in_its_terms(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1))
-    split = written_capture(tmp_path / "split", Split(2, 1), grads=different, counts=(12, 30))
+    split = written_capture(tmp_path / "split", Split(2, 1), grads=different, counts=(12, 30),
+                            against=reference)
     for rank in range(2):  # the script imported the Trainer
         path = capture.summary_file(split.run.folder, rank)
         torch.save({**torch.load(path), "frameworks": ["trainer"]}, path)

@@ -145,7 +145,7 @@ def test_accelerate_on_a_machine_without_gpus_is_given_what_it_needs_for_several
 
 def config(*command: str, **settings) -> ScriptConfig:
     return ScriptConfig(command=tuple(command), global_batch=8,
-                        splits=(Split(1, 1), Split(2, 1)), cores=2, **settings)
+                        splits=(Split(1, 1), Split(2, 1)), **settings)
 
 
 def test_the_command_s_launcher_starts_the_ranks_unless_told_otherwise():

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from harness.grad_check.script.processes import STARTUP
+from harness.launcher import usable_cores
 from tests.launch import ForkedChild
 from tests.process_tree import descendants, kill_left, running, wait_until
-from tests.script_runs import PROGRAM, forked_python, python, run_check, run_checks
+from tests.script_runs import EXAMPLES, PROGRAM, forked_python, python, run_check, run_checks
 
 pytestmark = pytest.mark.launches(seconds=2)
 
@@ -47,13 +48,13 @@ def test_a_sound_loop_takes_the_big_batch_step_at_every_split(tmp_path):
     assert "-> " in done.stdout.splitlines()[-1]
 
 
-def test_fsdp2_shards_are_gathered_and_named_as_the_model_names_them(tmp_path):
+def test_fsdp2_shards_are_compared_and_named_as_the_model_names_them(tmp_path):
     done = run_check(["--global-batch", "8", "--splits", "1x1,2x1,2x2", "--steps", "1",
                       *program("fsdp2")], tmp_path / "out")
     assert done.code == 0, done.stdout + done.stderr
     assert set(done.rows["verdict"]) == {"matches"}
     two = done.rows[done.rows["split"] != "1x1"]
-    assert two["ranks_agree"].all()  # every rank gathered the whole tensors
+    assert two["ranks_agree"].isna().all()  # each rank held its own rows: none to agree on
     assert "0.weight" in done.rows["worst_tensors"].iloc[0]
 
 
@@ -335,3 +336,29 @@ def test_grad_check_killed_outright_leaves_no_launcher_or_worker_behind(tmp_path
     reach of a signal to its group: each watches grad-check itself."""
     killed_check_leaves_nothing(tmp_path, torchrun("--case", "forks-and-hangs",
                                                    "--batch-size", "{batch}"), 4)
+
+
+@pytest.mark.launches(seconds=8)
+def test_four_ranks_on_two_cores_give_the_verdicts_of_two(tmp_path):
+    """More ranks than cores run (the machine's cores shared, one line says so) and judge as
+    N = 2 does: the DDP loop without / k is k times the big batch's at N = 2 and N = 4
+    alike, and ranks that never all-reduce differ at both."""
+    buggy, apart = run_checks([
+        (["--global-batch", "16", "--splits", "2x1,4x1,2x2,4x2", "--", *python(
+            EXAMPLES / "ddp_loop.py", "--batch-size", "{batch}", "--grad-accum", "{accum}",
+            "--forget-divide")], tmp_path / "buggy"),
+        (["--global-batch", "8", "--splits", "2x1,4x1", *program("without-ddp")],
+         tmp_path / "apart")])
+    for done in (buggy, apart):
+        assert done.code in (0, 1), done.stdout + done.stderr
+        if usable_cores() < 4:
+            assert "note: 4 ranks share" in done.stderr
+    for k in (1, 2):
+        for point in ("grad", "params"):
+            two, four = buggy.row(f"2x{k}", point=point), buggy.row(f"4x{k}", point=point)
+            assert (four["verdict"], four["fix"]) == (two["verdict"], two["fix"]), (k, point)
+            assert four["scale"] == pytest.approx(two["scale"], rel=1e-4)
+    assert buggy.row("4x2")["verdict"] == "scaled"
+    assert buggy.row("4x2")["scale"] == pytest.approx(2.0, rel=1e-4)
+    assert buggy.row("4x1")["verdict"] == "matches"
+    assert apart.row("2x1")["verdict"] == apart.row("4x1")["verdict"] == "ranks differ"

@@ -1,4 +1,5 @@
-"""scripts/slurm/study.sbatch: submitted to a real (local, one-node) Slurm, and its checks.
+"""scripts/slurm/study.sbatch and check-run.sbatch: submitted to a real (local, one-node)
+Slurm, and their checks.
 
 The tests marked ``slurm`` start a cluster of their own with
 scripts/slurm/local_cluster.sh (munged, slurmctld, slurmd; its own ports and
@@ -208,3 +209,83 @@ def test_any_other_failure_keeps_srun_exit_code(tmp_path):
     assert done.returncode == 3
     assert done.stderr.splitlines()[-1] == (
         "study.sbatch: error: the study failed (srun exit code 3); torchrun's report is above")
+
+
+# ------------------------------------------------- check-run.sbatch: grad-check run in a job
+CHECK_RUN_SCRIPT = ROOT / "scripts" / "slurm" / "check-run.sbatch"
+CHECK_RUN_ARGS = ["--global-batch", "8", "--splits", "1x1,2x1", "--steps", "1", "--",
+                  sys.executable, str(ROOT / "tests" / "script_program.py"), "--batch-size",
+                  "{batch}", "--grad-accum", "{accum}"]
+
+
+@pytest.mark.slurm
+@pytest.mark.launches(seconds=14)
+def test_check_run_sbatch_gives_the_rows_of_the_same_run_without_slurm(slurm_env, tmp_path):
+    """Every rank an srun step of the job (fresh interpreters loading the capture through
+    the startup hook); the rows in CHECK_RESULTS/<job id>/ are those of the same check
+    with its ranks forked here, number for number."""
+    from tests.script_runs import run_check
+
+    job_env = {**slurm_env, "CHECK_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+               "CHECK_RESULTS": str(tmp_path / "results")}
+    submitted = subprocess.Popen(
+        ["sbatch", "--wait", "--parsable", "--cpus-per-task=1",
+         f"--output={tmp_path}/slurm-%j.out", str(CHECK_RUN_SCRIPT), *CHECK_RUN_ARGS],
+        cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Measured while the job waits for its turn, and for sbatch's next look at it.
+    without = run_check(CHECK_RUN_ARGS, tmp_path / "without")
+    code, job_id, output = finish(submitted, tmp_path)
+    assert code == 0, output
+    assert (f"check-run.sbatch: job {job_id}: ranks on node(s) localhost, the check and its "
+            f"store on localhost, rows in {tmp_path / 'results' / job_id}") in output
+    rows = pd.read_csv(tmp_path / "results" / job_id / "script.csv")
+    assert sorted(os.listdir(tmp_path / "results" / job_id)) == ["logs", "script.csv"]  # no captures
+    assert without.code == 0 and set(rows["verdict"]) == {"matches"}
+    pd.testing.assert_frame_equal(rows, without.rows, check_exact=True)
+
+
+def test_check_run_sbatch_outside_a_job_is_one_line(tmp_path):
+    env = {**_clean_environment(), "CHECK_PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(CHECK_RUN_SCRIPT), *CHECK_RUN_ARGS], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "check-run.sbatch: error: not inside a Slurm job (SLURM_JOB_ID is unset); submit it: "
+        "sbatch scripts/slurm/check-run.sbatch [options] -- COMMAND"]
+
+
+@pytest.mark.parametrize(("world_size", "nodes", "expected"), [
+    (1, 2, [(0, 0, 1, 1)]),
+    (2, 2, [(0, 0, 1, 2), (1, 0, 1, 2)]),
+    (4, 2, [(0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]),
+    (3, 2, [(0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 1, 2)]),
+    (2, 1, [(0, 0, 2, 1), (0, 1, 2, 1)]),
+])
+def test_a_splits_ranks_fill_the_fewest_nodes_in_blocks(world_size, nodes, expected):
+    from harness.grad_check.script.slurm import Placement, placement
+
+    assert [placement(rank, world_size, nodes) for rank in range(world_size)] == [
+        Placement(*where) for where in expected]
+
+
+def test_each_rank_is_an_srun_step_on_its_node_with_its_node_local_variables(tmp_path):
+    from harness.grad_check.script.slurm import NODES_VARIABLE, srun_starter
+
+    fake = tmp_path / "srun"
+    fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$0.args"\nenv > "$0.env"\n')
+    fake.chmod(0o755)
+    starter = srun_starter({NODES_VARIABLE: "node1,node2"})
+    starter = type(starter)(starter.nodes, starter.host, srun=str(fake))
+    environment = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
+                   NODES_VARIABLE: "node1,node2"}
+    starter(["python", "train.py"], environment, tmp_path / "rank3.log").wait(timeout=30)
+    assert (tmp_path / "srun.args").read_text().splitlines() == [
+        "--nodes=1", "--ntasks=1", "--nodelist=node2", "--overlap", "--export=ALL", "--quiet",
+        "python", "train.py"]
+    seen = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines()
+                if "=" in line)
+    assert {name: seen[name] for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR",
+                                          "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1", "MASTER_ADDR": "node1",
+        "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}
+    assert NODES_VARIABLE not in seen

@@ -4,8 +4,10 @@ The command runs once per split of one global batch G into N ranks x k micro-ste
 (``{batch}``, ``{accum}``, ``{nproc}`` and ``{global_batch}`` substituted in it), each
 rank a real process with torchrun's environment. A capture module, loaded before the
 script by a startup hook (``startup/sitecustomize.py``), records what every optimizer
-step receives and leaves behind; the launcher process compares the splits with a
-reference split using the check's engine (harness/check/compare.py, fix.py).
+step receives and leaves behind, and compares it, shard by shard on the split's own
+ranks, with what the reference split's first run wrote (the check's engine:
+harness/check/compare.py, shards.py); the launcher process judges the fits
+(harness/check/judge.py, fix.py).
 
 - ``splits.py``: the splits and the command's placeholders (names and arithmetic);
 - ``config.py``: the run's settings, refusing bad values;
@@ -15,6 +17,10 @@ reference split using the check's engine (harness/check/compare.py, fix.py).
   left behind; ``failures.py``: the rank that failed first, or hung, in one line;
 - ``guard.py``: what watches every process of a split from inside (grad-check's death,
   progress, a RANK claimed twice); ``capture.py``: what records the steps in a rank;
+  ``sharded.py`` and ``engines.py``: how it reads FSDP's and DeepSpeed's shards
+  (``engines.py``: DeepSpeed's boundary step); ``points.py``: each point written (the
+  reference) or compared; ``files.py``: where;
+- ``slurm.py``: each rank an ``srun`` step, inside scripts/slurm/check-run.sbatch;
 - ``records.py``: a run's capture, read back;
 - ``judge.py``: rows from the captures (same data, determinism, verdicts, fixes);
 - ``schema.py``: the columns of ``script.csv``; ``grad_check_run.py``: the command line;

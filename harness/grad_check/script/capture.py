@@ -4,20 +4,19 @@
 names a folder; the user's code is not changed. Through torch's global hooks and a few
 wrapped functions it sees:
 
-- every optimizer the script steps (``register_optimizer_step_pre_hook`` /
-  ``_post_hook``), known by the parameters it holds, so that one re-created over the same
-  parameters is the same optimizer; a wrapper's step that calls an inner optimizer's
-  counts once, for the wrapper. For each of the first S steps of each: the gradient at
-  the end of its window, before anything edits it (on entry to ``clip_grad_norm_`` or
-  ``clip_grad_value_``, after ``GradScaler.unscale_``, else as ``step()`` receives it),
-  how far a clip scaled it, the learning rates, and the parameters after the step. Rank
-  0 writes the tensors, one file per optimizer, step and point; every rank writes a
-  digest of each tensor, so that ranks that disagree show, and where;
-- every training forward (a module with parameters called outermost, with autograd on,
-  in training mode, on input data rather than activations, and not while a backward
-  recomputes it): a fingerprint of each sample it fed (harness/grad_check/script/
-  samples.py) and the tokens its ``labels`` count. A step's samples are the forwards, since
-  the optimizer's last step, of the modules holding its parameters;
+- every optimizer the script steps (torch's global step hooks), known by the parameters it
+  holds (one re-created over them is the same optimizer); a wrapper's step that calls an
+  inner optimizer's counts once, for the wrapper (ZeroRedundancyOptimizer; DeepSpeed's
+  engine: engines.py). For each of its first S steps: the window's gradient before
+  anything edits it (on entry to a clip, after ``GradScaler.unscale_``, at DeepSpeed's
+  boundary, else as ``step()`` receives it), how far a clip scaled it, the learning rates
+  and the parameters after the step, named as the model names them however sharded
+  (sharded.py, engines.py). The reference's first run writes each point, every rank its
+  shard; every other run compares each rank's shard with the reference's matching slice,
+  the ranks' sums combined (points.py); ranks holding whole copies write digests of them;
+- every training forward (samples.py: an outermost call of a module with parameters,
+  autograd on, in training mode, on data, not recomputed in a backward): a fingerprint of
+  each sample it fed and the tokens its ``labels`` count;
 - the floating types that ran: parameters, gradients, losses, and every module's output
   (autocast entered inside ``forward``, a layer cast by hand).
 
@@ -55,10 +54,12 @@ from torch.optim.optimizer import (
 
 from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, error_file, first_sentence
-from harness.grad_check.script import samples, wrappers
+from harness.grad_check.script import engines, points, samples, wrappers
+from harness.grad_check.script.files import save_atomically, summary_file
 from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import owner, parameter_names, stripped
-from harness.grad_check.script.tracked import Tracked, Window, digests, norm, whole
+from harness.grad_check.script.sharded import reader_for
+from harness.grad_check.script.tracked import Tracked, Window
 
 #: The folder a run's captures go to; the capture is installed only where it is set.
 FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
@@ -78,26 +79,8 @@ FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerat
                      "lightning": "lightning", "deepspeed": "deepspeed"}
 
 
-def summary_file(folder: Path, rank: int) -> Path:
-    return folder / f"rank{rank}.pt"
-
-
-def tensors_file(folder: Path, optimizer: int, step: int, point: str) -> Path:
-    """Rank 0's tensors of one optimizer: ``initial`` (its parameters before its step 0),
-    or a step's ``grad`` or ``params``."""
-    stem = "initial" if point == "initial" else f"step{step}.{point}"
-    return folder / f"optimizer{optimizer}.{stem}.pt"
-
-
 class Refused(Exception):
     """A setup the capture cannot read: the message says which and what is allowed."""
-
-
-def save_atomically(value: Any, path: Path) -> None:
-    """``torch.save`` under a temporary name, then renamed: a reader never sees half."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(value, temporary)
-    os.replace(temporary, path)
 
 
 def never_raising(hook: Callable) -> Callable:
@@ -120,17 +103,23 @@ class Capture:
     """The capture of one process: rank ``RANK`` of ``WORLD_SIZE`` (0 of 1 without them)."""
 
     def __init__(self, folder: Path, steps: int, keep_going: bool, timeout: float,
-                 micro_batch: int | None = None) -> None:
+                 micro_batch: int | None = None, against: Path | None = None) -> None:
         self.folder, self.steps, self.keep_going, self.timeout = (folder, steps, keep_going,
                                                                   timeout)
         self.micro_batch = micro_batch
         self.rank = int(os.environ.get("RANK", "0"))
+        #: Where each point goes: written (the reference's first run) or compared.
+        self.points = points.Points(folder, against, self.rank)
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.tracked: list[Tracked] = []
         #: Optimizers constructed and still alive, with where their first window starts.
         self.constructed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        #: Identities (parameter sets) seen stepping inside another optimizer's step.
+        #: Identities (parameter sets) seen stepping inside another optimizer's step, and
+        #: the optimizers themselves (DeepSpeed steps one with a group at a time).
         self.inner: set[frozenset[int]] = set()
+        self.inner_optimizers: weakref.WeakSet = weakref.WeakSet()
+        #: DeepSpeed's boundary step being taken, if any.
+        self.engine: engines.EngineStep | None = None
         self.window = Window()
         self.step_depth = self.forward_depth = self.backward_depth = 0
         self.facts: dict[str, set[str]] = {"batchnorm": set(), "dropout": set()}
@@ -148,6 +137,7 @@ class Capture:
         wrappers.wrap_construction(self)
         wrappers.wrap_backward(self)
         wrappers.wrap_clipping(self)
+        engines.wrap_engine(self)
         original_hook = sys.excepthook
 
         def excepthook(kind, error, traceback):
@@ -177,6 +167,10 @@ class Capture:
         key = identity_of(optimizer)
         if self.step_depth > 1:
             self.inner.add(key)
+            with contextlib.suppress(TypeError):
+                self.inner_optimizers.add(optimizer)
+            if self.engine is not None:
+                self.engine.received(optimizer)
             return None
         if not self.recording:
             return None
@@ -202,23 +196,28 @@ class Capture:
         return (args[0], closure_then_gradients, *args[2:]), kwargs
 
     @never_raising
-    def read_gradients(self, tracked: Tracked, optimizer: torch.optim.Optimizer) -> None:
-        """The window's gradient, before any clip: digested, and written by rank 0."""
+    def read_gradients(self, tracked: Tracked, optimizer: torch.optim.Optimizer,
+                       clip: str | None = None) -> None:
+        """The window's gradient, before any clip: digested, written or compared shard by
+        shard (points.py). ``clip``: the optimizer's own (DeepSpeed's), whose received
+        norm comes later."""
         received = [p.grad for p in tracked.parameters]
         before = [self.window.kept.get(id(p), grad)
                   for p, grad in zip(tracked.parameters, received, strict=True)]
+        specs, pieces, kept = tracked.read(before, "grad", self.rank)
         self.dtypes.update(str(p.dtype) for p in tracked.parameters)
-        self.dtypes.update(str(g.dtype) for g in before if g is not None)
-        gathered = {name: None if g is None else whole(g).detach()
-                    for name, g in zip(tracked.names, before, strict=True)}
+        self.dtypes.update(str(dtype) for _, _, dtype, present in specs if present)
         record = tracked.open_record(self.window, optimizer)
-        record["grad_digests"] = digests(gathered)
+        record["grad_digests"] = kept
+        record["kept_bytes"] = self.window.kept_bytes()
+        record["clips"] += [clip] if clip else []
         if record["clips"]:
-            record["before_norm"] = norm(gathered.values())
-            record["received_norm"] = norm(whole(g) for g in received if g is not None)
-        if self.rank == 0:
-            save_atomically(gathered, tensors_file(self.folder, tracked.index, tracked.steps,
-                                                   "grad"))
+            record["before_norm"] = points.norm(pieces, tracked.sharded)
+        if record["clips"] and not clip:
+            record["received_norm"] = points.norm(tracked.read(received, "grad", self.rank)[1],
+                                                  tracked.sharded)
+        record["compared"] = {"grad": self.points.done(tracked.index, tracked.steps, "grad",
+                                                       specs, pieces, tracked.sharded)}
 
     @never_raising
     def after_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
@@ -226,17 +225,19 @@ class Capture:
         if self.step_depth > 0 or not self.recording:
             return
         tracked = self._by_key(identity_of(optimizer))
-        if tracked is None:
-            return
+        if tracked is not None:
+            self.finish_step(tracked)
+
+    def finish_step(self, tracked: Tracked) -> None:
+        """The parameters after a step: digested, written or compared; the window closed."""
         if tracked.record is None:  # a step not captured: its window is done with too
             tracked.since = self.window.forwards
             self.window.forget(tracked.parameters, self.oldest_window())
             return
-        params = tracked.parameters_now()
-        tracked.record["params_digests"] = digests(params)
-        if self.rank == 0:
-            save_atomically(params, tensors_file(self.folder, tracked.index, tracked.steps,
-                                                 "params"))
+        specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
+        tracked.record["params_digests"] = kept
+        tracked.record.setdefault("compared", {})["params"] = self.points.done(
+            tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)
         self.records.append(tracked.close_record(self.window))
         self.window.forget(tracked.parameters, self.oldest_window())
         if not self.keep_going and self.captured_enough():
@@ -297,22 +298,50 @@ class Capture:
         if tracked is not None:
             return tracked
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        refuse_flat_parameters(parameters)
         model = owner(parameters)
         groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
         names = parameter_names(parameters, model, groups)
-        if model is None:  # no module holds any of them: flat copies (DeepSpeed's)
-            refuse_moduleless_parameters()
-        since = self.constructed.get(optimizer, 0)
-        tracked = Tracked(len(self.tracked), type(optimizer).__name__, key, parameters, names,
-                          since)
+        if any(n.startswith("param_groups.") for n in names) and engines.engine_alive():
+            raise Refused(engines.OUTSIDE_THE_ENGINE)
+        return self._track(type(optimizer).__name__, key, parameters,
+                           reader_for(optimizer, parameters, names), model,
+                           self.constructed.get(optimizer, 0))
+
+    def _track(self, kind: str, key: frozenset[int], parameters: list[nn.Parameter],
+               reader: Any, model: nn.Module | None, since: int) -> Tracked:
+        """A new optimizer, its initial parameters written (by the reference's first run)."""
+        tracked = Tracked(len(self.tracked), kind, key, parameters, reader, since)
         self.tracked.append(tracked)
         if model is not None:
             self._learn_facts(model)
-        initial = tracked.parameters_now()
-        if self.rank == 0:
-            save_atomically(initial, tensors_file(self.folder, tracked.index, 0, "initial"))
+        specs, pieces, _ = tracked.read(parameters, "initial", self.rank)
+        self.points.done(tracked.index, 0, "initial", specs, pieces, tracked.sharded)
         return tracked
+
+    # ------------------------------------------------------------------ DeepSpeed
+    def engine_step(self, engine: Any, step: Callable[[], Any]) -> Any:
+        """DeepSpeed's boundary step (engines.py): one step of one optimizer, the engine's
+        model read before and after it; the torch optimizer stepped inside it is inner."""
+        self.step_depth += 1
+        self.engine = engines.EngineStep(engine, self.before_engine_step(engine))
+        try:
+            result = step()
+        finally:
+            self.step_depth -= 1
+            done, self.engine = self.engine, None
+        if self.step_depth == 0 and done.tracked is not None:
+            self.after_engine_step(done)
+        return result
+
+    @never_raising
+    def before_engine_step(self, engine: Any) -> Tracked | None:
+        if self.step_depth == 1 and self.recording:
+            return engines.before_step(self, engine)
+        return None
+
+    @never_raising
+    def after_engine_step(self, done: engines.EngineStep) -> None:
+        engines.after_step(self, done)
 
     def _learn_facts(self, model: nn.Module) -> None:
         """What a fix is read from besides the tensors (harness/check/fix.py: Facts)."""
@@ -335,8 +364,10 @@ class Capture:
         done = {tracked.key for tracked in self.tracked if tracked.steps >= self.steps}
         if len(done) < len(self.tracked):
             return False
-        alive = {identity_of(optimizer) for optimizer in list(self.constructed)}
-        return all(key in done or key in self.inner or not key for key in alive)
+        alive = [optimizer for optimizer in list(self.constructed)
+                 if optimizer not in self.inner_optimizers]
+        return all(key in done or key in self.inner or not key
+                   for key in map(identity_of, alive))
 
     # ------------------------------------------------------------------ the end
     def summary(self) -> dict[str, Any]:
@@ -397,23 +428,6 @@ def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:
                      if getattr(p, "requires_grad", False))
 
 
-def refuse_flat_parameters(parameters: Iterable[nn.Parameter]) -> None:
-    if any(type(p).__name__ == "FlatParameter" for p in parameters):
-        raise Refused("FullyShardedDataParallel (FSDP1) hands the optimizer flat parameters, "
-                      "pieces of many tensors, which are not captured; allowed: FSDP2 "
-                      "(torch.distributed.fsdp.fully_shard), whose parameters are gathered, "
-                      "DDP, or one process")
-
-
-def refuse_moduleless_parameters() -> None:
-    """Parameters no module holds: positions name them, except DeepSpeed's flat copies,
-    which differ from one split to the next."""
-    if "deepspeed" in sys.modules:
-        raise Refused("DeepSpeed hands the optimizer flat fp32 copies of the parameters "
-                      "(ZeRO partitions, or bf16/fp16 master weights), which belong to no "
-                      "module and are not captured; allowed: ZeRO stage 0 in float32")
-
-
 def install_from_environment() -> Capture | None:
     """The capture this process's environment asks for (None where it asks for none)."""
     global INSTALLED
@@ -421,10 +435,12 @@ def install_from_environment() -> Capture | None:
     if not folder or INSTALLED is not None:
         return INSTALLED
     micro_batch = os.environ.get(MICRO_BATCH_VARIABLE)
+    against = os.environ.get(points.REFERENCE_VARIABLE)
     INSTALLED = Capture(Path(folder), int(os.environ.get(STEPS_VARIABLE, "2")),
                         os.environ.get(KEEP_GOING_VARIABLE) == "1",
                         float(os.environ.get(TIMEOUT_VARIABLE, "300")),
-                        int(micro_batch) if micro_batch else None)
+                        int(micro_batch) if micro_batch else None,
+                        Path(against) if against else None)
     INSTALLED.install()
     return INSTALLED
 

@@ -2,7 +2,9 @@
 
 Everything that can be refused before the command first runs is refused here: the
 splits, the global batch, the placeholders, the command's program, a launcher at its
-head that cannot run the splits, the machine's cores.
+head that cannot run the splits, more ranks than the machine's GPUs (each rank takes the
+GPU its LOCAL_RANK names). More ranks than CPU cores is allowed, as the studies allow it:
+the verdicts are the same, the runs slower.
 """
 
 from __future__ import annotations
@@ -62,15 +64,13 @@ class ScriptConfig:
     #: Seconds one run of the command may take before it is stopped as hung.
     timeout: float = 300.0
     quiet: bool = False
-    #: CPU cores this process may use (a rank per core at most).
-    cores: int = 1
     #: Who starts a split's N ranks: grad-check, the command (a launcher at its head), or
     #: auto: the command where its head is a launcher grad-check knows.
     launcher: str = "auto"
     #: N = 1 gets torchrun's variables too (RANK=0, WORLD_SIZE=1, ...).
     torchrun_env: bool = False
-    #: GPUs the command's processes see (launchers.visible_gpus): where there are none,
-    #: accelerate launch is adapted to run on CPUs.
+    #: GPUs the command's processes see (CUDA_VISIBLE_DEVICES; launchers.visible_gpus): one
+    #: per rank at most; where there are none, accelerate launch is adapted to the CPUs.
     gpus: int = 0
 
     def __post_init__(self) -> None:
@@ -84,10 +84,11 @@ class ScriptConfig:
             check_divides(split, self.global_batch, "--splits")
         check_divides(self.reference, self.global_batch, "--reference")
         for split in self.runs:
-            if split.world_size > self.cores:
+            if self.gpus and split.world_size > self.gpus:
                 raise UsageError(f"split {split.label} starts {split.world_size} ranks on this "
-                                 f"machine, which has {self.cores} CPU core(s) for them; "
-                                 f"allowed: N <= {self.cores}")
+                                 f"machine, which shows {self.gpus} GPU(s), one per rank "
+                                 f"(LOCAL_RANK); allowed: N <= {self.gpus}, or the ranks on "
+                                 "CPU cores with CUDA_VISIBLE_DEVICES= (empty)")
         check_placeholders(self.command, self.runs, self.global_batch)
         check_known("--launcher", [self.launcher], LAUNCHER_CHOICES)
         head = launcher_of(self.command)
@@ -108,6 +109,10 @@ class ScriptConfig:
         check_timeout(self.timeout)
         check_known("--fail-on", [self.fail_on], tuple(FAIL_ON))
         check_program(self.command)
+
+    @property
+    def most_ranks(self) -> int:
+        return max(split.world_size for split in self.runs)
 
     @property
     def runs(self) -> tuple[Split, ...]:

@@ -107,7 +107,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--splits", metavar="NxK[,NxK]", default=DEFAULT_SPLITS,
                         help="the splits to compare with the reference, N ranks x k "
                              f"micro-steps, e.g. 1x1,1x4,2x2,4x1 (default: {DEFAULT_SPLITS}); "
-                             "N at most the CPU cores of this machine")
+                             "N at most the GPUs of this machine where it has any (one per "
+                             "rank); more ranks than CPU cores share them")
     parser.add_argument("--reference", metavar="NxK", default="1x1",
                         help="the split every other is compared with, run twice (default: "
                              "1x1, one process taking the whole global batch; name another "
@@ -158,7 +159,8 @@ def split_command(argv: list[str], prog: str | None = None) -> tuple[list[str], 
 
 
 def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConfig:
-    from harness.launcher import usable_cores
+
+    from harness.grad_check.script import slurm
 
     config = ScriptConfig(command=tuple(command),
                           global_batch=parse_int(args.global_batch, "--global-batch"),
@@ -167,8 +169,8 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
                           out=Path(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
-                          cores=usable_cores(), launcher=args.launcher,
-                          torchrun_env=args.torchrun_env, gpus=visible_gpus())
+                          launcher=args.launcher, torchrun_env=args.torchrun_env,
+                          gpus=visible_gpus() * slurm.nodes())
     check_out_folder(config.out)
     return config
 
@@ -190,12 +192,16 @@ def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
     from harness.failure import STOPPED_EXIT
     from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
-    from harness.launcher import Stopped, stopped_by_sigterm
+    from harness.grad_check.script.slurm import srun_starter
+    from harness.launcher import Stopped, say_if_oversubscribed, stopped_by_sigterm
     from harness.results import write_csv_atomic
 
     prog = prog or program_name()
+    if not config.gpus and srun_starter() is None:
+        say_if_oversubscribed(config.most_ranks, prog)
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
-                             timeout=config.timeout, starter=starter or start_subprocess,
+                             timeout=config.timeout,
+                             starter=starter or srun_starter() or start_subprocess,
                              launcher=config.launched_by, torchrun_env=config.torchrun_env,
                              global_batch=config.global_batch)
     say = (lambda line: None) if config.quiet else (

@@ -4,10 +4,11 @@ the check's engine.
 The reference split ran twice: its two runs must agree (:func:`check_deterministic`),
 and how far they are apart is each row's ``reference_noise``. Each other split's
 optimizers are paired with the reference's (by the order of their first step and the
-tensors they hold), and each of their steps is compared with the engine's compare
-(harness/check/compare.py: least-squares scale, residual, verdict at the tolerance of the
-lowest precision either run used) and judged by its judge (harness/check/judge.py). What
-only a script's step shows explains a difference before the engine's fixes do: other
+tensors they hold); each of their steps was compared by the split's own ranks, shard by
+shard, with the engine's compare (harness/grad_check/script/points.py,
+harness/check/compare.py: least-squares scale, residual), and is judged here by the
+engine's judge (harness/check/judge.py) at the tolerance of the lowest precision either
+run used. What only a script's step shows explains a difference before the engine's fixes do: other
 samples (explain.py: the fingerprints explain, they never overrule a measurement), a
 partial window, ranks that disagree, active dropout, an update off although its gradient
 matched, a clip that hid the gradient's scale.
@@ -23,10 +24,11 @@ from typing import Any
 
 import torch
 
-from harness.check.compare import Comparison, Pair, compare, compare_each
+from harness.check.compare import Comparison
 from harness.check.fix import Facts, named_value, suggest, window_count_fix
 from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
 from harness.check.precision import lowest, tolerance
+from harness.check.shards import comparison_of
 from harness.columns import POINTS
 from harness.errors import UsageError
 from harness.grad_check.script import explain
@@ -35,7 +37,6 @@ from harness.grad_check.script.schema import COLUMNS
 from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close, dtype_name
 from harness.verdicts import Equivalence, Status
 
-CPU = torch.device("cpu")
 #: Names shown where a list is named in a line.
 SHOWN = 3
 #: (optimizer, step, point) -> the reference's noise there.
@@ -56,17 +57,21 @@ def precision(*runs: Captured) -> torch.dtype:
     return lowest(dtype for run in runs for dtype in run.dtypes)
 
 
-def pairs(measured: Captured, reference: Captured, optimizer: int, step: int,
-          point: str) -> tuple[list[Pair], list[str]]:
-    """Each tensor of ``point`` at ``step`` against the reference's; parameters as updates
+def recorded(measured: Captured, reference: Captured, optimizer: int, step: int,
+             point: str) -> dict[str, Any]:
+    """What the measured run's ranks found comparing ``point`` of ``step`` with the
+    reference's first run (harness/grad_check/script/points.py); parameters as updates
     from where the reference started the step."""
-    names = reference.names(optimizer)
-    if optimizer >= len(measured.optimizers) or measured.names(optimizer) != names:
+    if (optimizer >= len(measured.optimizers)
+            or measured.names(optimizer) != reference.names(optimizer)):
         raise Unmatched(unmatched(measured, reference, optimizer))
-    ours = measured.tensors(optimizer, step, point)
-    theirs = reference.tensors(optimizer, step, point)
-    origin = reference.before(optimizer, step) if point == "params" else {}
-    return [Pair(name, ours[name], theirs[name], origin.get(name)) for name in names], names
+    found = measured.compared(optimizer, step, point)
+    if found is None:
+        raise Unmatched(f"{reference.label(optimizer)}'s step {step} {WHAT[point]} was not "
+                        "compared: the capture could not read it")
+    if "unmatched" in found:
+        raise Unmatched(f"{reference.label(optimizer)} {found['unmatched']}")
+    return found
 
 
 def unmatched(measured: Captured, reference: Captured, optimizer: int) -> str:
@@ -84,15 +89,12 @@ def unmatched(measured: Captured, reference: Captured, optimizer: int) -> str:
 
 def compared(measured: Captured, reference: Captured, optimizer: int, step: int, point: str,
              rtol: float) -> Comparison:
-    found, names = pairs(measured, reference, optimizer, step, point)
-    return compare(found, names, None, CPU, rtol)
+    return comparison_of(recorded(measured, reference, optimizer, step, point), rtol)
 
 
-def noise(again: Captured, first: Captured, optimizer: int, step: int, point: str,
-          rtol: float) -> float:
+def noise(again: Captured, first: Captured, optimizer: int, step: int, point: str) -> float:
     """``||again - first|| / ||again||`` at scale 1 (updates for ``params``)."""
-    found, names = pairs(again, first, optimizer, step, point)
-    return compare_each(found, names, set(), None, CPU, rtol).residual
+    return float(recorded(again, first, optimizer, step, point)["each"])
 
 
 def learning_rate_fix(update: Comparison, facts: Facts) -> str:
@@ -167,7 +169,7 @@ def _repeated(first: Captured, again: Captured, optimizer: int, step: int, point
         comparison = compared(again, first, optimizer, step, point, rtol)
     except Unmatched as unmatched_:
         raise not_deterministic(label, str(unmatched_), first.dropout) from None
-    distance = noise(again, first, optimizer, step, point, rtol)
+    distance = noise(again, first, optimizer, step, point)
     if comparison.verdict is not Equivalence.MATCHES:
         raise not_deterministic(
             label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, beyond "
@@ -243,6 +245,7 @@ class SplitJudge:
     def own_cells(self, optimizer: int, step: int) -> dict[str, Any]:
         clips = self.measured.clips(optimizer, step)
         return {"optimizer": self.reference.label(optimizer),
+                "sharding": self.measured.sharding(optimizer),
                 "clip": "; ".join(dict.fromkeys(clips)),
                 "clip_factor": self.measured.clip_factor(optimizer, step) if clips else math.nan}
 
@@ -336,7 +339,9 @@ class SplitJudge:
     def errors(self, optimizer: int, step: int, error: str) -> list[Judged]:
         label = (self.reference.label(optimizer)
                  if optimizer < len(self.reference.optimizers) else "")
-        own = {"optimizer": label, "clip": "", "clip_factor": math.nan,
+        sharding = (self.measured.sharding(optimizer)
+                    if optimizer < len(self.measured.optimizers) else "")
+        own = {"optimizer": label, "sharding": sharding, "clip": "", "clip_factor": math.nan,
                "reference_noise": math.nan}
         return [Judged(step, point, status=Status.ERROR, error=error, own=own)
                 for point in POINTS]

@@ -46,13 +46,13 @@ class ScriptCheck:
     def _rows(self, scratch: Path) -> list[dict[str, Any]]:
         reference = self.config.reference
         first = self.reference_run(scratch, "reference-1", 1)
-        again = self.reference_run(scratch, "reference-2", 2)
+        again = self.reference_run(scratch, "reference-2", 2, against=first.run.folder)
         noise = check_deterministic(first, again)
         self.say_what_the_reference_left_out(first)
         rows: list[dict[str, Any]] = []
         for split in self.config.splits:
-            measured = again if split == reference else self.run(split, scratch, split.label,
-                                                                 "split")
+            measured = again if split == reference else self.run(
+                split, scratch, split.label, "split", against=first.run.folder)
             if measured.run.failure is not None and split != reference:
                 self.say(f"split {split.label} failed: {measured.run.failure} (its output: "
                          f"{measured.run.logs})")
@@ -72,9 +72,10 @@ class ScriptCheck:
             self.say(f"the capture could not read everything (recorded as unknown): {line}")
 
     def run(self, split: Split, scratch: Path, name: str, what: str,
-            attempt: str = "") -> Captured:
+            attempt: str = "", against: Path | None = None) -> Captured:
         """One run of the command at ``split``: its capture in ``scratch/name``, its output
-        in ``--out``'s ``logs/name``."""
+        in ``--out``'s ``logs/name``; ``against``: the reference's first run, which it
+        compares with."""
         command = self.config.command_of(split)
         # An earlier check's output of the same run (more ranks, say) is not this one's; the
         # rest of --out is the user's (a --out that holds their own logs/, for one).
@@ -83,12 +84,14 @@ class ScriptCheck:
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
         return Captured.read(self.launch.run(split, command, scratch / name, self.logs / name,
-                                             self.config.variables_of(split)))
+                                             self.config.variables_of(split), against))
 
-    def reference_run(self, scratch: Path, name: str, attempt: int) -> Captured:
+    def reference_run(self, scratch: Path, name: str, attempt: int,
+                      against: Path | None = None) -> Captured:
         """One of the reference's two runs; its failure ends the check."""
         split = self.config.reference
-        captured = self.run(split, scratch, name, "reference", f", run {attempt} of 2")
+        captured = self.run(split, scratch, name, "reference", f", run {attempt} of 2",
+                            against)
         failure = captured.run.failure
         where = f"the reference {split.label}"
         if failure is not None and failure.refused:

@@ -50,6 +50,7 @@ from harness.grad_check.script.failures import (
     launched_failure,
     missing_ranks,
 )
+from harness.grad_check.script.points import REFERENCE_VARIABLE
 from harness.grad_check.script.splits import Split
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S
@@ -126,14 +127,18 @@ class CommandLauncher:
     torchrun_env: bool = False
 
     def run(self, split: Split, command: Sequence[str], folder: Path,
-            logs: Path | None = None, variables: dict[str, str] | None = None) -> Run:
+            logs: Path | None = None, variables: dict[str, str] | None = None,
+            against: Path | None = None) -> Run:
         """Run ``command`` at ``split``, its capture into ``folder``, its output into
         ``logs`` (default: ``folder``); ``variables``: what its processes get besides
-        (launchers.adapted's)."""
+        (launchers.adapted's); ``against``: the reference's capture it is compared with
+        (None: this is the reference, its capture written: points.py)."""
         folder.mkdir(parents=True, exist_ok=True)
         if self.capture and self.global_batch:  # each capture cuts samples along b's axis
             variables = {**(variables or {}), capture.MICRO_BATCH_VARIABLE: str(
                 split.micro_batch(self.global_batch))}
+        if self.capture and against is not None:  # what each rank compares its shards with
+            variables = {**(variables or {}), REFERENCE_VARIABLE: str(against)}
         logs = logs or folder
         logs.mkdir(parents=True, exist_ok=True)
         n = split.world_size

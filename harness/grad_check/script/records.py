@@ -1,5 +1,5 @@
-"""A run's capture, read back in the launcher process: every rank's summary, rank 0's
-tensors (one file per optimizer, step and point, loaded when compared)."""
+"""A run's capture, read back in the launcher process: every rank's summary, with what its
+ranks compared with the reference's first run (harness/grad_check/script/points.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from harness.grad_check.script.capture import summary_file, tensors_file
 from harness.grad_check.script.explain import padding_of, tokens
+from harness.grad_check.script.files import summary_file
 from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import Run
 
@@ -60,6 +60,10 @@ class Captured:
         others = [o["names"] for i, o in enumerate(every) if i != optimizer]
         return optimizer_label(every[optimizer]["kind"], every[optimizer]["names"], others)
 
+    def sharding(self, optimizer: int) -> str:
+        """How the optimizer's tensors were spread over the ranks (sharded.py SHARDINGS)."""
+        return str(self.optimizers[optimizer].get("sharding", "none"))
+
     def names(self, optimizer: int) -> list[str]:
         return list(self.optimizers[optimizer]["names"])
 
@@ -72,17 +76,12 @@ class Captured:
     def total_steps(self) -> int:
         return sum(self.steps(o) for o in range(len(self.optimizers)))
 
-    # ---------------------------------------------------------------- tensors
-    def tensors(self, optimizer: int, step: int, point: str) -> dict[str, torch.Tensor | None]:
-        """Rank 0's ``grad`` or ``params`` of one step, or its ``initial`` parameters."""
-        return torch.load(tensors_file(self.run.folder, optimizer, step, point),
-                          map_location="cpu", weights_only=True)
-
-    def before(self, optimizer: int, step: int) -> dict[str, torch.Tensor | None]:
-        """The parameters this run started the optimizer's ``step`` from."""
-        if step == 0:
-            return self.tensors(optimizer, 0, "initial")
-        return self.tensors(optimizer, step - 1, "params")
+    # ---------------------------------------------------------------- comparisons
+    def compared(self, optimizer: int, step: int, point: str) -> dict[str, Any] | None:
+        """What the ranks found comparing ``point`` of ``step`` with the reference's first
+        run (the same on every rank: their sums combined); None: not compared."""
+        record = self.records(optimizer, step)[0]
+        return (record.get("compared") or {}).get(point)
 
     # ---------------------------------------------------------------- records
     @staticmethod
@@ -139,7 +138,7 @@ class Captured:
         one rank)."""
         key = "grad_digests" if point == "grad" else "params_digests"
         records = self.records(optimizer, step)
-        if len(records) < 2:
+        if len(records) < 2 or records[0].get(key) is None:  # each rank its own shard
             return None
         first = records[0][key]
         differing = {rank: [name for name, digest in record[key].items()
@@ -152,8 +151,10 @@ class Captured:
         return RankDisagreement(tuple(differing), tuple(tensors))
 
     def ranks_agree(self, optimizer: int, step: int, point: str) -> bool | None:
-        """Whether every rank held the same tensors at ``point`` (None at N = 1)."""
-        if len(self.summaries) < 2:
+        """Whether every rank held the same tensors at ``point`` (None at N = 1, and where
+        each rank held its own shard)."""
+        key = "grad_digests" if point == "grad" else "params_digests"
+        if len(self.summaries) < 2 or self.records(optimizer, step)[0].get(key) is None:
             return None
         return self.disagreement(optimizer, step, point) is None
 

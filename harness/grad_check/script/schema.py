@@ -20,13 +20,19 @@ COLUMNS: tuple[Column, ...] = (
            "the optimizer stepped, by its type (and, where the script steps several, the part "
            "of the model its parameters share: `AdamW(head)`); one re-created over the same "
            "parameters is the same optimizer"),
+    Column("sharding", "text",
+           "how this split spread the optimizer's step over its ranks: `none` (one process), "
+           "`ddp`, `fsdp1` (flat parameters), `fsdp2` (DTensors), `zero-redundancy` "
+           "(ZeroRedundancyOptimizer), `zero0`..`zero3` (DeepSpeed's ZeRO stage); each rank "
+           "compares its own shard, by the model's names, the ranks' sums combined"),
     *shared.judged_columns(
         step="optimizer step compared, from 0: the script's own steps, each on the script's "
              "own next global batch",
         point="what is compared: the window's gradient before anything edits it (on entry "
-              "to the script's first clip, after a GradScaler's unscale, else as the "
-              "optimizer receives it), or the parameters after the step, as updates from "
-              "where the reference started the step",
+              "to the script's first clip, after a GradScaler's unscale, under DeepSpeed at "
+              "its accumulation boundary before its own clip, else as the optimizer receives "
+              "it), or the parameters after the step (DeepSpeed's fp32 master copy), as "
+              "updates from where the reference started the step",
         verdict=("against the reference split's step: the same, a pure multiple s of it, or "
                  "no multiple; `ranks differ` where the split's ranks ended the step holding "
                  "different tensors (rank 0's are the ones compared); empty where the row "

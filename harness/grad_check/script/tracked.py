@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,28 +15,13 @@ import torch
 from torch import nn
 
 from harness.check.compare import sampled_fingerprint
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of an FSDP2 (DTensor) shard, gathered from every rank (a collective:
-    every rank calls it, in the same order); any other tensor as it is."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else tensor
+from harness.check.shards import Piece
 
 
 def digests(tensors: dict[str, torch.Tensor | None]) -> dict[str, float]:
     """A sampled fingerprint of each tensor: ranks holding the same tensors get the same
     numbers, and the tensors where two ranks differ show by name."""
     return {name: sampled_fingerprint([tensor]) for name, tensor in tensors.items()}
-
-
-def norm(tensors: Iterable[torch.Tensor | None]) -> float:
-    """The float64 2-norm of the tensors together."""
-    total = 0.0
-    for tensor in tensors:
-        if tensor is not None and tensor.is_floating_point():
-            total += float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)) ** 2
-    return math.sqrt(total)
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
@@ -106,6 +91,11 @@ class Window:
             if parameter.grad is not None and id(parameter) not in self.kept:
                 self.kept[id(parameter)] = parameter.grad.detach().clone()
 
+    def kept_bytes(self) -> int:
+        """The memory the kept gradients take in this process (a DTensor's: its shard's)."""
+        local = [getattr(t, "to_local", lambda t=t: t)() for t in self.kept.values()]
+        return sum(t.numel() * t.element_size() for t in local)
+
     def clipped(self, text: str, parameters: Iterable[nn.Parameter]) -> None:
         self.clips.append((text, {id(p) for p in parameters}))
 
@@ -125,13 +115,15 @@ class Window:
 
 @dataclass
 class Tracked:
-    """One optimizer, known by its parameters; ``since``: the first forward of its window."""
+    """One optimizer, known by its parameters; ``since``: the first forward of its window;
+    ``reader`` (harness/grad_check/script/sharded.py): how its tensors are read whole, by
+    name, whatever shards them."""
 
     index: int
     kind: str
     key: frozenset[int]
     parameters: list[nn.Parameter]
-    names: list[str]
+    reader: Any
     since: int = 0
     steps: int = 0
     record: dict[str, Any] | None = None
@@ -155,9 +147,26 @@ class Tracked:
         self.since = window.forwards
         return record
 
-    def parameters_now(self) -> dict[str, torch.Tensor]:
-        return {name: whole(p).detach() for name, p in zip(self.names, self.parameters,
-                                                           strict=True)}
+    @property
+    def names(self) -> list[str]:
+        return list(self.reader.names)
+
+    def read(self, tensors: Sequence[torch.Tensor | None], point: str,
+             rank: int) -> tuple[list, list, dict[str, float] | None]:
+        """The whole tensors' specs, this rank's pieces, and, where every rank holds
+        whole copies, their digests (None where each holds its own shard)."""
+        specs = self.reader.specs(self.parameters, tensors, point)
+        if not self.sharded:  # rank 0's whole tensors stand for every rank's
+            pieces = [Piece(name, 0, t.detach().reshape(-1)) for name, t
+                      in zip(self.names, tensors, strict=True) if t is not None]
+            return specs, pieces, digests(dict(zip(self.names, tensors, strict=True)))
+        return specs, self.reader.pieces(self.parameters, tensors, rank, point), None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds its own shard of the tensors (not a whole copy)."""
+        return bool(self.reader.sharded)
 
     def summary(self) -> dict[str, Any]:
-        return {"kind": self.kind, "names": list(self.names), "steps": self.steps}
+        return {"kind": self.kind, "names": self.names, "steps": self.steps,
+                "sharding": self.reader.sharding}

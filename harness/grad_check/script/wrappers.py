@@ -1,12 +1,17 @@
 """The functions of torch the capture wraps, each to see one thing the global hooks do not:
 an optimizer constructed, a backward running (and its loss's type), a clip or an unscale
-about to edit the window's gradient. Each wrapper calls the original with the same
+about to edit the window's gradient (FSDP1's own ``clip_grad_norm_`` too, once its module
+is imported: :func:`after_import`). Each wrapper calls the original with the same
 arguments and returns what it returns."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +75,65 @@ def wrap_clipping(capture: Capture) -> None:
         return result
 
     torch.amp.GradScaler.unscale_ = unscale_
+    after_import(capture, "torch.distributed.fsdp.fully_sharded_data_parallel",
+                 lambda module: wrap_module_clip(capture, module.FullyShardedDataParallel))
+
+
+def wrap_module_clip(capture: Capture, kind: type) -> None:
+    """FSDP1's ``model.clip_grad_norm_(max_norm)``, which clips the shards itself."""
+    original = kind.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(module, *args, **kwargs):
+        return clipping(capture, "clip_grad_norm_",
+                        lambda _held, *a, **k: original(module, *a, **k),
+                        module.parameters(), *args, **kwargs)
+
+    kind.clip_grad_norm_ = clip_grad_norm_
+
+
+class _Patching(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds module ``name`` as the other finders do, and patches it once it has run."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name, self.patch, self.loader = name, patch, None
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name or self.loader is not None:
+            return None
+        for finder in sys.meta_path:
+            spec = (finder.find_spec(name, path, target)
+                    if finder is not self and hasattr(finder, "find_spec") else None)
+            if spec is not None and spec.loader is not None:
+                self.loader, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        self.patch(module)
+
+
+def after_import(capture: Capture, name: str, patch: Callable[[ModuleType], None]) -> None:
+    """``patch(module)`` as soon as module ``name`` is imported (now, where it already is):
+    a framework the script imports after the capture loaded. A patch that fails leaves
+    the module as it is, and the capture says so (``unknown``)."""
+    def guarded(module: ModuleType) -> None:
+        try:
+            patch(module)
+        except Exception as error:  # noqa: BLE001 -- the user's import must go on
+            capture.unknown.add(f"wrapping {name}: {type(error).__name__}: {error}")
+
+    if name in sys.modules:
+        guarded(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _Patching(name, guarded))
 
 
 def clipping(capture: Capture, name: str, original, parameters, *args, **kwargs):
