@@ -239,7 +239,8 @@ def test_check_run_sbatch_gives_the_rows_of_the_same_run_without_slurm(slurm_env
     assert (f"check-run.sbatch: job {job_id}: ranks on node(s) localhost, the check and its "
             f"store on localhost, rows in {tmp_path / 'results' / job_id}") in output
     rows = pd.read_csv(tmp_path / "results" / job_id / "script.csv")
-    assert sorted(os.listdir(tmp_path / "results" / job_id)) == ["logs", "script.csv"]  # no captures
+    # The rows and every run's output; the captures removed.
+    assert sorted(os.listdir(tmp_path / "results" / job_id)) == ["logs", "script.csv"]
     assert without.code == 0 and set(rows["verdict"]) == {"matches"}
     pd.testing.assert_frame_equal(rows, without.rows, check_exact=True)
 
