@@ -37,7 +37,7 @@ RUNS = {
 @launching(seconds=20)
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cases")
-    calls = [(["--global-batch", "16", "--steps", "1", *options, "--",
+    calls = [(["--global-batch", "16", "--steps", "1", "--reference-once", *options, "--",
                *python(CASES, "--case", case, "--batch-size", "{batch}",
                        "--grad-accum", "{accum}")], folder / case)
              for case, options in RUNS.items()]
@@ -81,7 +81,7 @@ def test_a_gradient_of_zeros_is_no_gradient_and_fails(runs):
     done = runs["one-logit"]
     assert done.code == 1
     assert set(done.rows["status"]) == {"no gradient", "no update"}
-    assert set(done.rows["verdict"].fillna("")) == {""}
+    assert done.rows["verdict"].isna().all()
     assert "no gradient" in done.stderr
 
 
@@ -112,3 +112,9 @@ def test_a_partial_window_is_named_not_given_a_loss_divisor_fix(runs):
     assert last["fix"].startswith("step 1 is a partial window")
     assert "multiply the loss" not in last["fix"]
     assert done.row("1x2", step=0)["verdict"] == "matches"
+
+
+def test_the_reference_runs_once_where_asked_and_not_among_the_splits(runs):
+    done = runs["one-logit"]  # --reference-once, splits 1x2
+    assert "run 1 of 1" in done.stdout and "run 2 of" not in done.stdout
+    assert done.rows["reference_noise"].isna().all()

@@ -105,8 +105,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[CheckRun, CheckRun]]:
         calls.append(([*options, "--splits", ",".join(("1x1", *SPLITS)), "--",
                        *sharded.command],
                       folder / f"{name}-sound"))
-        calls.append(([*options, "--splits", ",".join(ACCUMULATING), "--fail-on", "scaled", "--",
-                       *buggy_command(sharded)], folder / f"{name}-bug"))
+        calls.append(([*options, "--splits", ",".join(ACCUMULATING), "--reference-once",
+                       "--fail-on", "scaled", "--", *buggy_command(sharded)],
+                      folder / f"{name}-bug"))
     done = run_checks(calls, modules=IMPORTED)
     return {name: (done[2 * i], done[2 * i + 1]) for i, name in enumerate(SHARDED)}
 

@@ -59,6 +59,9 @@ class ScriptConfig:
     steps: int = DEFAULT_STEPS
     #: Let the script run to its end after the captured steps, instead of stopping it.
     keep_going: bool = False
+    #: Run the reference split once where it is not among the splits too: a script's
+    #: repeatability is then not checked (its randomness would read as the splits').
+    reference_once: bool = False
     out: Path = Path("check-results")
     fail_on: str = DEFAULT_FAIL_ON
     #: Seconds one run of the command may take before it is stopped as hung.

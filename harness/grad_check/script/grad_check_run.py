@@ -117,6 +117,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="optimizer steps captured and compared per split, from the "
                              f"script's first (default: {DEFAULT_STEPS}); after step S the "
                              "script is stopped on every rank")
+    parser.add_argument("--reference-once", action="store_true",
+                        help="run the reference split once, not twice (unless it is among "
+                             "--splits too): faster for a costly script, but one that does not "
+                             "repeat itself is then not caught, and its randomness reads as a "
+                             "difference of the splits (reference_noise is empty)")
     parser.add_argument("--keep-going", action="store_true",
                         help="let the script run to its end after step S (its own teardown, "
                              "checkpoints, evaluation) instead of stopping it")
@@ -167,6 +172,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConf
                           splits=parse_splits(args.splits),
                           reference=parse_split(args.reference, "--reference"),
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
+                          reference_once=args.reference_once,
                           out=Path(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
                           launcher=args.launcher, torchrun_env=args.torchrun_env,

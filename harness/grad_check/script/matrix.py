@@ -45,9 +45,12 @@ class ScriptCheck:
 
     def _rows(self, scratch: Path) -> list[dict[str, Any]]:
         reference = self.config.reference
-        first = self.reference_run(scratch, "reference-1", 1)
-        again = self.reference_run(scratch, "reference-2", 2, against=first.run.folder)
-        noise = check_deterministic(first, again)
+        twice = not self.config.reference_once or reference in self.config.splits
+        first = self.reference_run(scratch, "reference-1", 1, runs=2 if twice else 1)
+        again, noise = None, {}
+        if twice:
+            again = self.reference_run(scratch, "reference-2", 2, against=first.run.folder)
+            noise = check_deterministic(first, again)
         self.say_what_the_reference_left_out(first)
         rows: list[dict[str, Any]] = []
         for split in self.config.splits:
@@ -87,10 +90,11 @@ class ScriptCheck:
                                              self.config.variables_of(split), against))
 
     def reference_run(self, scratch: Path, name: str, attempt: int,
-                      against: Path | None = None) -> Captured:
-        """One of the reference's two runs; its failure ends the check."""
+                      against: Path | None = None, runs: int = 2) -> Captured:
+        """One of the reference's runs (two, unless --reference-once); its failure ends the
+        check."""
         split = self.config.reference
-        captured = self.run(split, scratch, name, "reference", f", run {attempt} of 2",
+        captured = self.run(split, scratch, name, "reference", f", run {attempt} of {runs}",
                             against)
         failure = captured.run.failure
         where = f"the reference {split.label}"
