@@ -196,14 +196,26 @@ def test_verdicts_and_statuses_are_spelled_by_their_enums():
     assert spelled == []
 
 
+@functools.cache
+def definitions() -> dict[str, list[str]]:
+    """Every name a module of harness defines (a function, a class, an assignment) -> the
+    modules that define it."""
+    found: dict[str, list[str]] = {}
+    for path in modules():
+        for node in ast.walk(tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        found.setdefault(target.id, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
 @pytest.mark.parametrize("name", ["POINTS", "full_precision_decides", "at_full_precision",
                                   "dtype_name", "CLIPPED_ALIKE", "judge_step", "judged_row"])
 def test_each_rule_is_defined_once(name):
-    defined = [str(path.relative_to(ROOT)) for path in modules() for node in ast.walk(tree(path))
-               if (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name)
-               or (isinstance(node, ast.Assign) and any(getattr(target, "id", None) == name
-                                                        for target in node.targets))]
-    assert len(defined) == 1, defined
+    assert len(definitions().get(name, [])) == 1, definitions().get(name)
 
 
 def test_the_report_imports_no_study_and_is_in_no_cycle_with_the_studies():

@@ -707,3 +707,18 @@ def test_tokens_are_counted_from_the_samples_where_no_labels_are_passed():
     assert tokens(micro, padding) == 5 and tokens(other, padding) == 10
     features = [samples.sample(torch.tensor([0.5, 0.0, 0.0]))]  # floats are not padded
     assert tokens(features, padding_of(features * 2)) == 3
+
+
+def test_a_reference_that_ended_before_its_steps_says_so(tmp_path, monkeypatch):
+    """A script whose data ends after one step: its rows compare that step, and one line
+    says that the script ended before --steps."""
+    from harness.grad_check.script.matrix import ScriptCheck
+
+    said: list[str] = []
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8, splits=(Split(1, 1),),
+                          steps=3, quiet=True, out=tmp_path / "out")
+    check = ScriptCheck(config, CommandLauncher(steps=3, keep_going=False, timeout=60),
+                        said.append)
+    check.say_what_the_reference_left_out(written_capture(tmp_path / "ref", Split(1, 1)))
+    assert said == ["the reference's script ended after 2 step(s) of SGD, fewer than --steps "
+                    "3: its rows compare 2"]

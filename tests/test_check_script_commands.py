@@ -403,3 +403,18 @@ def test_failure_str_names_the_rank_unless_the_line_does():
     assert str(Failure(1, 1, "RuntimeError: x")) == "rank 1: RuntimeError: x"
     assert str(Failure(1, None, "rank 1 hung: no progress", (1,))) == "rank 1 hung: no progress"
     assert str(Failure(None, 2, "torchrun: error")) == "torchrun: error"
+
+
+def test_a_plain_process_that_wanted_torchruns_variables_is_told_the_flag():
+    """torch's env:// and DeepSpeed's init_distributed (which, without RANK and the rest,
+    looks for MPI: the Trainer's --deepspeed at N = 1) both name --torchrun-env."""
+    from harness.grad_check.script.failures import Failure
+    from harness.grad_check.script.processes import needs_torchrun_hint
+
+    for line in ("ValueError: Error initializing torch.distributed using env:// rendezvous: "
+                 "environment variable RANK expected, but not set",
+                 "ModuleNotFoundError: No module named 'mpi4py' (at train.py:9)"):
+        assert needs_torchrun_hint(Failure(0, 1, line)).line.endswith(
+            "--torchrun-env gives it torchrun's variables")
+    other = Failure(0, 1, "RuntimeError: boom")
+    assert needs_torchrun_hint(other) is other

@@ -246,10 +246,12 @@ class CommandLauncher:
 
 
 #: How a process says it needs torchrun's variables: init_process_group's env:// ("environment
-#: variable RANK expected, but not set"), a script's own os.environ["RANK"].
+#: variable RANK expected, but not set"), a script's own os.environ["RANK"], DeepSpeed's
+#: init_distributed, which without them looks for MPI instead (the Trainer's --deepspeed).
 _NEEDS_TORCHRUN = re.compile(r"environment variable (RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
                              r"LOCAL_RANK) expected|KeyError: '(RANK|WORLD_SIZE|LOCAL_RANK|"
-                             r"LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT)'")
+                             r"LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT)'|"
+                             r"No module named 'mpi4py'")
 
 
 def needs_torchrun_hint(failure: Failure) -> Failure:
