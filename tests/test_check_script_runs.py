@@ -308,13 +308,13 @@ def torchrun(*script: str) -> list[str]:
             "--nproc_per_node={nproc}", str(PROGRAM), *script]
 
 
-@pytest.mark.launches(seconds=14)
+@pytest.mark.launches(seconds=12)
 def test_a_launcher_in_the_command_runs_once_per_split_and_starts_the_ranks(tmp_path):
     """torchrun at the command's head starts the N ranks itself (fresh interpreters, each
     captured through the startup hook): a sound loop matches; a rank that fails is named
     with its file:line, not torchrun's summary; torchrun's output is kept."""
     sound, failing = run_checks([
-        (["--global-batch", "8", "--reference", "2x1", "--splits", "2x1", "--steps", "1", "--",
+        (["--global-batch", "8", "--splits", "2x1", "--reference-once", "--steps", "1", "--",
           *torchrun("--batch-size", "{batch}", "--grad-accum", "{accum}")], tmp_path / "sound"),
         (["--global-batch", "8", "--reference", "2x1", "--splits", "2x1", "--", *torchrun(
             "--case", "fails-on-rank-1", "--batch-size", "{batch}")], tmp_path / "failing")])
@@ -322,7 +322,8 @@ def test_a_launcher_in_the_command_runs_once_per_split_and_starts_the_ranks(tmp_
     assert set(sound.rows["verdict"]) == {"matches"}
     assert sound.row("2x1")["ranks_agree"]
     assert "--nproc_per_node=2" in sound.row("2x1")["command"]
-    assert (tmp_path / "sound" / "logs" / "reference-2" / "launcher.log").is_file()
+    assert (tmp_path / "sound" / "logs" / "reference-1" / "launcher.log").is_file()
+    assert "--nproc_per_node=1" in sound.stdout
     assert failing.code == 1
     [line] = failing.stderr.strip().splitlines()
     assert line.startswith("grad-check run: error: the reference 2x1 failed: rank 1: "

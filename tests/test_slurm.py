@@ -213,13 +213,14 @@ def test_any_other_failure_keeps_srun_exit_code(tmp_path):
 
 # ------------------------------------------------- check-run.sbatch: grad-check run in a job
 CHECK_RUN_SCRIPT = ROOT / "scripts" / "slurm" / "check-run.sbatch"
-CHECK_RUN_ARGS = ["--global-batch", "8", "--splits", "1x1,2x1", "--steps", "1", "--",
+CHECK_RUN_ARGS = ["--global-batch", "8", "--splits", "2x1", "--reference-once", "--steps", "1",
+                  "--",
                   sys.executable, str(ROOT / "tests" / "script_program.py"), "--batch-size",
                   "{batch}", "--grad-accum", "{accum}"]
 
 
 @pytest.mark.slurm
-@pytest.mark.launches(seconds=14)
+@pytest.mark.launches(seconds=9)
 def test_check_run_sbatch_gives_the_rows_of_the_same_run_without_slurm(slurm_env, tmp_path):
     """Every rank an srun step of the job (fresh interpreters loading the capture through
     the startup hook); the rows in CHECK_RESULTS/<job id>/ are those of the same check
