@@ -92,6 +92,12 @@ def test_k_may_follow_from_the_micro_batch_and_the_global_batch():
     (["python", "-m", "accelerate.commands.launch", "t.py"], "accelerate launch"),
     (["deepspeed", "--num_gpus", "2", "t.py"], "deepspeed"),
     (["trl", "sft", "--model_name_or_path", "m"], "trl sft"),
+    (["env", "ACCELERATE_USE_CPU=true", "accelerate", "launch", "t.py"], "accelerate launch"),
+    (["/usr/bin/env", "-u", "RANK", "--chdir=/tmp", "-i", "torchrun", "t.py"], "torchrun"),
+    (["env", "OMP_NUM_THREADS=1", "python", "-m", "torch.distributed.run", "t.py"],
+     "python -m torch.distributed.run"),
+    (["env", "-S", "torchrun t.py"], None),
+    (["env", "A=1", "python", "t.py"], None),
     (["python", "t.py"], None),
     (["accelerate", "config"], None),
     (["trl", "env"], None),
@@ -141,6 +147,33 @@ def test_accelerate_on_a_machine_without_gpus_is_given_what_it_needs_for_several
     assert adapted(launcher_of(trl), trl, Split(2, 1), 0)[0][:3] == ["trl", "sft", "--multi_gpu"]
     torchrun = ["torchrun", "--nproc_per_node=2", "t.py"]
     assert adapted(launcher_of(torchrun), torchrun, Split(2, 1), 0) == (torchrun, {})
+
+
+def test_a_launcher_behind_env_takes_its_arguments_after_env_and_the_launcher():
+    command = ["env", "ACCELERATE_USE_CPU=true", "accelerate", "launch", "--num_processes",
+               "{nproc}", "t.py", "--lr", "1"]
+    head = launcher_of(command)
+    check_launcher(head, command, [Split(1, 1), Split(2, 1)])
+    assert adapted(head, command, Split(2, 1), gpus=0)[0] == [
+        "env", "ACCELERATE_USE_CPU=true", "accelerate", "launch", "--multi_gpu",
+        "--num_processes", "{nproc}", "t.py", "--lr", "1"]
+    with pytest.raises(UsageError, match="torchrun without --nproc_per_node"):
+        check_launcher(launcher_of(["env", "A=1", "torchrun", "t.py"]), ["env", "A=1",
+                       "torchrun", "t.py"], [Split(2, 1)])
+
+
+def test_accelerate_told_cpu_runs_its_n_processes_on_cpus_at_every_n():
+    """accelerate launch --cpu takes its simple launcher (one process) whatever
+    --num_processes says, with GPUs or without: at N > 1 it runs as --multi_gpu with
+    ACCELERATE_USE_CPU, the N processes on CPUs the command asks for."""
+    command = ["accelerate", "launch", "--num_processes", "2", "--cpu", "t.py", "--cpu"]
+    head = launcher_of(command)
+    many = (["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "t.py", "--cpu"],
+            {"ACCELERATE_USE_CPU": "1"})
+    assert adapted(head, command, Split(2, 1), gpus=0) == many
+    assert adapted(head, command, Split(2, 1), gpus=2) == many
+    assert adapted(head, command, Split(1, 2), gpus=0) == (command, {"ACCELERATE_USE_CPU": "1"})
+    assert adapted(head, command, Split(1, 2), gpus=2) == (command, {})
 
 
 def config(*command: str, **settings) -> ScriptConfig:

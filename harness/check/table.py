@@ -42,8 +42,8 @@ def aligned(lines: Sequence[Sequence[str]]) -> list[str]:
 
 
 def verdict_cell(row: Row) -> str:
-    """The verdict, or where the row was not judged, its status (``error``, ``skipped: why``,
-    ``different samples``)."""
+    """The verdict, or where the row was not judged, its status (``error``, ``skipped``,
+    ``no gradient``, ``no update``)."""
     return str(row["verdict"]) if row["status"] == Status.OK else str(row["status"])
 
 

@@ -85,11 +85,12 @@ EPILOG = textwrap.dedent("""\
           --sequence_length 64 --total_batch_size {global_batch*64}
       grad-check run --global-batch 64 --reference 2x1 --splits 2x1,2x4 --out ci/ -- ...
 
-    A split whose step fed other samples than the reference's is named as such
-    (status 'different samples'), not judged. Rows: script.csv in --out, and a table;
-    every run's output: logs/ in --out. A split that fails names the rank that failed
-    first (its line, with the failing file:line, or its exit code or signal); one that
-    hangs, the rank that made no progress.
+    A split whose step fed other samples than the reference's is judged by what it
+    measured (differs, as a rule); its fix names the samples and their pattern (a batch
+    or accumulation argument, a seed per rank, the sampler). Rows: script.csv in --out,
+    and a table; every run's output: logs/ in --out. A split that fails names the rank
+    that failed first (its line, with the failing file:line, or its exit code or
+    signal); one that hangs, the rank that made no progress.
     Exit code: 0; 1 when a split errors or a row fails --fail-on; 2 for bad input;
     130 after Ctrl-C, 143 after SIGTERM (the running ranks stopped first). No process
     of a split outlives grad-check, however it ends.

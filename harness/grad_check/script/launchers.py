@@ -15,11 +15,17 @@ Where the machine forces it, the command is adapted, and the command shown is th
 run: ``accelerate launch`` (and ``trl``) on a machine without GPUs starts one plain
 process whatever ``--num_processes`` says, so at N > 1 it is given ``--multi_gpu`` (its
 torch elastic launcher, as it picks itself with N GPUs) and every run
-``ACCELERATE_USE_CPU=1`` (its own variable for a run on CPUs).
+``ACCELERATE_USE_CPU=1`` (its own variable for a run on CPUs). Its ``--cpu`` also means
+one plain process, on any machine: at N > 1 it runs as ``--multi_gpu`` with
+``ACCELERATE_USE_CPU=1``, the N processes on CPUs that the command asks for.
+
+A launcher behind ``env`` and its assignments (``env NAME=VALUE accelerate launch ...``)
+is the launcher: ``env`` passes the environment on, the capture's included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -74,8 +80,46 @@ def is_python(program: str) -> bool:
     return re.fullmatch(r"python[0-9.]*", os.path.basename(program)) is not None
 
 
+#: env(1)'s options that take a value in the next word (``env -u NAME``, ``env -C DIR``).
+ENV_OPTIONS_WITH_VALUE = ("-u", "--unset", "-C", "--chdir")
+#: env(1)'s options that take none.
+ENV_OPTIONS = ("-i", "--ignore-environment", "-")
+
+
+def env_prefix(command: Sequence[str]) -> int:
+    """How many words of ``command`` are ``env`` and its options and NAME=VALUE assignments
+    (``env ACCELERATE_USE_CPU=true accelerate launch ...``): 0 where it does not begin with
+    env, or env is given an option this does not know (then no launcher is seen behind it)."""
+    if not command or os.path.basename(command[0]) != "env":
+        return 0
+    position = 1
+    while position < len(command):
+        word = command[position]
+        if word in ENV_OPTIONS_WITH_VALUE:
+            position += 2
+        elif word in ENV_OPTIONS or word.partition("=")[0] in ("--unset", "--chdir") \
+                or re.fullmatch(r"-[uC].+", word) \
+                or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", word):
+            position += 1
+        elif word.startswith("-"):
+            return 0
+        else:
+            return position
+    return 0
+
+
 def launcher_of(command: Sequence[str]) -> Launcher | None:
-    """The launcher at the head of ``command``, if one is there."""
+    """The launcher at the head of ``command`` (behind ``env`` and its assignments), if one
+    is there."""
+    skipped = env_prefix(command)
+    found = launcher_at_head(command[skipped:])
+    if found is None or not skipped:
+        return found
+    return dataclasses.replace(found, arguments_at=found.arguments_at + skipped)
+
+
+def launcher_at_head(command: Sequence[str]) -> Launcher | None:
+    """The launcher whose program is ``command[0]``, if one is."""
     if not command:
         return None
     program, rest = os.path.basename(command[0]), list(command[1:])
@@ -106,6 +150,15 @@ def launcher_of(command: Sequence[str]) -> Launcher | None:
     return None
 
 
+def own_arguments(launcher: Launcher, command: Sequence[str]) -> list[str]:
+    """The launcher's own arguments: those after its name and before the script it starts
+    (the first ``.py`` word); all of them where it names none (``trl sft``, a module)."""
+    arguments = list(command[launcher.arguments_at:])
+    script = next((at for at, argument in enumerate(arguments) if argument.endswith(".py")),
+                  len(arguments))
+    return arguments[:script]
+
+
 def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
     """The value given to any of ``flags`` (``--flag value`` or ``--flag=value``), the last
     one where given twice; None where none is given."""
@@ -120,7 +173,7 @@ def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
 
 def check_launcher(launcher: Launcher, command: Sequence[str], splits: Sequence[Split]) -> None:
     """Refuse, by name, a launcher that cannot run the splits on this machine."""
-    arguments = list(command[launcher.arguments_at:])
+    arguments = own_arguments(launcher, command)
     machines = flag_value(arguments, launcher.machine_flags)
     if machines is not None and machines not in ("1", "1:1"):
         raise UsageError(f"{launcher.name} {launcher.machine_flags[0]} {machines} spans "
@@ -158,10 +211,19 @@ def visible_gpus() -> int:
 def adapted(launcher: Launcher | None, command: list[str], split: Split,
             gpus: int) -> tuple[list[str], dict[str, str]]:
     """The command as it runs on this machine, and the variables it is given besides."""
-    if launcher is None or not launcher.accelerate or gpus:
+    if launcher is None or not launcher.accelerate:
         return command, {}
-    arguments = command[launcher.arguments_at:]
+    head = command[:launcher.arguments_at]
+    arguments = own_arguments(launcher, command)
+    script = command[launcher.arguments_at + len(arguments):]
+    # accelerate launch --cpu runs its simple launcher: one process, whatever
+    # --num_processes says (with GPUs or without). The user asked for N processes on CPUs:
+    # at N > 1 that is its torch elastic launcher with its own CPU variable.
+    if "--cpu" in arguments and split.world_size > 1:
+        arguments = [argument for argument in arguments if argument != "--cpu"]
+    elif gpus:
+        return command, {}
     if split.world_size > 1 and not any(argument.partition("=")[0] in ACCELERATE_CHOOSES
                                         for argument in arguments):
-        command = [*command[:launcher.arguments_at], "--multi_gpu", *arguments]
-    return command, {"ACCELERATE_USE_CPU": "1"}
+        arguments = ["--multi_gpu", *arguments]
+    return [*head, *arguments, *script], {"ACCELERATE_USE_CPU": "1"}
