@@ -266,10 +266,12 @@ def point(points: Points, step: int, name: str, tensors: dict[str, torch.Tensor]
 
 def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1, forwards=None, against: Captured | None = None) -> Captured:
+                    lr=0.1, forwards=None, frameworks=(),
+                    against: Captured | None = None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
-    gradient digests are ``fingerprints[r]``. Without ``against`` it is the reference's
+    gradient digests are ``fingerprints[r]``; the script imported ``frameworks``
+    (capture.py FRAMEWORK_MODULES). Without ``against`` it is the reference's
     first run, which writes its tensors; else compared with that run, as a rank does."""
     folder.mkdir(parents=True)
     points = Points(folder, against.run.folder if against else None, 0)
@@ -296,7 +298,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
         torch.save({"rank": rank, "world_size": split.world_size,
                     "optimizers": [{"kind": "SGD", "names": list(NAMES), "steps": 2}],
                     "records": own, "dtypes": list(dtypes), "unknown": [], "batchnorm": [],
-                    "dropout": []},
+                    "dropout": [], "frameworks": list(frameworks)},
                    capture.summary_file(folder, rank))
     return Captured.read(Run(split, ("python", "t.py"), folder, 0.0, None))
 
@@ -660,13 +662,30 @@ def test_a_module_call_that_raised_closes_its_forward_without_its_keyword_argume
 def test_a_token_count_difference_under_the_trainer_is_said_in_its_terms(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1))
     split = written_capture(tmp_path / "split", Split(2, 1), grads=different, counts=(12, 30),
-                            against=reference)
-    for rank in range(2):  # the script imported the Trainer
-        path = capture.summary_file(split.run.folder, rank)
-        torch.save({**torch.load(path), "frameworks": ["trainer"]}, path)
-    rows = SplitJudge(Captured.read(split.run), reference, {}, 8).rows()
+                            frameworks=["trainer"], against=reference)
+    rows = SplitJudge(split, reference, {}, 8).rows()
     assert "normalize by the window's token count" in rows[0]["fix"]
     assert "average_tokens_across_devices=True" in rows[0]["fix"]
+
+
+@pytest.mark.parametrize(("frameworks", "factor", "said"), [
+    (["trainer"], 4.0, True),  # N * k: a micro-batch's mean handed num_items_in_batch
+    (["trl", "accelerate"], 2.0, True),  # N or k alone
+    ([], 4.0, False),  # a plain loop: the scale alone
+    (["trainer"], 3.0, False),  # no count of the split's: not the Trainer's contract
+])
+def test_a_scale_of_n_or_k_under_the_trainer_names_its_loss_contract(tmp_path, frameworks,
+                                                                     factor, said):
+    """A loss given num_items_in_batch is divided by neither k nor N by the Trainer
+    (transformers' training_step, compute_loss): a micro-batch's mean there is N*k times
+    the big batch's (N under average_tokens_across_devices). Said where the script imported
+    the Trainer or TRL and the scale is one of the split's counts, beside the scale's fix."""
+    grads = lambda step: {n: factor * t for n, t in gradients(step).items()}  # noqa: E731
+    rows = rows_of(tmp_path, Split(2, 2), grads=grads, frameworks=frameworks)
+    fix = rows[0]["fix"]
+    assert rows[0]["verdict"] == "scaled"
+    assert fix.startswith(f"divide the loss by {factor:g}") or factor == 3.0
+    assert ("num_items_in_batch" in fix) is said, fix
 
 
 def test_a_float32_match_above_float32s_rounding_says_so(tmp_path):

@@ -269,7 +269,7 @@ class SplitJudge:
                     and facts.gradient_scale is None):  # else the step-0 scale explains it
                 return (learning_rate_fix(comparison, facts)
                         if rounding_only(gradient, facts) else amplified_fix(gradient))
-            return (self.clip_note(optimizer, step, measured, facts)
+            return (self.scaled_fix(optimizer, step, measured, facts)
                     or self.trainer_count_fix(measured, facts))
 
         return cause
@@ -310,23 +310,52 @@ class SplitJudge:
                 "DistributedDataParallel, or all-reduce them), or something changes them on "
                 "some ranks only (a clip, a scheduler or a condition on the rank)")
 
-    def clip_note(self, optimizer: int, step: int, measured: Compared,
-                  facts: Facts) -> str | None:
-        """A scaled gradient whose scale the window's clip undid: the engine's fix, and that
-        the clip hid it at this step (the optimizer received the reference's gradient)."""
+    def scaled_fix(self, optimizer: int, step: int, measured: Compared,
+                   facts: Facts) -> str | None:
+        """A scaled gradient's fix, the engine's, with what the script shows besides: that
+        the window's clip hid the scale at this step, that the Trainer's loss contract
+        explains it. None where neither does (the engine's fix then stands alone)."""
         comparison = measured.comparison
+        if measured.point != "grad" or comparison.verdict is not Equivalence.SCALED:
+            return None
+        notes = [note for note in (self.clip_note(optimizer, step, comparison, facts),
+                                   self.trainer_scale_note(comparison.scale, facts))
+                 if note is not None]
+        return "; ".join([suggest("grad", comparison, facts), *notes]) if notes else None
+
+    def clip_note(self, optimizer: int, step: int, comparison: Comparison,
+                  facts: Facts) -> str | None:
+        """That the window's clip undid the gradient's scale at this step (the optimizer
+        received the reference's gradient)."""
         clips = self.measured.clips(optimizer, step)
-        if measured.point != "grad" or comparison.verdict is not Equivalence.SCALED or not clips:
+        if not clips:
             return None
         ours = self.measured.clip_factor(optimizer, step)
         theirs = self.reference.clip_factor(optimizer, step)
         received = ours * comparison.scale / theirs if theirs else math.nan
         if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):
             return None
-        return (f"{suggest('grad', comparison, facts)}; at this step {clips[0]} hid it: "
-                "it scaled this gradient and the reference's to the same norm, so the "
-                "optimizer received the reference's gradient (a clip that does not bind "
-                "lets the scale through)")
+        return (f"at this step {clips[0]} hid it: it scaled this gradient and the "
+                "reference's to the same norm, so the optimizer received the reference's "
+                "gradient (a clip that does not bind lets the scale through)")
+
+    def trainer_scale_note(self, scale: float, facts: Facts) -> str | None:
+        """Under the Trainer (TRL's included) a gradient k, N or N*k times the big batch's
+        is its loss contract broken: a loss given num_items_in_batch (a compute_loss_func,
+        or a model whose forward takes **kwargs) is not divided by k, and is multiplied by
+        N under average_tokens_across_devices (transformers' Trainer.training_step and
+        compute_loss), so it must be the window's sum divided by that count."""
+        split = self.measured.run.split
+        factors = {split.accum_steps, split.world_size, split.world_size * split.accum_steps}
+        if (not self.measured.frameworks & {"trainer", "trl"}
+                or not any(factor > 1 and close(scale, factor, facts.rtol)
+                           for factor in factors)):
+            return None
+        return ("with the Trainer or TRL: a loss given num_items_in_batch (a "
+                "compute_loss_func, or a model whose forward takes **kwargs) is divided by "
+                "neither k nor N (and is multiplied by N under "
+                "average_tokens_across_devices): it must return the window's summed loss "
+                "divided by num_items_in_batch, not a micro-batch's mean")
 
     def row(self, judged: Judged) -> dict[str, Any]:
         split = self.measured.run.split
