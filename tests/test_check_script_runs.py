@@ -357,7 +357,8 @@ def test_four_ranks_on_two_cores_give_the_verdicts_of_two(tmp_path):
     for k in (1, 2):
         for point in ("grad", "params"):
             two, four = buggy.row(f"2x{k}", point=point), buggy.row(f"4x{k}", point=point)
-            assert (four["verdict"], four["fix"]) == (two["verdict"], two["fix"]), (k, point)
+            assert (four["verdict"], four["fix"]) == (two["verdict"], two["fix"]), \
+                (k, point, dict(four), buggy.stderr)
             assert four["scale"] == pytest.approx(two["scale"], rel=1e-4)
     assert buggy.row("4x2")["verdict"] == "scaled"
     assert buggy.row("4x2")["scale"] == pytest.approx(2.0, rel=1e-4)
