@@ -18,6 +18,7 @@ from torch import nn
 
 from harness.check import shards
 from harness.check.outcome import exit_code
+from harness.check.precision import tolerance
 from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import capture, naming, samples
@@ -712,7 +713,27 @@ def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_
     near = Comparison(ScaleFit(1.0, 9.6e-4), Equivalence.MATCHES, {})
     tight = Comparison(ScaleFit(1.0, 2e-7), Equivalence.MATCHES, {})
     assert not rounding_only(near, facts) and rounding_only(tight, facts)
-    assert "Adam" in amplified_fix(near) and "residual 0.00096" in amplified_fix(near)
+    assert "Adam" in amplified_fix(near, facts) and "residual 0.00096" in amplified_fix(
+        near, facts)
+
+
+def test_a_bfloat16_gradient_match_is_never_called_rounding_alone():
+    """TRL's bf16 defaults: the gradient within bfloat16's tolerance at its rounding (0.0015)
+    and AdamW's update 0.0315 off, at the edge of the tolerance. Past it, the fix must not
+    blame the optimizer's settings: bfloat16 cannot tell rounding from a small difference,
+    and Adam magnifies either."""
+    from harness.check.compare import Comparison
+    from harness.check.fix import Facts
+    from harness.fit import ScaleFit
+    from harness.grad_check.script.judge import amplified_fix, rounding_only
+
+    bf16 = Facts(world_size=2, accum_steps=1, rtol=tolerance(torch.bfloat16))
+    gradient = Comparison(ScaleFit(0.9992, 1.5e-3), Equivalence.MATCHES, {})
+    assert not rounding_only(gradient, bf16)
+    fix = amplified_fix(gradient, bf16)
+    assert "float32" in fix and "rounding" in fix and "settings" not in fix
+    exact = Facts(world_size=2, accum_steps=1, rtol=tolerance(torch.float64))
+    assert rounding_only(Comparison(ScaleFit(1.0, 1e-12), Equivalence.MATCHES, {}), exact)
 
 
 def test_tokens_are_counted_from_the_samples_where_no_labels_are_passed():

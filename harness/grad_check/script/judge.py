@@ -116,17 +116,27 @@ def learning_rate_fix(update: Comparison, facts: Facts) -> str:
 
 def rounding_only(gradient: Comparison, facts: Facts) -> bool:
     """Whether a matching gradient is off by no more than its precision's rounding (float32:
-    ``FLOAT32_ROUNDING``; at other precisions the tolerance is the bound there is)."""
-    bound = FLOAT32_ROUNDING["grad"] if facts.rtol == tolerance(torch.float32) else facts.rtol
-    return gradient.residual <= bound
+    ``FLOAT32_ROUNDING``; float64: its tolerance, which sits at rounding). Below float32 no
+    such bound is known: bfloat16's tolerance holds its rounding and small differences
+    alike, so a gradient matching there is never called rounding alone."""
+    if facts.rtol == tolerance(torch.float32):
+        return gradient.residual <= FLOAT32_ROUNDING["grad"]
+    return facts.rtol <= tolerance(torch.float64) and gradient.residual <= facts.rtol
 
 
-def amplified_fix(gradient: Comparison) -> str:
-    """An update off where the gradient is within its tolerance but not its rounding."""
-    return (f"the gradient is within the precision's tolerance but off by more than its "
-            f"rounding (residual {gradient.residual:.2g}), and the update follows from it: an "
-            "adaptive optimizer (Adam) magnifies a small gradient difference in its step; "
-            "the gradient's difference is the cause: run once in float64 to resolve it")
+def amplified_fix(gradient: Comparison, facts: Facts) -> str:
+    """An update off where the gradient is within its tolerance but not known to be only
+    its rounding: an adaptive optimizer magnifies what is left in its step."""
+    if facts.rtol <= tolerance(torch.float32):
+        return (f"the gradient is within the precision's tolerance but off by more than its "
+                f"rounding (residual {gradient.residual:.2g}), and the update follows from it: "
+                "an adaptive optimizer (Adam) magnifies a small gradient difference in its "
+                "step; the gradient's difference is the cause: run once in float64 to "
+                "resolve it")
+    return (f"the gradient is within the precision's tolerance (residual "
+            f"{gradient.residual:.2g}), where its rounding and a small difference look alike, "
+            "and the update follows from it: an adaptive optimizer (Adam) magnifies either in "
+            "its step: run once in float32 to tell them apart")
 
 
 def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
@@ -268,7 +278,7 @@ class SplitJudge:
                     and gradient.verdict is Equivalence.MATCHES
                     and facts.gradient_scale is None):  # else the step-0 scale explains it
                 return (learning_rate_fix(comparison, facts)
-                        if rounding_only(gradient, facts) else amplified_fix(gradient))
+                        if rounding_only(gradient, facts) else amplified_fix(gradient, facts))
             return (self.scaled_fix(optimizer, step, measured, facts)
                     or self.trainer_count_fix(measured, facts))
 
