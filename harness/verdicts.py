@@ -57,6 +57,12 @@ class Status(StrEnum):
     #: The step moved no parameter in the case or in the reference, at a learning rate
     #: other than 0: nothing was compared.
     NO_UPDATE = "no update"
+    #: Measured, and beyond the reach of its precision: an update below float32 off by
+    #: more than the tolerance after a gradient that matched it, at scale 1. An adaptive
+    #: optimizer (Adam) magnifies the gradient's rounding in its step, which such a run
+    #: cannot tell from a difference of the optimizer's own; only a run in float32 can.
+    #: Neither a match nor a failure: the row says to run once in float32.
+    UNRESOLVED = "unresolved"
 
 
 #: Statuses that fail a check's exit code whatever ``--fail-on`` says: nothing was checked.

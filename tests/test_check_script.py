@@ -717,6 +717,39 @@ def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_
         near, facts)
 
 
+def test_a_bfloat16_update_off_after_a_matching_gradient_is_unresolved_not_differs(capsys):
+    """TRL's bf16 defaults with packing: every gradient matched (0.0017 off) and AdamW's
+    update was 0.068 off, although in float32 the same run matches to 5e-6. bfloat16 cannot
+    tell that magnified rounding from a difference of the optimizer's own: the row keeps
+    what it measured, leaves the verdict empty, says to run in float32 and fails nothing.
+    A scale, a gradient that differs, ranks apart or float32 still decide as before."""
+    from harness.check.compare import Comparison
+    from harness.check.fix import Facts
+    from harness.check.judge import Compared, judge_step, judged_row
+    from harness.fit import ScaleFit
+    from harness.grad_check.script.schema import COLUMNS
+
+    def step(update_scale=0.9993, grad=Equivalence.MATCHES, dtype=torch.bfloat16,
+             ranks_agree=True, update=Equivalence.DIFFERS):
+        compared = [Compared("grad", Comparison(ScaleFit(1.0, 1.7e-3), grad, {}), ranks_agree),
+                    Compared("params", Comparison(ScaleFit(update_scale, 0.068), update, {}),
+                             ranks_agree)]
+        return judge_step(1, compared, dtype, Facts(world_size=2, accum_steps=1),
+                          say_unresolved=True, rank_zero_only=True)
+
+    _, update = step()
+    assert (update.status, update.verdict) == ("unresolved", "")
+    assert update.residual == pytest.approx(0.068) and update.scale == pytest.approx(0.9993)
+    assert "run once in float32" in update.fix and "0.068" in update.fix
+    row = judged_row(COLUMNS, update, **{c.name: "" for c in COLUMNS if c.judged is None})
+    assert exit_code([row], "scaled", "grad-check run", case_label) == 0
+    assert "1 row(s) unresolved" in capsys.readouterr().err
+    assert step(update_scale=1.09, update=Equivalence.SCALED)[1].status == "ok"
+    assert step(grad=Equivalence.DIFFERS)[1].verdict == "differs"
+    assert step(ranks_agree=False)[1].verdict == "ranks differ"
+    assert step(dtype=torch.float32)[1].verdict == "differs"
+
+
 def test_a_bfloat16_gradient_match_is_never_called_rounding_alone():
     """TRL's bf16 defaults: the gradient within bfloat16's tolerance at its rounding (0.0015)
     and AdamW's update 0.0315 off, at the edge of the tolerance. Past it, the fix must not

@@ -56,6 +56,11 @@ def failing_cases(rows: Sequence[Row], fail_on: str, case_of: Callable[[Row], st
 def exit_code(rows: Sequence[Row], fail_on: str, prog: str, case_of: Callable[[Row], str],
               verdict_of: Callable[[Row], str] = row_verdict) -> int:
     """0, or 1 after naming the failing cases on stderr."""
+    unresolved = sum(row["status"] == Status.UNRESOLVED for row in rows)
+    if unresolved:
+        print(f"{prog}: {unresolved} row(s) {Status.UNRESOLVED}: measured, but their "
+              "precision cannot tell rounding from a difference (their fix says why): run "
+              "once in float32 to resolve them", file=sys.stderr, flush=True)
     failing = failing_cases(rows, fail_on, case_of, verdict_of)
     if not failing:
         return 0

@@ -57,13 +57,18 @@ def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
             f"{cause}")
 
 
+def coarser_than_float32(dtype: torch.dtype) -> bool:
+    """bfloat16, float16 and the float8 types: rounding that float32 resolves."""
+    return torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+
+
 def unresolved_below(dtype: torch.dtype, rtol: float, residual: float = 0.0,
                      point: str = "grad") -> str:
     """What a ``matches`` leaves open where no twin without autocast was run (``grad-check
     run``: the script is the user's): at a precision coarser than float32, any split off
     by less than the tolerance; in float32, one whose residual is above float32's rounding
     (``FLOAT32_ROUNDING``), which only a run in float64 resolves."""
-    if torch.finfo(dtype).eps > torch.finfo(torch.float32).eps:
+    if coarser_than_float32(dtype):
         return (f"in {dtype_name(dtype)} a split off by less than {rtol:.2g} matches too: run "
                 "once in float32 to resolve it")
     bound = FLOAT32_ROUNDING.get(point) if dtype == torch.float32 else None

@@ -44,7 +44,11 @@ COLUMNS: tuple[Column, ...] = (
                   "type's",
         status=f"`ok`; `{Status.NO_GRADIENT}` or `{Status.NO_UPDATE}` where the gradient (the "
                "update) was all zero in the split and in the reference, so that nothing was "
-               "compared; `skipped: why` for an update at learning rate 0; or `error`",
+               f"compared; `{Status.UNRESOLVED}` where an update below float32 is off at "
+               "scale 1 after a gradient that matched (the verdict is left empty: an "
+               "adaptive optimizer magnifies the gradient's rounding, which such a run cannot "
+               "tell from a difference; a run in float32 can); `skipped: why` for an update "
+               "at learning rate 0; or `error`",
         error="why the split's run gave no capture of the step: the failing rank and its "
               "line (`rank 1: Type: first sentence`), else empty"),
     Column("clip", "text",
