@@ -165,6 +165,11 @@ MUTATIONS = (
              "return tuple(counts[-accum_steps:]) or None",
              ("tests/test_frameworks_fixes.py::test_the_trainers_count_is_read_from_step_0s_"
               "window",)),
+    Mutation("unresolved-whatever-the-scale", "harness/check/judge.py",
+             "and abs(comparison.scale - 1.0) <= tolerance(precision)",
+             "and abs(comparison.scale - 1.0) <= 1.0",
+             ("tests/test_check_script.py::test_a_bfloat16_update_off_after_a_matching_gradient_"
+              "is_unresolved_not_differs",)),
 )
 
 

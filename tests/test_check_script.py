@@ -745,6 +745,7 @@ def test_a_bfloat16_update_off_after_a_matching_gradient_is_unresolved_not_diffe
     assert exit_code([row], "scaled", "grad-check run", case_label) == 0
     assert "1 row(s) unresolved" in capsys.readouterr().err
     assert step(update_scale=1.09, update=Equivalence.SCALED)[1].status == "ok"
+    assert step(update_scale=1.5)[1].verdict == "differs"  # no rounding makes a step longer
     assert step(grad=Equivalence.DIFFERS)[1].verdict == "differs"
     assert step(ranks_agree=False)[1].verdict == "ranks differ"
     assert step(dtype=torch.float32)[1].verdict == "differs"
