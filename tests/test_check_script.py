@@ -173,6 +173,31 @@ def test_parameters_are_named_by_the_model_inside_its_wrappers():
         "layers.0.weight"
 
 
+def test_a_model_under_two_names_of_its_wrapper_keeps_its_own_names():
+    """Lightning Fabric's module holds the model twice: ``_forward_module`` (the model alone,
+    DDP around it at N > 1) and ``_original_module`` (the model). LitGPT's parameters were
+    named ``_forward_module.transformer...`` at N = 1 and ``_forward_module.module...`` at
+    N = 2, and every N = 2 split was an error: "AdamW holds other tensors"."""
+    class Wrapper(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    class FabricLike(nn.Module):
+        def __init__(self, forward_module: nn.Module, original: nn.Module) -> None:
+            super().__init__()
+            self._forward_module = forward_module
+            self._original_module = original
+
+    for distributed in (False, True):
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        fabric = FabricLike(Wrapper(model) if distributed else model, model)
+        found = naming.owner(list(fabric.parameters()))
+        assert found is model, distributed
+        assert naming.parameter_names(list(fabric.parameters()), found, [0] * 4) == [
+            "0.weight", "0.bias", "2.weight", "2.bias"]
+
+
 def test_a_model_whose_part_holds_every_parameter_keeps_its_own_names():
     class TiedLM(nn.Module):  # a body and a head that shares the body's embedding
         def __init__(self) -> None:

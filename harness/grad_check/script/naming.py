@@ -57,12 +57,20 @@ def owner(parameters: list[nn.Parameter]) -> nn.Module | None:
 
 
 def unwrapped(module: nn.Module, whole: set[int]) -> nn.Module:
-    """``module``'s single child, and so on, for as long as that child holds them all."""
+    """``module``'s wrapped model, for as long as it wraps one that holds them all: its single
+    child, or where every child holds them all and each wraps the next (Lightning Fabric's
+    ``_forward_module``, DDP around the model, beside ``_original_module``, the model
+    itself, at N > 1; the model under both names alone), the innermost of them."""
     while True:
-        children = [child for child in module._modules.values() if child is not None]
-        if len(children) != 1 or id(children[0]) not in whole:
+        children = list({id(child): child for child in module._modules.values()
+                         if child is not None}.values())
+        if not children or not all(id(child) in whole for child in children):
             return module
-        module = children[0]
+        inner = [child for child in children
+                 if all(any(m is child for m in other.modules()) for other in children)]
+        if len(inner) != 1:
+            return module
+        module = inner[0]
 
 
 def parameter_names(parameters: Sequence[nn.Parameter], model: nn.Module | None,
