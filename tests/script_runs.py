@@ -3,7 +3,8 @@
 A user's command runs as fresh interpreters (harness/grad_check/script/processes.py), each paying
 seconds to import torch and its framework. Here the check runs in a child forked from
 the test process that first imports the frameworks its commands use, and each rank whose
-command is ``python script.py ...`` is forked from that child, becoming the script
+command is ``python script.py ...`` is forked, from a process that child forked before
+grad-check hosts its rendezvous store (:class:`RankForker`), becoming the script
 as an interpreter would: the same environment (torchrun's variables, the capture's),
 stdout and stderr into the rank's log, the guard and the capture installed as the
 startup hook installs them (startup/sitecustomize.py), the script (or ``-m module``: a
@@ -19,7 +20,9 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import runpy
+import select
 import sys
 import traceback
 from dataclasses import dataclass
@@ -39,14 +42,133 @@ RUN_TIMEOUT_S = 300
 
 
 def forked_python(command: list[str], environment: dict[str, str], log: Path):
-    """The launcher's starter: ``python script ...`` forked from here, anything else
-    started as the launcher starts it."""
+    """The launcher's starter: ``python script ...`` forked (by this process's
+    :class:`RankForker`), anything else started as the launcher starts it."""
     if Path(command[0]).name != Path(sys.executable).name or len(command) < 2:
         return start_subprocess(command, environment, log)
-    pid = os.fork()
-    if pid:
-        return ForkedChild(pid, command)
-    _become_the_script(command[1], command[2:], environment, log)
+    return rank_forker().start(command, environment, log)
+
+
+_FORKERS: dict[int, RankForker] = {}
+
+
+def rank_forker() -> RankForker:
+    """This process's rank forker, made before grad-check starts, or at its first rank
+    (the reference's run, which hosts no store at N = 1)."""
+    if os.getpid() not in _FORKERS:
+        _FORKERS[os.getpid()] = RankForker()
+    return _FORKERS[os.getpid()]
+
+
+class RankForker:
+    """A process forked from the check's before grad-check hosts a store, that forks every
+    rank.
+
+    grad-check hosts the ranks' rendezvous store, whose server runs in a thread of its own
+    (``pt_tcpstore_uv``). A rank forked from grad-check's process while that thread held a
+    lock inherits the lock held by no one: every rank of a split hung before its first
+    forward pass, now and then (4x2 of the four-ranks test, in 2 of 5 runs of the whole
+    suite on 2 cores). This process holds what the check's had imported by then, hosts no
+    store and starts no thread: it forks each rank on request, reaps it and reports its
+    exit code."""
+
+    def __init__(self) -> None:
+        serving = [name for name in thread_names() if name.startswith("pt_tcpstore")]
+        assert not serving, f"a rank forker must start before a store serves: {serving}"
+        request_read, self._requests = os.pipe()
+        self._replies, reply_write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._requests)
+            os.close(self._replies)
+            _fork_on_request(request_read, reply_write)
+        os.close(request_read)
+        os.close(reply_write)
+        self._unread = b""
+        self._started: list[int] = []
+        self.exits: dict[int, int] = {}
+
+    def start(self, command: list[str], environment: dict[str, str], log: Path) -> ForkedRank:
+        message = pickle.dumps((command, environment, str(log)))
+        _write_all(self._requests, len(message).to_bytes(8, "big") + message)
+        while not self._started:
+            self._read(block=True)
+        return ForkedRank(self, self._started.pop(0), command)
+
+    def exit_code(self, pid: int) -> int | None:
+        self._read(block=False)
+        return self.exits.get(pid)
+
+    def _read(self, block: bool) -> None:
+        if not select.select([self._replies], [], [], None if block else 0)[0]:
+            return
+        chunk = os.read(self._replies, 1 << 16)
+        if not chunk:
+            raise RuntimeError("the rank forker ended")
+        *lines, self._unread = (self._unread + chunk).split(b"\n")
+        for line in lines:
+            what, pid, *code = line.decode().split()
+            if what == "started":
+                self._started.append(int(pid))
+            else:
+                self.exits[int(pid)] = int(code[0])
+
+
+def thread_names() -> list[str]:
+    return [Path(f"/proc/self/task/{task}/comm").read_text().strip()
+            for task in os.listdir("/proc/self/task")]
+
+
+class ForkedRank(ForkedChild):
+    """A rank forked by a :class:`RankForker`: its exit code as the forker reaped it."""
+
+    def __init__(self, forker: RankForker, pid: int, args: list[str]) -> None:
+        super().__init__(pid, args)
+        self._forker = forker
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._forker.exit_code(self.pid)
+        return self.returncode
+
+
+def _fork_on_request(requests: int, replies: int) -> None:
+    """The forker's loop: fork each rank asked for, report it and its exit; end with the
+    check's process (its end of the pipe closed). Never returns."""
+    children: set[int] = set()
+    unread = b""
+    try:
+        while True:
+            if select.select([requests], [], [], 0.02)[0]:
+                chunk = os.read(requests, 1 << 16)
+                if not chunk:
+                    break
+                unread += chunk
+                while len(unread) >= 8 and len(unread) >= 8 + (
+                        size := int.from_bytes(unread[:8], "big")):
+                    command, environment, log = pickle.loads(unread[8:8 + size])
+                    unread = unread[8 + size:]
+                    pid = os.fork()
+                    if pid == 0:
+                        os.close(requests)
+                        os.close(replies)
+                        _become_the_script(command[1], command[2:], environment, Path(log))
+                    children.add(pid)
+                    _write_all(replies, f"started {pid}\n".encode())
+            for pid in list(children):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    children.discard(pid)
+                    code = os.waitstatus_to_exitcode(status)
+                    _write_all(replies, f"exited {pid} {code}\n".encode())
+    except BaseException:  # noqa: BLE001 -- a signal or the check gone: nothing to report to
+        pass
+    os._exit(0)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _become_the_script(script: str, args: list[str], environment: dict[str, str],
@@ -158,6 +280,8 @@ def _checks_in_child(argvs: list[list[str]], logs: list[Path], modules: tuple[st
             importlib.import_module(module)
         from harness.grad_check.script.grad_check_run import main
 
+        if starter is forked_python:
+            rank_forker()  # now, before grad-check hosts a store
         for argv, folder in zip(argvs, logs, strict=True):
             code = _check_with_console(main, argv, folder, starter)
             (folder / "code").write_text(str(code))

@@ -24,7 +24,15 @@ from harness.grad_check.script.processes import STARTUP
 from harness.launcher import usable_cores
 from tests.launch import ForkedChild
 from tests.process_tree import descendants, kill_left, running, wait_until
-from tests.script_runs import EXAMPLES, PROGRAM, forked_python, python, run_check, run_checks
+from tests.script_runs import (
+    EXAMPLES,
+    PROGRAM,
+    forked_python,
+    python,
+    rank_forker,
+    run_check,
+    run_checks,
+)
 
 pytestmark = pytest.mark.launches(seconds=2)
 
@@ -219,6 +227,7 @@ def started_check(argv: list[str], out: Path) -> ForkedChild:
                 os.close(handle)
             from harness.grad_check.script.grad_check_run import main
 
+            rank_forker()  # before grad-check hosts the reference's store
             code = main(argv, starter=forked_python)
         finally:
             os._exit(code)

@@ -176,12 +176,13 @@ def _memory_runs(folder: Path, width: int) -> None:
     from harness.grad_check.script.points import MEMORY_VARIABLE
     from harness.grad_check.script.processes import CommandLauncher
     from harness.grad_check.script.splits import Split, substituted
-    from tests.script_runs import forked_python
+    from tests.script_runs import forked_python, rank_forker
 
     code = 1
     try:
         command = python(EXAMPLES / "fsdp_loop.py", "--fsdp", "1", "--width", str(width),
                          "--batch-size", "{batch}", "--grad-accum", "{accum}", "--steps", "1")
+        rank_forker()  # before any split hosts a store
         launch = CommandLauncher(steps=1, keep_going=False, timeout=120, global_batch=G,
                                  starter=forked_python)
         reference = launch.run(Split(1, 1), substituted(command, Split(1, 1), G),
