@@ -37,6 +37,12 @@ def tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
+@functools.cache
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the module's tree, walked once for every test here."""
+    return tuple(ast.walk(tree(path)))
+
+
 def package(path: Path) -> str:
     """The dotted package a module belongs to (a package's __init__: the package itself)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -47,7 +53,7 @@ def imported(path: Path) -> list[tuple[str, str]]:
     """(module, name) of every ``from harness... import name`` in the file; ``import x``
     gives (x, "")."""
     found = []
-    for node in ast.walk(tree(path)):
+    for node in nodes(path):
         if isinstance(node, ast.ImportFrom) and node.module:
             found += [(node.module, alias.name) for alias in node.names]
         elif isinstance(node, ast.Import):
@@ -153,15 +159,15 @@ def test_the_check_engine_imports_no_front_end_and_no_study():
 def strings_in(path: Path) -> list[tuple[int, str]]:
     """Every string constant of the module, with its line, but its docstrings and the
     names of columns it reads (``row["error"]``, ``row.get("error")``)."""
-    nodes = list(ast.walk(tree(path)))
-    docstrings = {id(node.body[0].value) for node in nodes
+    walked = nodes(path)
+    docstrings = {id(node.body[0].value) for node in walked
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
                   and node.body and isinstance(node.body[0], ast.Expr)
                   and isinstance(node.body[0].value, ast.Constant)}
-    columns = {id(node.slice) for node in nodes if isinstance(node, ast.Subscript)}
-    columns |= {id(node.args[0]) for node in nodes if isinstance(node, ast.Call) and node.args
+    columns = {id(node.slice) for node in walked if isinstance(node, ast.Subscript)}
+    columns |= {id(node.args[0]) for node in walked if isinstance(node, ast.Call) and node.args
                 and isinstance(node.func, ast.Attribute) and node.func.attr == "get"}
-    return [(node.lineno, node.value) for node in nodes
+    return [(node.lineno, node.value) for node in walked
             if isinstance(node, ast.Constant) and isinstance(node.value, str)
             and id(node) not in docstrings | columns]
 
@@ -179,7 +185,7 @@ def test_one_place_builds_a_judged_row():
     """A row's verdict cell is written in harness/check/judge.py alone (from the shared
     columns' declarations): no front-end spells a judged row out by hand."""
     keyed = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in judging_modules()
-             for node in ast.walk(tree(path)) if isinstance(node, ast.Dict)
+             for node in nodes(path) if isinstance(node, ast.Dict)
              and any(isinstance(key, ast.Constant) and key.value == "verdict"
                      for key in node.keys)]
     assert keyed == []
@@ -202,7 +208,7 @@ def definitions() -> dict[str, list[str]]:
     modules that define it."""
     found: dict[str, list[str]] = {}
     for path in modules():
-        for node in ast.walk(tree(path)):
+        for node in nodes(path):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 found.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
             elif isinstance(node, ast.Assign):
@@ -236,7 +242,7 @@ def test_packages_share_public_names_only():
 
 
 def test_nothing_is_looked_up_by_name_in_globals():
-    lookups = [str(path.relative_to(ROOT)) for path in modules() for node in ast.walk(tree(path))
+    lookups = [str(path.relative_to(ROOT)) for path in modules() for node in nodes(path)
                if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Call)
                and getattr(node.value.func, "id", "") == "globals"]
     assert lookups == []
@@ -251,7 +257,7 @@ def _strings(node: ast.AST) -> list[str]:
 def test_code_outside_the_strategies_asks_their_specs_rather_than_naming_them():
     comparisons = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in modules()
                    if "strategies" not in path.relative_to(HARNESS).parts
-                   for node in ast.walk(tree(path)) if isinstance(node, ast.Compare)
+                   for node in nodes(path) if isinstance(node, ast.Compare)
                    and STRATEGY_NAMES & {s for part in (node.left, *node.comparators)
                                          for s in _strings(part)}]
     assert len(comparisons) <= MAX_STRATEGY_COMPARISONS, comparisons
@@ -264,7 +270,7 @@ def test_no_module_is_longer_than_a_reader_takes_in(path):
 
 def test_few_functions_are_long():
     long = [f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1})"
-            for path in modules() for node in ast.walk(tree(path))
+            for path in modules() for node in nodes(path)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert len(long) <= MAX_LONG_FUNCTIONS, long
