@@ -125,8 +125,9 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
             judged.append(nothing_compared(step, measured, precision, facts))
             continue
         facts.ranks_agree = measured.ranks_agree
-        if say_unresolved and beyond_its_precision(measured, precision, judged):
-            judged.append(unresolved_update(step, measured, precision, judged[-1]))
+        gradient = next((row for row in judged if row.point == "grad"), None)
+        if say_unresolved and beyond_its_precision(measured, precision, gradient):
+            judged.append(unresolved_update(step, measured, precision, gradient))
             continue
         fix = cause(measured, facts, judged)
         if fix is None:
@@ -144,7 +145,7 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
 
 
 def beyond_its_precision(measured: Compared, precision: torch.dtype,
-                         judged: Sequence[Judged]) -> bool:
+                         gradient: Judged | None) -> bool:
     """An update off at scale 1 in a precision coarser than float32, right after a gradient
     of the same step that matched, on ranks that agree: in such a run an adaptive
     optimizer's magnified rounding (TRL's bf16 defaults with packing: the gradient 0.0017
@@ -152,13 +153,12 @@ def beyond_its_precision(measured: Compared, precision: torch.dtype,
     optimizer's own look alike. A front-end with a twin at full precision lets the twin
     decide instead."""
     comparison = measured.comparison
-    gradient = judged[-1] if judged else None
     return (measured.point == "params" and coarser_than_float32(precision)
             and comparison.verdict is Equivalence.DIFFERS
             and abs(comparison.scale - 1.0) <= tolerance(precision)
             and measured.ranks_agree is not False
-            and gradient is not None and gradient.point == "grad"
-            and gradient.status == Status.OK and gradient.verdict == Equivalence.MATCHES)
+            and gradient is not None and gradient.status == Status.OK
+            and gradient.verdict == Equivalence.MATCHES)
 
 
 def unresolved_update(step: int, measured: Compared, precision: torch.dtype,
