@@ -18,7 +18,11 @@
   forks a child that joins again under the same RANK (a CLI that joins, then starts its
   worker with its own environment);
 - ``forks-and-hangs``: every rank forks a child (as a DataLoader starts its workers),
-  writes both pids to ``--pid-dir``, then both sleep.
+  writes both pids to ``--pid-dir``, then both sleep;
+- ``sleeps-after-backward-on-rank-1``: rank 1 sleeps forever once its first backward is
+  done (its gradients all-reduced), while rank 0 goes on into the step;
+- ``segfaults-at-step-1-on-rank-1``: rank 1 is killed by SIGSEGV in its first micro-step
+  of step 1, after step 0 finished everywhere.
 
 The loop takes k from ``--grad-accum``, or, as real trainers do, from ``--total-batch``
 (llm.c, LitGPT: k = total / (b x N)) or from ``--grad-accum-all`` (nanoGPT: k x N, divided
@@ -27,7 +31,9 @@ by N). ``--finished FILE`` writes FILE when the loop has run all ``--steps``.
 
 import argparse
 import contextlib
+import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,7 +46,8 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 
 CASES = ("sound", "clock-seeded", "per-rank-shuffle", "never-steps", "fails-on-rank-1",
          "without-ddp", "hangs-on-rank-1", "fsdp2", "exits-3-on-rank-1", "always-distributed",
-         "joins-twice", "forks-and-hangs")
+         "joins-twice", "forks-and-hangs", "sleeps-after-backward-on-rank-1",
+         "segfaults-at-step-1-on-rank-1")
 
 
 def arguments() -> argparse.Namespace:
@@ -100,8 +107,11 @@ def main() -> None:
                DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = iter(DataLoader(data, batch_size=args.batch_size, sampler=sampler))
-    for _ in range(args.steps):
+    for step in range(args.steps):
         for micro in range(args.grad_accum):
+            if args.case == "segfaults-at-step-1-on-rank-1" and rank == 1 and step == 1:
+                faulthandler.disable()  # as a crash in an extension: no Python traceback
+                os.kill(os.getpid(), signal.SIGSEGV)
             if args.case == "fails-on-rank-1" and rank == 1:
                 raise RuntimeError("rank 1 lost its data shard")
             if args.case == "exits-3-on-rank-1" and rank == 1:
@@ -116,6 +126,8 @@ def main() -> None:
                 x, y = next(batches)
                 loss = nn.functional.mse_loss(model(x).squeeze(1), y) / args.grad_accum
                 loss.backward()
+            while args.case == "sleeps-after-backward-on-rank-1" and rank == 1:
+                time.sleep(1)
         if args.case != "never-steps":
             optimizer.step()
         optimizer.zero_grad()

@@ -9,6 +9,7 @@ other samples), not from the harness's code.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import capture, naming, samples
 from harness.grad_check.script.config import ScriptConfig
-from harness.grad_check.script.files import tensors_file
+from harness.grad_check.script.failures import ReferenceUnusable
+from harness.grad_check.script.files import partial_file, summary_file, tensors_file
 from harness.grad_check.script.grad_check_run import main, render
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
 from harness.grad_check.script.points import Points
@@ -325,7 +327,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     "optimizers": [{"kind": "SGD", "names": list(NAMES), "steps": 2}],
                     "records": own, "dtypes": list(dtypes), "unknown": [], "batchnorm": [],
                     "dropout": [], "frameworks": list(frameworks)},
-                   capture.summary_file(folder, rank))
+                   summary_file(folder, rank))
     return Captured.read(Run(split, ("python", "t.py"), folder, 0.0, None))
 
 
@@ -553,12 +555,13 @@ def test_a_reference_that_does_not_repeat_itself_is_refused(tmp_path):
     drifted = written_capture(tmp_path / "again", Split(1, 1),
                               grads=lambda s: {n: t + 1e-3 * t.cos() for n, t in
                                                gradients(s).items()}, against=first)
-    with pytest.raises(UsageError, match=r"ran twice and its step 0 gradient differed .* not "
-                                         r"deterministic.*dropout.*unseeded sampler"):
+    with pytest.raises(ReferenceUnusable, match=r"ran twice and its step 0 gradient differed "
+                                                r".* not deterministic.*dropout.*unseeded "
+                                                r"sampler"):
         check_deterministic(first, drifted)
     shuffled = written_capture(tmp_path / "shuffled", Split(1, 1), samples=("s1", "s2"),
                                against=first)
-    with pytest.raises(UsageError, match="fed other samples in step 0"):
+    with pytest.raises(ReferenceUnusable, match="fed other samples in step 0"):
         check_deterministic(first, shuffled)
 
 
@@ -571,12 +574,72 @@ def test_a_reference_drifting_past_its_tolerance_is_refused_and_one_within_it_is
     def drifted(relative: float):
         return lambda s: {n: t * (1 + relative) for n, t in gradients(s).items()}
 
-    with pytest.raises(UsageError, match="its step 0 gradient differed"):
+    with pytest.raises(ReferenceUnusable, match="its step 0 gradient differed"):
         check_deterministic(first, written_capture(tmp_path / "far", Split(1, 1),
                                                    grads=drifted(5e-9), against=first))
     noise = check_deterministic(first, written_capture(tmp_path / "near", Split(1, 1),
                                                        grads=drifted(5e-10), against=first))
     assert noise[(0, 0, "grad")] == pytest.approx(5e-10, rel=1e-3)
+
+
+def test_a_rank_that_died_after_step_0_is_judged_on_step_0_and_fails_at_step_1(tmp_path):
+    """A rank keeps what it captured after each finished step (ending.py); a rank killed in
+    step 1 left only that: step 0 is judged, step 1 is the failure, numbered 1."""
+    reference = written_capture(tmp_path / "reference", Split(1, 1))
+    measured = written_capture(tmp_path / "split", Split(2, 1), against=reference)
+    for rank in (0, 1):  # each rank's summary as it kept it after step 0 alone
+        kept = torch.load(summary_file(measured.run.folder, rank), weights_only=True)
+        kept["records"] = kept["records"][:1]
+        torch.save(kept, partial_file(measured.run.folder, rank))
+        summary_file(measured.run.folder, rank).unlink()
+    crashed = Failure(1, -11, "killed by signal 11 (SIGSEGV)")
+    run = Run(Split(2, 1), ("python", "t.py"), measured.run.folder, 0.0, crashed)
+    rows = SplitJudge(Captured.read(run), reference, {}, 8).rows()
+    assert [(row["step"], row["point"], row["status"]) for row in rows] == [
+        (0, "grad", "ok"), (0, "params", "ok"), (1, "grad", "error"), (1, "params", "error")]
+    assert rows[0]["verdict"] == "matches"
+    assert rows[2]["error"] == "rank 1: killed by signal 11 (SIGSEGV)"
+
+
+def test_a_summary_written_at_step_s_is_read_before_what_the_rank_kept_on_the_way(tmp_path):
+    from harness.grad_check.script import ending
+
+    ending.keep_partial({"records": [0]}, tmp_path, 0)
+    run = Run(Split(1, 1), ("python", "t.py"), tmp_path, 0.0, None)
+    assert Captured.read(run).first == {"records": [0]}
+    ending.write_final({"records": [0, 1]}, tmp_path, 0)
+    assert Captured.read(run).first == {"records": [0, 1]}
+    assert not partial_file(tmp_path, 0).exists()
+
+
+def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(capsys,
+                                                                               tmp_path):
+    """Two checks into one --out would mix their logs and overwrite each other's rows."""
+    from harness.grad_check.script.grad_check_run import out_lock
+
+    out = tmp_path / "out"
+    ready_read, ready_write = os.pipe()
+    done_read, done_write = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # another check, holding the folder until told to end
+        with out_lock(out):
+            os.write(ready_write, b"1")
+            os.read(done_read, 1)
+        os._exit(0)
+    try:
+        os.read(ready_read, 1)
+        code = main(["--global-batch", "8", "--out", str(out), "--", *COMMAND])
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        assert line == (f"grad-check run: error: --out {str(out)!r} is in use by another "
+                        f"grad-check run (pid {holder}); allowed: another --out, or this one "
+                        "once that run has ended")
+        assert not (out / "logs").exists() and not (out / "script.csv").exists()
+    finally:
+        os.write(done_write, b"1")
+        os.waitpid(holder, 0)
+    with out_lock(out):  # free again once its holder ended
+        pass
 
 
 def test_a_split_that_ended_step_0_elsewhere_does_not_match_at_step_1(tmp_path):

@@ -26,6 +26,7 @@ from harness.grad_check.script.failures import (
     launched_failure,
     lost_a_peer,
     missing_ranks,
+    progress,
 )
 from harness.grad_check.script.grad_check_run import main, program_name
 from harness.grad_check.script.launchers import adapted, check_launcher, launcher_of
@@ -325,12 +326,14 @@ def test_a_worker_of_a_launcher_is_named_from_its_line_or_the_launchers_summary(
         "torchrun torchrun: error: unrecognized arguments: --nproc"
 
 
-def write_progress(folder: Path, rank: int, steps: int, forwards: int, ago: float) -> None:
-    (folder / guard.PROGRESS).mkdir(exist_ok=True)
-    path = folder / guard.PROGRESS / f"rank{rank}"
-    path.write_text(f"{steps} {forwards}\n")
+def write_progress(folder: Path, rank: int, steps: int, forwards: int, ago: float,
+                   waiting: str | None = None) -> None:
+    """Rank ``rank``'s progress as its guard writes it, last changed ``ago`` seconds ago."""
+    the_guard = guard.Guard(folder, {"RANK": str(rank)})
+    the_guard.steps, the_guard.forwards, the_guard.waiting = steps, forwards, waiting
+    the_guard.write_progress()
     at = time.time() - ago
-    os.utime(path, (at, at))
+    os.utime(folder / guard.PROGRESS / f"rank{rank}", (at, at))
 
 
 def test_a_hang_names_the_ranks_furthest_behind(tmp_path):
@@ -351,6 +354,52 @@ def test_a_hang_names_the_ranks_furthest_behind(tmp_path):
     assert "still making progress" in str(slow) and "raise --timeout" in str(slow)
     # A rank that never got as far as Python's start-up wrote nothing: it is behind.
     assert hang(tmp_path, 3, 10, time.time() - 40).hung == (2,)
+
+
+def test_a_rank_waiting_in_grad_checks_exchange_reached_the_step_the_hung_one_did_not(
+        tmp_path):
+    """Rank 1 sleeps after its step-0 backward; rank 0 went on into the step and waits for
+    it inside grad-check's own exchange: both ran one forward, rank 1 alone hung."""
+    write_progress(tmp_path, 0, 0, 1, ago=12, waiting="the end of step 0")
+    write_progress(tmp_path, 1, 0, 1, ago=13)
+    failure = hang(tmp_path, 2, 20, time.time() - 20)
+    assert failure.hung == (1,)
+    assert str(failure) == ("rank 1 hung: no progress for 13 s at step 0 after 1 forward "
+                            "pass(es) (--timeout 20 s stopped the split; rank 0 reached the "
+                            "end of step 0, in grad-check's exchange: waiting for it)")
+
+
+def test_still_making_progress_is_said_only_of_ranks_that_moved_near_the_timeouts_end(
+        tmp_path):
+    """Idle 8.4 s of a 20 s timeout is a hang, not a script that trains too long; idle 1.5 s
+    (the timeout's last tenth) is the latter, and only it is told to raise --timeout."""
+    for rank in (0, 1):
+        write_progress(tmp_path, rank, 0, 1, ago=8.4)
+    assert str(hang(tmp_path, 2, 20, time.time() - 20)).startswith(
+        "ranks 0, 1 hung: no progress for 8 s")
+    for rank in (0, 1):
+        write_progress(tmp_path, rank, 0, 2, ago=1.5)
+    slow = str(hang(tmp_path, 2, 20, time.time() - 20))
+    assert slow.startswith("ranks 0, 1 still making progress") and "raise --timeout" in slow
+
+
+def test_the_hung_ranks_idle_time_is_since_the_newest_move_of_any_of_them(tmp_path):
+    write_progress(tmp_path, 0, 1, 5, ago=20)
+    write_progress(tmp_path, 1, 1, 5, ago=30)
+    assert str(hang(tmp_path, 2, 10, time.time() - 40)).startswith(
+        "ranks 0, 1 hung: no progress for 20 s")
+
+
+def test_a_guard_says_at_once_that_its_rank_waits_in_the_exchange_and_then_that_it_left(
+        tmp_path):
+    the_guard = guard.Guard(tmp_path, {"RANK": "1"})
+    the_guard.forwards = 3
+    with the_guard.waits_in_exchange("step 0's gradient comparison"):
+        found = progress(tmp_path, 1)
+        assert (found.steps, found.forwards, found.waiting) == (
+            0, 3, "step 0's gradient comparison")
+    the_guard.write_progress()  # the watch's next write
+    assert progress(tmp_path, 1).waiting is None
 
 
 def test_a_launcher_that_started_other_ranks_than_the_split_needs_is_named(tmp_path):

@@ -13,11 +13,13 @@ outright leaves no process behind.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from harness.grad_check.script.processes import STARTUP
@@ -67,9 +69,10 @@ def test_fsdp2_shards_are_compared_and_named_as_the_model_names_them(tmp_path):
 
 
 def test_a_script_reseeded_from_the_clock_is_refused_as_not_deterministic(tmp_path):
+    """Found by running it, not bad input found before: exit code 1."""
     done = run_check(["--global-batch", "8", "--splits", SPLITS, *program("clock-seeded")],
                      tmp_path / "out")
-    assert done.code == 2
+    assert done.code == 1
     assert done.rows is None
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("grad-check run: error: the reference 1x1 ran twice and its step 0 "
@@ -101,9 +104,9 @@ def test_ranks_that_never_all_reduce_are_named(tmp_path):
     assert "nothing averages the gradients over the N ranks" in row["fix"]
 
 
-def test_a_script_that_never_steps_is_one_line_exit_2_and_no_csv(tmp_path):
+def test_a_script_that_never_steps_is_one_line_exit_1_and_no_csv(tmp_path):
     done = run_check(["--global-batch", "8", *program("never-steps")], tmp_path / "out")
-    assert done.code == 2 and done.rows is None
+    assert done.code == 1 and done.rows is None
     [line] = done.stderr.strip().splitlines()
     assert "the command ended without stepping an optimizer" in line
 
@@ -148,6 +151,61 @@ def test_a_split_that_hangs_names_the_rank_that_made_no_progress(tmp_path):
     assert error.startswith("rank 1 hung: no progress for "), error
     assert "before its first forward pass (--timeout 4 s stopped the split; rank 0 at " \
         "step 0 after 1 forward pass(es): waiting for it)" in error
+
+
+def test_a_rank_that_hangs_after_its_backward_is_named_alone_not_the_rank_waiting_for_it(
+        tmp_path):
+    """Rank 1 sleeps after its step-0 backward; rank 0 took the step and waits for rank 1's
+    capture inside grad-check's exchange: rank 0 reached the step, rank 1 hung."""
+    done = run_check(["--global-batch", "8", "--splits", "2x1", "--steps", "1",
+                      "--timeout", "5", "--reference-once",
+                      *program("sleeps-after-backward-on-rank-1")], tmp_path / "out")
+    assert done.code == 1
+    error = done.row("2x1")["error"]
+    assert error.startswith("rank 1 hung: no progress for "), error
+    assert error.endswith("at step 0 after 1 forward pass(es) (--timeout 5 s stopped the "
+                          "split; rank 0 reached the end of step 0, in grad-check's exchange: "
+                          "waiting for it)"), error
+
+
+def test_a_crash_at_step_1_keeps_step_0s_rows_and_is_numbered_step_1(tmp_path):
+    done = run_check(["--global-batch", "8", "--splits", "2x1", "--steps", "2",
+                      "--reference-once", *program("segfaults-at-step-1-on-rank-1")],
+                     tmp_path / "out")
+    assert done.code == 1
+    assert list(done.rows["step"]) == [0, 0, 1, 1]
+    for point in ("grad", "params"):
+        assert done.row("2x1", 0, point)["verdict"] == "matches"
+        failed = done.row("2x1", 1, point)
+        assert failed["status"] == "error"
+        assert failed["error"] == "rank 1: killed by signal 11 (SIGSEGV)", failed["error"]
+
+
+@pytest.mark.launches(seconds=8)
+@pytest.mark.parametrize(("signal_number", "code", "line"), [
+    (signal.SIGINT, 130, "grad-check run: interrupted"),
+    (signal.SIGTERM, 143, "grad-check run: stopped by SIGTERM")])
+def test_ctrl_c_and_sigterm_keep_the_rows_of_the_splits_that_finished(
+        tmp_path, signal_number, code, line):
+    """1x2 finishes; 2x1 hangs on rank 1 until the signal: the check exits with the
+    signal's code, its rows those of 1x2 and 2x1's step 0 as interrupted, written whole."""
+    out = tmp_path / "out"
+    check = started_check(["--global-batch", "8", "--splits", "1x2,2x1", "--timeout", "120",
+                           "--reference-once", *program("hangs-on-rank-1")], out)
+    try:
+        wait_until(lambda: (out / "logs" / "2x1" / "rank1.log").exists()
+                   or check.poll() is not None, 60, "split 2x1 did not start")
+        os.kill(check.pid, signal_number)
+        assert check.wait(60) == code
+    finally:
+        check.kill()
+    [said] = (tmp_path / "stderr").read_text().strip().splitlines()
+    assert said == f"{line} (6 rows, every step that finished and where it stopped -> " \
+        f"{out / 'script.csv'})"
+    rows = pd.read_csv(out / "script.csv")
+    assert set(rows[rows["split"] == "1x2"]["verdict"]) == {"matches"}
+    stopped = rows[rows["split"] == "2x1"]
+    assert set(stopped["status"]) == {"error"} and set(stopped["error"]) == {line[16:]}
 
 
 def test_a_rank_that_exits_by_itself_is_blamed_not_the_peer_that_lost_it(tmp_path):
@@ -225,6 +283,9 @@ def started_check(argv: list[str], out: Path) -> ForkedChild:
                 handle = os.open(out.parent / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 os.dup2(handle, fd)
                 os.close(handle)
+            # pytest's own streams are not the files: the check's lines go to them.
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             from harness.grad_check.script.grad_check_run import main
 
             rank_forker()  # before grad-check hosts the reference's store
@@ -267,10 +328,12 @@ def test_grad_check_killed_outright_leaves_no_rank_or_child_behind(tmp_path):
                                                  "--batch-size", "{batch}"), 4)
 
 
-def test_arguments_the_script_refuses_are_one_line_exit_2(tmp_path):
+def test_arguments_the_script_refuses_are_one_line_exit_1(tmp_path):
+    """The script's refusal is found by running it: exit code 1, as every finding of a run
+    (2 is grad-check's own bad input, found before anything runs)."""
     done = run_check(["--global-batch", "8", "--splits", "1x1", "--",
                       *python(PROGRAM, "--no-such-flag")], tmp_path / "out")
-    assert done.code == 2 and done.rows is None
+    assert done.code == 1 and done.rows is None
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("grad-check run: error: the reference 1x1: rank 0: usage:") or \
         "unrecognized arguments: --no-such-flag" in line

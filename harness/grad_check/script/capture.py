@@ -35,7 +35,6 @@ import contextlib
 import functools
 import os
 import sys
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -53,9 +52,8 @@ from torch.optim.optimizer import (
 )
 
 from harness.check.fix import batchnorm_tensors
-from harness.errors import USAGE_EXIT, error_file, first_sentence
-from harness.grad_check.script import engines, points, samples, wrappers
-from harness.grad_check.script.files import save_atomically, summary_file
+from harness.errors import USAGE_EXIT, first_sentence
+from harness.grad_check.script import ending, engines, points, samples, wrappers
 from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import owner, parameter_names, stripped
 from harness.grad_check.script.sharded import reader_for
@@ -71,8 +69,6 @@ KEEP_GOING_VARIABLE = "GRAD_CHECK_KEEP_GOING"
 TIMEOUT_VARIABLE = "GRAD_CHECK_TIMEOUT"
 #: The split's micro-batch b, where the samples' axis is found by its size.
 MICRO_BATCH_VARIABLE = "GRAD_CHECK_MICRO_BATCH"
-#: Seconds between looks for the other ranks' summaries.
-POLL_S = 0.01
 #: The training frameworks a fix may name in their own terms, by the module that shows
 #: the script uses them.
 FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerate": "accelerate",
@@ -242,6 +238,7 @@ class Capture:
         self.window.forget(tracked.parameters, self.oldest_window())
         if not self.keep_going and self.captured_enough():
             self.stop()
+        ending.keep_partial(self.summary(), self.folder, self.rank)  # a later crash keeps it
 
     def entering_module(self, _module: nn.Module, _args) -> None:
         self.forward_depth += 1
@@ -385,41 +382,22 @@ class Capture:
         if self.written or not self.tracked:
             return
         self.written = True
-        save_atomically(self.summary(), summary_file(self.folder, self.rank))
+        ending.write_final(self.summary(), self.folder, self.rank)
 
     def stop(self) -> None:
-        """After step S: the summary, the other ranks', then the end of the process (no
-        collective of step S is still running anywhere once every summary exists)."""
+        """After step S: the summary, the other ranks', then the end of the process."""
         self.write_summary()
-        deadline = time.monotonic() + self.timeout
-        while not all(summary_file(self.folder, r).exists() for r in range(self.world_size)):
-            if time.monotonic() > deadline:
-                self.record_line(f"rank {self.rank} waited {self.timeout:g} s at step "
-                                 f"{self.steps} for the other ranks' captures")
-                self.exit(1)
-            time.sleep(POLL_S)
-        self.exit(0)
+        self.exit(0 if ending.wait_for_every_summary(self.folder, self.rank, self.world_size,
+                                                     self.steps, self.timeout) else 1)
 
     def record_line(self, line: str) -> None:
-        """The rank's one line for the launcher (the first one recorded is kept)."""
-        path = error_file(self.folder, self.rank)
-        with contextlib.suppress(OSError):
-            if not path.exists():
-                path.write_text(line + "\n")
+        ending.record_line(self.folder, self.rank, line)
 
     def refuse(self, line: str) -> None:
         self.record_line(line)
         self.exit(USAGE_EXIT)
 
-    @staticmethod
-    def exit(code: int) -> None:
-        """End the process now: the script's own teardown (a process group, DataLoader
-        workers, a framework's callbacks) would run collectives that other ranks, already
-        gone, no longer answer."""
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    exit = staticmethod(ending.exit_now)
 
 
 def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:

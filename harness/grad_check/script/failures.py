@@ -13,9 +13,11 @@ workers': a worker that ended without a line is named from the launcher's own su
 "exits with return code").
 
 A split stopped at ``--timeout`` names the ranks that made no progress: every rank
-writes its optimizer steps and forward passes as they change (``progress/rank<R>``,
-harness/grad_check/script/guard.py); the ranks furthest behind hung, and how long ago
-they last moved is said.
+writes its optimizer steps and forward passes as they change, and where it waits in
+grad-check's own exchange (``progress/rank<R>``, harness/grad_check/script/guard.py): a
+rank waiting there reached that point of the step, so the ranks furthest behind hung, and
+how long ago they last moved is said. "Still making progress" (raise --timeout) is said
+only where they moved in the timeout's last tenth.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ _ELASTIC_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s
 _DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?\]\s+exits with return code = (-?\d+)")
 #: argparse's last line: "prog: error: message".
 _ARGPARSE_ERROR = re.compile(r"^\S+: error: .+$", re.MULTILINE)
+
+
+class ReferenceUnusable(Exception):
+    """The reference's runs give nothing to compare with: the command failed or refused its
+    input, never stepped an optimizer, or did not repeat itself. One line, exit code 1:
+    found by running the command, not bad input found before it ran (exit code 2)."""
 
 
 def lost_a_peer(line: str) -> bool:
@@ -179,25 +187,46 @@ def fatal(folder: Path) -> Failure | None:
 
 @dataclass(frozen=True)
 class Progress:
-    """A rank's progress as it last wrote it."""
+    """A rank's progress as it last wrote it (harness/grad_check/script/guard.py)."""
 
     steps: int
     forwards: int
     #: Wall time of its last change.
     at: float
+    #: Where it waits in grad-check's own exchange (it reached that point), if it does.
+    waiting: str | None = None
+
+    @property
+    def reached(self) -> tuple[int, int, bool]:
+        """How far it got: a rank waiting in grad-check's exchange is past one that ran as
+        many forwards but never arrived there."""
+        return self.steps, self.forwards, self.waiting is not None
 
     def __str__(self) -> str:
+        if self.waiting is not None:
+            return f"reached {self.waiting}, in grad-check's exchange"
         if self.steps == self.forwards == 0:
             return "before its first forward pass"
         return f"at step {self.steps} after {self.forwards} forward pass(es)"
 
 
+#: A rank that has not written its progress yet: behind every rank that has.
+NOWHERE = (-1, -1, False)
+
+
 def progress(folder: Path, rank: int) -> Progress | None:
     path = folder / guard.PROGRESS / f"rank{rank}"
-    with contextlib.suppress(OSError, ValueError):
-        steps, forwards = path.read_text().split()
-        return Progress(int(steps), int(forwards), path.stat().st_mtime)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        found = json.loads(path.read_text())
+        return Progress(int(found["steps"]), int(found["forwards"]), path.stat().st_mtime,
+                        found.get("waiting"))
     return None
+
+
+def recent_s(timeout: float) -> float:
+    """How near the end of ``--timeout`` a rank must have moved to be still making progress:
+    its last tenth, at least a second (a few periods of the guard's writes, under load)."""
+    return max(1.0, timeout / 10)
 
 
 def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
@@ -206,12 +235,13 @@ def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
     now = time.time()
     seen = {rank: progress(folder, rank) for rank in range(nproc)}
 
-    def reached(rank: int) -> tuple[int, int]:
+    def reached(rank: int) -> tuple[int, int, bool]:
         found = seen[rank]
-        return (-1, -1) if found is None else (found.steps, found.forwards)
+        return NOWHERE if found is None else found.reached
 
     behind = min(reached(rank) for rank in seen)
     hung = tuple(rank for rank in seen if reached(rank) == behind)
+    # The newest move of any of them: none has moved since, so each has been idle as long.
     last = max((found.at if (found := seen[rank]) else started) for rank in hung)
     idle = now - last
     who = (f"rank {hung[0]}" if len(hung) == 1 else "ranks " + ", ".join(map(str, hung)))
@@ -219,21 +249,25 @@ def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
     if len(hung) > 1:
         where = where.replace(" its ", " their ")
     stopped = f"--timeout {timeout:g} s stopped the split"
-    if idle < min(timeout / 2, 30.0):
+    if idle < recent_s(timeout):
         return Failure(hung[0], None, f"{who} still making progress when {stopped} ({where}, "
                        f"{idle:.1f} s before): the script trains longer than --timeout "
                        "allows; raise --timeout", hung)
-    if len(hung) == len(seen) and nproc > 1:
-        why = ("all alike: they wait for something outside the split (input, a file, a "
-               "peer), or train longer than --steps needs")
-    elif len(hung) == len(seen):
-        why = "it waits for something (input, a file, a peer), or trains longer than --steps needs"
-    else:
-        ahead = [rank for rank in seen if rank not in hung]
-        others = ", ".join(f"rank {rank} {seen[rank]}" for rank in ahead[:3])
-        why = f"{others}: waiting for {'them' if len(hung) > 1 else 'it'}"
     return Failure(hung[0], None, f"{who} hung: no progress for {idle:.0f} s {where} "
-                   f"({stopped}; {why})", hung)
+                   f"({stopped}; {why_hung(seen, hung, nproc)})", hung)
+
+
+def why_hung(seen: dict[int, Progress | None], hung: tuple[int, ...], nproc: int) -> str:
+    """What the hung ranks' peers were doing: further on, waiting for them; or nothing
+    else, where every rank is as far."""
+    if len(hung) == len(seen) and nproc > 1:
+        return ("all alike: they wait for something outside the split (input, a file, a "
+                "peer), or train longer than --steps needs")
+    if len(hung) == len(seen):
+        return "it waits for something (input, a file, a peer), or trains longer than --steps needs"
+    ahead = [rank for rank in seen if rank not in hung]
+    others = ", ".join(f"rank {rank} {seen[rank]}" for rank in ahead[:3])
+    return f"{others}: waiting for {'them' if len(hung) > 1 else 'it'}"
 
 
 def missing_ranks(folder: Path, nproc: int, launcher: str, split: str) -> Failure | None:

@@ -15,6 +15,11 @@ def summary_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.pt"
 
 
+def partial_file(folder: Path, rank: int) -> Path:
+    """What a rank captured up to its last finished step, until its summary replaces it."""
+    return folder / f"rank{rank}.partial.pt"
+
+
 def tensors_file(folder: Path, optimizer: int, step: int, point: str) -> Path:
     """The stem of one optimizer's tensor file (harness/check/shards.py, written by the
     reference's ranks): ``initial`` (its parameters before its step 0), or a step's

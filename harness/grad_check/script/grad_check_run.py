@@ -2,18 +2,23 @@
 
 As everywhere in the harness: every check of the input happens before the command first
 runs; bad input is one line naming the bad value and what is allowed, exit code 2, and
-no ``script.csv``. What only a run can show about the input (the command refuses its
-arguments, never steps an optimizer, is not deterministic) is found on the reference's
-runs, before any other split runs, and said the same way.
+no ``script.csv`` (an ``--out`` another check is writing into is such input). What only
+a run can show (the command refuses its arguments, never steps an optimizer, is not
+deterministic) is found on the reference's runs, before any other split runs, and said
+in one line with exit code 1, as every finding of a run is. However the check ends (a
+reference found unusable, Ctrl-C, SIGTERM), the rows of every split and step that
+finished are written, atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +96,13 @@ EPILOG = textwrap.dedent("""\
     and a table; every run's output: logs/ in --out. A split that fails names the rank
     that failed first (its line, with the failing file:line, or its exit code or
     signal); one that hangs, the rank that made no progress.
-    Exit code: 0; 1 when a split errors or a row fails --fail-on; 2 for bad input;
-    130 after Ctrl-C, 143 after SIGTERM (the running ranks stopped first). No process
-    of a split outlives grad-check, however it ends.
+    Exit code: 0; 1 for what a run found: a split errors, a row fails --fail-on, or the
+    reference gives nothing to compare with (it fails, refuses its arguments, never steps
+    an optimizer, does not repeat itself); 2 for bad input found before the command first
+    runs (a flag, a split, an --out another grad-check run is writing into); 130 after
+    Ctrl-C, 143 after SIGTERM (the running ranks stopped first). However it ends, the
+    rows of the splits and steps that finished are written. No process of a split
+    outlives grad-check.
     """)
 
 
@@ -196,14 +205,16 @@ def main(argv: Sequence[str] | None = None, starter=None) -> int:
 
 
 def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
-    from harness.failure import STOPPED_EXIT
-    from harness.grad_check.script.matrix import ReferenceFailed, ScriptCheck
+    from harness.grad_check.script.matrix import Interrupted, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
     from harness.grad_check.script.slurm import srun_starter
-    from harness.launcher import Stopped, say_if_oversubscribed, stopped_by_sigterm
-    from harness.results import write_csv_atomic
+    from harness.launcher import say_if_oversubscribed
 
     prog = prog or program_name()
+    try:
+        lock = out_lock(config.out)
+    except UsageError as error:
+        return refuse(error, 0, prog)
     if not config.gpus and srun_starter() is None:
         say_if_oversubscribed(config.most_ranks, prog)
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
@@ -213,27 +224,91 @@ def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
                              global_batch=config.global_batch)
     say = (lambda line: None) if config.quiet else (
         lambda line: print(f"{prog}: {line}", flush=True))
+    check = ScriptCheck(config, launch, say)
+    with lock:
+        try:
+            return ended(config, check, prog)
+        except Interrupted as interrupted:
+            return ended_early(config, check.finished, prog, interrupted.line,
+                               interrupted.exit_code)
+
+
+def ended(config: ScriptConfig, check, prog: str) -> int:
+    """The check run to its end, or to a reference found unusable (one line, exit code 1),
+    or to Ctrl-C or SIGTERM caught outside a split's run (raised as Interrupted)."""
+    from harness.failure import STOPPED_EXIT
+    from harness.grad_check.script.failures import ReferenceUnusable
+    from harness.grad_check.script.matrix import Interrupted
+    from harness.launcher import Stopped, stopped_by_sigterm
+
     try:
         with stopped_by_sigterm():
-            rows = ScriptCheck(config, launch, say).rows()
-    except UsageError as error:
-        return refuse(error, 0, prog)
-    except ReferenceFailed as failure:
-        print(f"{prog}: error: {failure}", file=sys.stderr, flush=True)
-        return 1
+            rows = check.rows()
+    except ReferenceUnusable as unusable:
+        return ended_early(config, check.finished, prog, f"error: {unusable}", 1)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        return INTERRUPTED_EXIT
+        raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
     except Stopped:
-        print(f"{prog}: stopped by SIGTERM", file=sys.stderr, flush=True)
-        return STOPPED_EXIT
-    path = config.out / CSV_NAME
-    write_csv_atomic(path, rows, COLUMN_NAMES)
+        raise Interrupted(STOPPED_EXIT, "stopped by SIGTERM") from None
+    path = write_rows(config, rows)
     if not config.quiet:
         print(render(rows), flush=True)
         print(f"{prog}: {len(rows)} rows -> {path}; every run's output in "
               f"{config.out / LOGS}", flush=True)
     return exit_code(rows, config.fail_on, prog, case_label)
+
+
+def ended_early(config: ScriptConfig, rows: list[dict[str, Any]], prog: str, line: str,
+                code: int) -> int:
+    """The rows of the splits and steps that finished, written; then ``line`` alone on
+    stderr, and ``code``."""
+    if rows:
+        path = write_rows(config, rows)
+        line += f" ({len(rows)} rows, every step that finished and where it stopped -> {path})"
+    print(f"{prog}: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+def write_rows(config: ScriptConfig, rows: list[dict[str, Any]]) -> Path:
+    from harness.results import write_csv_atomic
+
+    path = config.out / CSV_NAME
+    write_csv_atomic(path, rows, COLUMN_NAMES)
+    return path
+
+
+#: The lock a running check holds in its --out (harness/grad_check/script/config.py).
+LOCK_NAME = ".grad-check-run.lock"
+
+
+@contextlib.contextmanager
+def _held(handle) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.close()  # closing it releases the lock
+
+
+def out_lock(out: Path) -> contextlib.AbstractContextManager[None]:
+    """``--out`` for this run alone: a second grad-check run into the same folder while
+    this one runs is refused (two runs would mix their logs and overwrite each other's
+    script.csv). A POSIX lock: released when this process ends however it ends, and not
+    held by the processes it forks."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / LOCK_NAME).open("a+")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise UsageError(f"--out {str(out)!r} is in use by another grad-check run"
+                         f"{f' (pid {holder})' if holder else ''}; allowed: another --out, or "
+                         "this one once that run has ended") from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return _held(handle)
 
 
 #: The console table: which split, then the check's own columns; the optimizer where the

@@ -38,6 +38,7 @@ import sysconfig
 import threading
 import time
 import traceback as tracebacks
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,11 @@ class Guard:
         self.steps = 0
         self.forwards = 0
         self.depth = 0
-        self._written: tuple[int, int] | None = None
+        #: Where the rank waits in grad-check's own exchange, if it does: it has reached
+        #: that point of the step (harness/grad_check/script/failures.py hang()).
+        self.waiting: str | None = None
+        self._written: tuple[int, int, str | None] | None = None
+        self._writing = threading.Lock()
         self.progressing = False
 
     # ------------------------------------------------------------ every process
@@ -279,15 +284,29 @@ class Guard:
         self.steps += 1
 
     def write_progress(self) -> None:
-        """``steps forwards`` into ``progress/rank<R>`` where they changed: the file's time
-        is the rank's last progress, as far as the watch's period tells."""
-        now = (self.steps, self.forwards)
-        if now == self._written:
-            return
-        self._written = now
-        with contextlib.suppress(OSError):
-            (self.folder / PROGRESS).mkdir(exist_ok=True)
-            write_atomically(self.folder / PROGRESS / f"rank{self.rank}", f"{now[0]} {now[1]}\n")
+        """The rank's steps, forwards and wait into ``progress/rank<R>`` where they changed:
+        the file's time is the rank's last progress, as far as the watch's period tells."""
+        with self._writing:  # the watch's thread and a wait's start both write
+            now = (self.steps, self.forwards, self.waiting)
+            if now == self._written:
+                return
+            self._written = now
+            with contextlib.suppress(OSError):
+                (self.folder / PROGRESS).mkdir(exist_ok=True)
+                write_atomically(self.folder / PROGRESS / f"rank{self.rank}", json.dumps(
+                    {"steps": now[0], "forwards": now[1], "waiting": now[2]}))
+
+    @contextlib.contextmanager
+    def waits_in_exchange(self, where: str) -> Iterator[None]:
+        """The rank waits for the others inside grad-check's own exchange (a comparison's
+        collective, the summaries at step S): said at once, so that a hang blames the rank
+        that never arrived, not this one, which did."""
+        self.waiting = where
+        self.write_progress()
+        try:
+            yield
+        finally:
+            self.waiting = None
 
     def claim(self, rank: int) -> None:
         """This process joins the process group as ``rank`` (its RANK where not given):
@@ -363,6 +382,13 @@ def install_from_environment() -> Any:
     installed = capture.install_from_environment()
     INSTALLED.watch_training()
     return installed
+
+
+def waiting_in_exchange(where: str) -> contextlib.AbstractContextManager[None]:
+    """This rank's guard told that the rank waits in grad-check's exchange (nothing where
+    no guard runs: the check's own tests, a process without a split)."""
+    return INSTALLED.waits_in_exchange(where) if INSTALLED is not None \
+        else contextlib.nullcontext()
 
 
 #: The guard of this process, if any.

@@ -30,8 +30,8 @@ from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
 from harness.check.precision import lowest, tolerance
 from harness.check.shards import comparison_of
 from harness.columns import POINTS
-from harness.errors import UsageError
 from harness.grad_check.script import explain
+from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
 from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close, dtype_name
@@ -139,9 +139,9 @@ def amplified_fix(gradient: Comparison, facts: Facts) -> str:
             "its step: run once in float32 to tell them apart")
 
 
-def not_deterministic(label: str, what: str, dropout: list[str]) -> UsageError:
+def not_deterministic(label: str, what: str, dropout: list[str]) -> ReferenceUnusable:
     modules = f" (the model's {shown(dropout)})" if dropout else ""
-    return UsageError(f"the reference {label} ran twice and {what}: the script is not "
+    return ReferenceUnusable(f"the reference {label} ran twice and {what}: the script is not "
                       f"deterministic; allowed: a script that repeats its steps exactly: look at "
                       f"dropout{modules}, an unseeded sampler or generator (seed torch, numpy "
                       "and random at the start, DataLoader(generator=...)), nondeterministic "

@@ -11,6 +11,7 @@ temporary folder, removed at the end; every run's output stays in ``--out``'s ``
 
 from __future__ import annotations
 
+import math
 import shlex
 import shutil
 import tempfile
@@ -18,22 +19,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UsageError
+from harness.errors import INTERRUPTED_EXIT
+from harness.failure import STOPPED_EXIT
 from harness.grad_check.script.config import LOGS, ScriptConfig
-from harness.grad_check.script.judge import SplitJudge, check_deterministic
-from harness.grad_check.script.processes import CommandLauncher
+from harness.grad_check.script.failures import Failure, ReferenceUnusable
+from harness.grad_check.script.judge import Noise, SplitJudge, check_deterministic
+from harness.grad_check.script.processes import CommandLauncher, Run
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.splits import Split
+from harness.launcher import Stopped
 
 
-class ReferenceFailed(Exception):
-    """The reference's run failed: there is nothing to compare with (one line)."""
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the check: ``exit_code`` (130, 143) and ``line`` to end
+    with, once the finished rows are written (``ScriptCheck.finished``)."""
+
+    def __init__(self, exit_code: int, line: str) -> None:
+        super().__init__(line)
+        self.exit_code, self.line = exit_code, line
 
 
 class ScriptCheck:
     def __init__(self, config: ScriptConfig, launch: CommandLauncher,
                  say: Callable[[str], None] = lambda _: None) -> None:
         self.config, self.launch, self.say = config, launch, say
+        #: The rows of every split judged so far, in order: what a check that ends early
+        #: (a reference found unusable, Ctrl-C, SIGTERM) still writes.
+        self.finished: list[dict[str, Any]] = []
 
     @property
     def logs(self) -> Path:
@@ -41,9 +53,10 @@ class ScriptCheck:
 
     def rows(self) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="grad-check-run-") as scratch:
-            return self._rows(Path(scratch))
+            self._rows(Path(scratch))
+        return self.finished
 
-    def _rows(self, scratch: Path) -> list[dict[str, Any]]:
+    def _rows(self, scratch: Path) -> None:
         reference = self.config.reference
         twice = not self.config.reference_once or reference in self.config.splits
         first = self.reference_run(scratch, "reference-1", 1, runs=2 if twice else 1)
@@ -52,15 +65,28 @@ class ScriptCheck:
             again = self.reference_run(scratch, "reference-2", 2, against=first.run.folder)
             noise = check_deterministic(first, again)
         self.say_what_the_reference_left_out(first)
-        rows: list[dict[str, Any]] = []
         for split in self.config.splits:
-            measured = again if split == reference else self.run(
-                split, scratch, split.label, "split", against=first.run.folder)
+            try:
+                measured = again if split == reference else self.run(
+                    split, scratch, split.label, "split", against=first.run.folder)
+            except Interrupted as interrupted:
+                # The split's steps that finished before it was stopped are kept, judged.
+                self.judge(self.stopped_run(split, scratch, interrupted), first, noise)
+                raise
             if measured.run.failure is not None and split != reference:
                 self.say(f"split {split.label} failed: {measured.run.failure} (its output: "
                          f"{measured.run.logs})")
-            rows += SplitJudge(measured, first, noise, self.config.global_batch).rows()
-        return rows
+            self.judge(measured, first, noise)
+
+    def judge(self, measured: Captured, first: Captured, noise: Noise) -> None:
+        self.finished += SplitJudge(measured, first, noise, self.config.global_batch).rows()
+
+    def stopped_run(self, split: Split, scratch: Path, interrupted: Interrupted) -> Captured:
+        """What a split stopped by Ctrl-C or SIGTERM left: its ranks' finished steps."""
+        stopped = Run(split, tuple(self.config.command_of(split)), scratch / split.label,
+                      math.nan, Failure(None, interrupted.exit_code, interrupted.line),
+                      self.logs / split.label)
+        return Captured.read(stopped)
 
     def say_what_the_reference_left_out(self, first: Captured) -> None:
         """Steps fewer than --steps (the script ended first), and what the capture could not
@@ -86,8 +112,14 @@ class ScriptCheck:
         self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
-        return Captured.read(self.launch.run(split, command, scratch / name, self.logs / name,
-                                             self.config.variables_of(split), against))
+        try:
+            run = self.launch.run(split, command, scratch / name, self.logs / name,
+                                  self.config.variables_of(split), against)
+        except KeyboardInterrupt:
+            raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
+        except Stopped:
+            raise Interrupted(STOPPED_EXIT, "stopped by SIGTERM") from None
+        return Captured.read(run)
 
     def reference_run(self, scratch: Path, name: str, attempt: int,
                       against: Path | None = None, runs: int = 2) -> Captured:
@@ -99,12 +131,12 @@ class ScriptCheck:
         failure = captured.run.failure
         where = f"the reference {split.label}"
         if failure is not None and failure.refused:
-            raise UsageError(f"{where}: {failure}")
+            raise ReferenceUnusable(f"{where}: {failure}")
         if failure is not None:
-            raise ReferenceFailed(f"{where} failed: {failure} (its output: "
-                                  f"{captured.run.logs})")
+            raise ReferenceUnusable(f"{where} failed: {failure} (its output: "
+                                    f"{captured.run.logs})")
         if not captured.stepped:
-            raise UsageError(f"{where}: the command ended without stepping an optimizer (no "
+            raise ReferenceUnusable(f"{where}: the command ended without stepping an optimizer (no "
                              "torch.optim.Optimizer's step() ran in it); allowed: a command "
                              "that trains for at least one step, e.g. python train.py")
         return captured

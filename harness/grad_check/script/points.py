@@ -17,6 +17,7 @@ views of the mapped file.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from harness.check.compare import compare, compare_each
 from harness.check.memory import peak_tensor_bytes
 from harness.check.shards import Piece
 from harness.grad_check.script.files import tensors_file
+from harness.grad_check.script.guard import waiting_in_exchange
 
 #: The reference's first run's folder, where a run compares instead of writing.
 REFERENCE_VARIABLE = "GRAD_CHECK_REFERENCE"
@@ -65,7 +67,8 @@ def squares(pieces: Sequence[Piece], sharded: bool) -> float:
         if piece.tensor.is_floating_point() and piece.tensor.numel():
             total += torch.linalg.vector_norm(piece.tensor.detach(), dtype=torch.float64) ** 2
     if sharded and group() is not None:
-        dist.all_reduce(total, group=group())
+        with waiting_in_exchange("a gradient norm's sum over the ranks"):
+            dist.all_reduce(total, group=group())
     return float(total.cpu())
 
 
@@ -98,6 +101,15 @@ class Points:
         if point == "initial" or not (sharded or self.rank == 0):
             return None
         ranks = group() if sharded else None
+        # Every rank compares together: one that waits here reached this point of the step.
+        what = "gradient" if point == "grad" else "parameters"
+        with (waiting_in_exchange(f"step {step}'s {what} comparison") if ranks is not None
+              else contextlib.nullcontext()):
+            return self.compare_with_reference(optimizer, step, point, specs, pieces, ranks)
+
+    def compare_with_reference(self, optimizer: int, step: int, point: str, specs: Sequence[Spec],
+                 pieces: Sequence[Piece], ranks: dist.ProcessGroup | None
+                 ) -> dict[str, Any] | None:
         if os.environ.get(MEMORY_VARIABLE) != "1":
             return compared(self.against, optimizer, step, point, specs, pieces, ranks)
         found: list[dict[str, Any] | None] = []

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from harness.grad_check.script.explain import padding_of, tokens
-from harness.grad_check.script.files import summary_file
+from harness.grad_check.script.files import partial_file, summary_file
 from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import Run
 
@@ -34,10 +34,13 @@ class Captured:
 
     @classmethod
     def read(cls, run: Run) -> Captured:
+        """Each rank's summary, else what it kept up to its last finished step (a rank that
+        crashed, hung or was stopped later: harness/grad_check/script/ending.py)."""
         summaries = []
         for rank in range(run.split.world_size):
-            path = summary_file(run.folder, rank)
-            summaries.append(torch.load(path, weights_only=True) if path.exists() else None)
+            found = [path for path in (summary_file(run.folder, rank),
+                                       partial_file(run.folder, rank)) if path.exists()]
+            summaries.append(torch.load(found[0], weights_only=True) if found else None)
         return cls(run, tuple(summaries))
 
     @property
