@@ -91,14 +91,14 @@ def test_more_ranks_than_gpus_is_refused_before_anything_runs():
                      splits=(Split(1, 1), Split(4, 1)), gpus=2)
 
 
-def test_more_ranks_than_cores_run_with_one_line_saying_so(capsys, monkeypatch):
+def test_more_ranks_than_cores_run_with_one_line_saying_so(capsys, monkeypatch, tmp_path):
     """As the studies do (harness/launcher.py): the verdicts are the same, the runs slower."""
     from harness.grad_check.script import grad_check_run, matrix
 
     monkeypatch.setattr("harness.launcher.usable_cores", lambda: 2)
     monkeypatch.setattr(matrix.ScriptCheck, "rows", lambda self: [])
     config = ScriptConfig(command=tuple(COMMAND), global_batch=8,
-                          splits=(Split(1, 1), Split(4, 1)), quiet=True, out=Path("unused"))
+                          splits=(Split(1, 1), Split(4, 1)), quiet=True, out=tmp_path / "out")
     assert config.most_ranks == 4
     monkeypatch.setattr("harness.results.write_csv_atomic", lambda *args: None)
     grad_check_run.run(config)
