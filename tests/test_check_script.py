@@ -38,6 +38,7 @@ from harness.grad_check.script.splits import (
     parse_splits,
     substituted,
 )
+from harness.launcher import Stopped
 from harness.verdicts import Equivalence
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
@@ -607,9 +608,46 @@ def test_a_summary_written_at_step_s_is_read_before_what_the_rank_kept_on_the_wa
     ending.keep_partial({"records": [0]}, tmp_path, 0)
     run = Run(Split(1, 1), ("python", "t.py"), tmp_path, 0.0, None)
     assert Captured.read(run).first == {"records": [0]}
-    ending.write_final({"records": [0, 1]}, tmp_path, 0)
+    # Between the summary's rename and the partial's removal both are there.
+    torch.save({"records": [0, 1]}, summary_file(tmp_path, 0))
     assert Captured.read(run).first == {"records": [0, 1]}
+    ending.write_final({"records": [0, 1]}, tmp_path, 0)
     assert not partial_file(tmp_path, 0).exists()
+
+
+class ScriptedLauncher:
+    """A CommandLauncher whose runs leave nothing (a command that never steps), or raise
+    ``raising`` (Ctrl-C, SIGTERM) at the reference's first run."""
+
+    def __init__(self, raising: BaseException | None = None, **_) -> None:
+        self.raising = raising
+
+    def run(self, split, command, folder, logs=None, variables=None, against=None) -> Run:
+        if self.raising is not None:
+            raise self.raising
+        folder.mkdir(parents=True, exist_ok=True)
+        return Run(split, tuple(command), folder, 0.0, None, logs)
+
+
+@pytest.mark.parametrize(("raising", "code", "line"), [
+    (None, 1, "grad-check run: error: the reference 1x1: the command ended without stepping "
+              "an optimizer"),
+    (KeyboardInterrupt(), 130, "grad-check run: interrupted"),
+    (Stopped(), 143, "grad-check run: stopped by SIGTERM")])
+def test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code(
+        monkeypatch, capsys, tmp_path, raising, code, line):
+    """2 is for bad input found before the command runs; a reference that never steps is
+    found by running it (1); Ctrl-C is 130 and SIGTERM 143, each one line."""
+    from harness.grad_check.script import grad_check_run, processes
+
+    monkeypatch.setattr(processes, "CommandLauncher",
+                        lambda **kwargs: ScriptedLauncher(raising, **kwargs))
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8, splits=(Split(1, 2),),
+                          quiet=True, out=tmp_path / "out")
+    assert grad_check_run.run(config) == code
+    [said] = capsys.readouterr().err.strip().splitlines()
+    assert said.startswith(line), said
+    assert not (tmp_path / "out" / "script.csv").exists()  # nothing finished: no rows
 
 
 def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(capsys,
