@@ -12,7 +12,9 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from harness.check.outcome import exit_code
 from harness.check.precision import tolerance
 from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import capture, naming, samples
+from harness.grad_check.script import capture, factors, naming, samples
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.files import partial_file, summary_file, tensors_file
@@ -922,3 +924,90 @@ def test_a_reference_that_ended_before_its_steps_says_so(tmp_path, monkeypatch):
     check.say_what_the_reference_left_out(written_capture(tmp_path / "ref", Split(1, 1)))
     assert said == ["the reference's script ended after 2 step(s) of SGD, fewer than --steps "
                     "3: its rows compare 2"]
+
+
+# ---------------------------------------------------------------- N told from k
+class ScaledLauncher:
+    """A CommandLauncher whose run at each split leaves the capture of a gradient
+    ``scale_of(split)`` times the big batch's (the reference's at 1x1)."""
+
+    def __init__(self, scale_of, **_) -> None:
+        self.scale_of = scale_of
+
+    def run(self, split, command, folder, logs=None, variables=None, against=None) -> Run:
+        scale = 1.0 if split == Split(1, 1) else self.scale_of(split)  # 1x1: the reference
+        reference = SimpleNamespace(run=SimpleNamespace(folder=against)) if against else None
+        written_capture(folder, split, against=reference,
+                        grads=lambda s: {n: scale * t for n, t in gradients(s).items()})
+        return Run(split, tuple(command), folder, 0.0, None, logs)
+
+
+def checked_rows(monkeypatch, tmp_path: Path, splits: str, scale_of) -> dict:
+    """The rows of ``grad-check run`` over ``splits``, each split's gradient scaled by
+    ``scale_of(split)``: {split label: its step-0 gradient row}."""
+    from harness.grad_check.script import grad_check_run, processes
+
+    monkeypatch.setattr(processes, "CommandLauncher",
+                        lambda **kwargs: ScaledLauncher(scale_of, **kwargs))
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8, splits=parse_splits(splits),
+                          quiet=True, out=tmp_path / "out")
+    grad_check_run.run(config)
+    rows = pd.read_csv(tmp_path / "out" / "script.csv", keep_default_na=False)
+    return {row["split"]: row for _, row in rows.iterrows()
+            if row["step"] == 0 and row["point"] == "grad"}
+
+
+def test_a_scale_the_splits_show_to_follow_n_names_n_where_n_equals_k(monkeypatch, tmp_path):
+    """A loss divided by N*k under DDP: 1x2 matches, 2x1 is half the big batch's, and so
+    is 2x2, where 2 is both N and k: the other splits show it is N."""
+    rows = checked_rows(monkeypatch, tmp_path, "1x2,2x1,2x2",
+                        lambda split: 1 / split.world_size)
+    assert rows["1x2"]["verdict"] == "matches"
+    assert rows["2x1"]["fix"] == "multiply the loss by 2 = N"
+    assert rows["2x2"]["fix"] == "multiply the loss by 2 = N"
+
+
+def test_a_scale_the_splits_show_to_follow_k_names_k_in_any_order(monkeypatch, tmp_path):
+    rows = checked_rows(monkeypatch, tmp_path, "2x2,2x1,1x2",
+                        lambda split: split.accum_steps)
+    assert rows["2x2"]["fix"] == "divide the loss by 2 = k"
+
+
+def test_a_split_of_n_equal_to_k_alone_names_both(monkeypatch, tmp_path):
+    rows = checked_rows(monkeypatch, tmp_path, "2x2", lambda split: 0.5)
+    assert rows["2x2"]["fix"] == "multiply the loss by 2 = N or k"
+
+
+def test_the_powers_of_n_and_k_a_scale_is_are_read_where_one_pair_alone_fits():
+    assert factors.powers_of(0.5, 2, 1, 1e-9) == {"N": -1}
+    assert factors.powers_of(1.0, 1, 4, 1e-9) == {"k": 0}
+    assert factors.powers_of(4.0, 2, 4, 1e-9) == {"N": 0, "k": 1}
+    assert factors.powers_of(2.0, 2, 4, 1e-9) == {}  # N, or k / N
+    assert factors.powers_of(2.0, 2, 2, 1e-9) == {}  # N == k: nothing to tell
+    assert factors.powers_of(3.0, 2, 4, 1e-9) == {}  # no power of 2 and 4
+    assert factors.tie_name({"N": -1, "k": 0}) == "N"
+    assert factors.tie_name({"k": 1}) == "k"
+    assert factors.tie_name({"N": 0}) == "k"
+    assert factors.tie_name({}) == factors.EITHER
+
+
+def test_an_lr_scaled_with_n_is_named_n_from_the_updates_where_every_gradient_matches(
+        monkeypatch, tmp_path):
+    from harness.grad_check.script import grad_check_run, processes
+
+    class LrTimesN(ScaledLauncher):
+        def run(self, split, command, folder, logs=None, variables=None, against=None):
+            reference = SimpleNamespace(run=SimpleNamespace(folder=against)) if against \
+                else None
+            lr = 0.1 if split == Split(1, 1) else 0.1 * split.world_size
+            written_capture(folder, split, against=reference, lr=lr)
+            return Run(split, tuple(command), folder, 0.0, None, logs)
+
+    monkeypatch.setattr(processes, "CommandLauncher", lambda **kwargs: LrTimesN(None))
+    config = ScriptConfig(command=tuple(COMMAND), global_batch=8,
+                          splits=parse_splits("1x2,2x1,2x2"), quiet=True, out=tmp_path / "out")
+    grad_check_run.run(config)
+    rows = pd.read_csv(tmp_path / "out" / "script.csv", keep_default_na=False)
+    update = rows[(rows["split"] == "2x2") & (rows["step"] == 0) & (rows["point"] == "params")]
+    assert "times the reference's" in update["fix"].iloc[0]
+    assert "2 = N times" in update["fix"].iloc[0], update["fix"].iloc[0]

@@ -57,6 +57,10 @@ class Facts:
     piece_counts: tuple[int, ...] = ()
     #: The big batch's learning rates at this step (a step at rate 0 moves nothing).
     learning_rates: tuple[float, ...] = ()
+    #: How a number that is both N and k (N == k) is named in a fix: ``k``, ``N``, or
+    #: ``N or k`` where nothing tells which the scale follows (script mode reads it from
+    #: the other splits of the same run: harness/grad_check/script/factors.py).
+    tie: str = "k"
 
 
 def batchnorm_tensors(model: nn.Module) -> set[str]:
@@ -69,30 +73,34 @@ def batchnorm_tensors(model: nn.Module) -> set[str]:
     return names
 
 
-def named_value(value: float, world_size: int, accum_steps: int, rtol: float) -> str:
+def named_value(value: float, world_size: int, accum_steps: int, rtol: float,
+                tie: str = "k") -> str:
     """``value`` as it reads in a fix: ``4 = N*k`` where it is N, k or N*k within ``rtol``
-    (the exact number shown), else its six significant digits."""
+    (the exact number shown), else its six significant digits; ``tie``: the name of a value
+    that is both N and k."""
     for expression, number in (("k", accum_steps), ("N", world_size),
                                ("N*k", world_size * accum_steps)):
         if number > 1 and close(value, number, rtol):
-            return f"{number} = {expression}"
+            both = expression != "N*k" and world_size == accum_steps
+            return f"{number} = {tie if both else expression}"
     return f"{value:.6g}"
 
 
-def loss_scale_fix(scale: float, world_size: int, accum_steps: int, rtol: float) -> str:
+def loss_scale_fix(scale: float, world_size: int, accum_steps: int, rtol: float,
+                   tie: str = "k") -> str:
     """A gradient s times the big batch's: the loss to divide or multiply by 1/s."""
     if scale > 1:
-        return f"divide the loss by {named_value(scale, world_size, accum_steps, rtol)}"
-    return f"multiply the loss by {named_value(1 / scale, world_size, accum_steps, rtol)}"
+        return f"divide the loss by {named_value(scale, world_size, accum_steps, rtol, tie)}"
+    return f"multiply the loss by {named_value(1 / scale, world_size, accum_steps, rtol, tie)}"
 
 
 def scale_fix(point: str, scale: float, facts: Facts) -> str:
     """A pure multiple s of the reference: undo it where it comes from."""
     n, k, rtol = facts.world_size, facts.accum_steps, facts.rtol
     if point == "grad":
-        return loss_scale_fix(scale, n, k, rtol)
+        return loss_scale_fix(scale, n, k, rtol, facts.tie)
     inverse = 1 / scale
-    return (f"multiply lr by 1/s = {named_value(inverse, n, k, rtol)}"
+    return (f"multiply lr by 1/s = {named_value(inverse, n, k, rtol, facts.tie)}"
             " (or fix the gradient's scale)")
 
 

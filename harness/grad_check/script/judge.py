@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
 from harness.check.precision import lowest, tolerance
 from harness.check.shards import comparison_of
 from harness.columns import POINTS
-from harness.grad_check.script import explain
+from harness.grad_check.script import explain, factors
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
@@ -103,7 +103,8 @@ def learning_rate_fix(update: Comparison, facts: Facts) -> str:
     if update.verdict is Equivalence.MATCHES:
         return ""
     if update.verdict is Equivalence.SCALED:
-        scale = named_value(update.scale, facts.world_size, facts.accum_steps, facts.rtol)
+        scale = named_value(update.scale, facts.world_size, facts.accum_steps, facts.rtol,
+                            facts.tie)
         return (f"the gradient matches but the update is {scale} times the reference's: the "
                 "learning rate of this step differs, e.g. a scheduler stepped another number "
                 "of times (once per micro-step, or once per rank as Accelerate steps a "
@@ -196,6 +197,9 @@ class SplitJudge:
     reference: Captured
     reference_noise: Noise
     global_batch: int
+    #: (optimizer, step, point) -> how a value that is both N and k is named there, as the
+    #: other splits of the run tell (factors.py); "N or k" where they do not.
+    ties: Mapping[factors.Key, str] = field(default_factory=dict)
 
     def rows(self) -> list[dict[str, Any]]:
         return [self.row(judged) for judged in self.judged()]
@@ -241,6 +245,7 @@ class SplitJudge:
         dtype = precision(self.measured, self.reference)
         rtol = tolerance(dtype)
         facts.piece_counts = self.measured.counts(optimizer, step)
+        facts.tie = factors.step_tie(self.ties, self.reference.label(optimizer), step)
         facts.learning_rates = tuple(self.reference.learning_rates(optimizer, step))
         own = self.own_cells(optimizer, step)
         points = [Compared(point, compared(self.measured, self.reference, optimizer, step,

@@ -21,6 +21,7 @@ from typing import Any
 
 from harness.errors import INTERRUPTED_EXIT
 from harness.failure import STOPPED_EXIT
+from harness.grad_check.script import factors
 from harness.grad_check.script.config import LOGS, ScriptConfig
 from harness.grad_check.script.failures import Failure, ReferenceUnusable
 from harness.grad_check.script.judge import Noise, SplitJudge, check_deterministic
@@ -43,9 +44,15 @@ class ScriptCheck:
     def __init__(self, config: ScriptConfig, launch: CommandLauncher,
                  say: Callable[[str], None] = lambda _: None) -> None:
         self.config, self.launch, self.say = config, launch, say
-        #: The rows of every split judged so far, in order: what a check that ends early
-        #: (a reference found unusable, Ctrl-C, SIGTERM) still writes.
-        self.finished: list[dict[str, Any]] = []
+        #: The rows of every split judged so far, by split in the order they ran: what a
+        #: check that ends early (a reference found unusable, Ctrl-C, SIGTERM) still writes.
+        self.judged: dict[Split, list[dict[str, Any]]] = {}
+        #: The splits of N == k, kept until the others have run (name_ties).
+        self.tied: dict[Split, Captured] = {}
+
+    @property
+    def finished(self) -> list[dict[str, Any]]:
+        return [row for rows in self.judged.values() for row in rows]
 
     @property
     def logs(self) -> Path:
@@ -77,9 +84,24 @@ class ScriptCheck:
                 self.say(f"split {split.label} failed: {measured.run.failure} (its output: "
                          f"{measured.run.logs})")
             self.judge(measured, first, noise)
+        self.name_ties(first, noise)
 
-    def judge(self, measured: Captured, first: Captured, noise: Noise) -> None:
-        self.finished += SplitJudge(measured, first, noise, self.config.global_batch).rows()
+    def judge(self, measured: Captured, first: Captured, noise: Noise,
+              ties: dict | None = None) -> None:
+        self.judged[measured.run.split] = SplitJudge(
+            measured, first, noise, self.config.global_batch, ties or {}).rows()
+        if measured.run.split.world_size == measured.run.split.accum_steps > 1:
+            self.tied[measured.run.split] = measured
+
+    def name_ties(self, first: Captured, noise: Noise) -> None:
+        """A split of N == k judged again once every split ran: whether its scale follows
+        N or k, the other splits tell (factors.py)."""
+        others = [row for split, rows in self.judged.items() if split not in self.tied
+                  for row in rows]
+        shown = factors.evidence(others)
+        ties = {key: factors.tie_name(powers) for key, powers in shown.items()}
+        for measured in self.tied.values():
+            self.judge(measured, first, noise, ties)
 
     def stopped_run(self, split: Split, scratch: Path, interrupted: Interrupted) -> Captured:
         """What a split stopped by Ctrl-C or SIGTERM left: its ranks' finished steps."""
