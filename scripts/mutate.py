@@ -170,6 +170,54 @@ MUTATIONS = (
              "and abs(comparison.scale - 1.0) <= 1.0",
              ("tests/test_check_script.py::test_a_bfloat16_update_off_after_a_matching_gradient_"
               "is_unresolved_not_differs",)),
+    Mutation("scale-kept-from-any-step", "harness/check/judge.py",
+             'if (step == 0 and measured.point == "grad"',
+             'if (measured.point == "grad"',
+             ("tests/test_mutation_targets.py::test_only_step_0s_scaled_gradient_is_the_cause_"
+              "later_rows_follow_from",)),
+    Mutation("unresolved-after-a-scaled-gradient", "harness/check/judge.py",
+             "and gradient.verdict == Equivalence.MATCHES)",
+             "and gradient.verdict != Equivalence.DIFFERS)",
+             ("tests/test_mutation_targets.py::test_an_update_off_after_a_scaled_gradient_"
+              "differs_even_in_bfloat16",)),
+    Mutation("skipped-at-any-groups-lr-0", "harness/check/judge.py",
+             "all(rate == 0 for rate in facts.learning_rates)",
+             "any(rate == 0 for rate in facts.learning_rates)",
+             ("tests/test_mutation_targets.py::test_an_update_that_moved_nothing_is_skipped_"
+              "only_where_every_group_had_learning_rate_0",)),
+    Mutation("no-update-passes", "harness/verdicts.py",
+             "Status.NO_GRADIENT, Status.NO_UPDATE})", "Status.NO_GRADIENT})",
+             ("tests/test_mutation_targets.py::test_a_step_that_moved_nothing_fails_the_check_"
+              "under_every_fail_on",)),
+    Mutation("gpus-by-cuda-visible-devices-alone", "harness/grad_check/script/launchers.py",
+             "devices = min(devices, len(chosen))", "devices = len(chosen)",
+             ("tests/test_mutation_targets_script.py::test_cuda_visible_devices_never_shows_"
+              "more_gpus_than_the_machine_has",)),
+    Mutation("float32-rounding-bounds-swapped", "harness/tolerances.py",
+             'FLOAT32_ROUNDING = {"grad": 1e-5, "params": 1.5e-4}',
+             'FLOAT32_ROUNDING = {"grad": 1.5e-4, "params": 1e-5}',
+             ("tests/test_mutation_targets.py::test_float32_rounds_an_update_coarser_than_its_"
+              "gradient",)),
+    Mutation("clip-factor-inverted", "harness/grad_check/script/records.py",
+             "return received / before if before > 0 else math.nan",
+             "return before / received if before > 0 else math.nan",
+             ("tests/test_mutation_targets_script.py::test_the_clip_factor_is_what_the_clip_"
+              "multiplied_the_gradient_by",)),
+    Mutation("kept-gradient-by-gradient-id", "harness/grad_check/script/capture.py",
+             "before = [self.window.kept.get(id(p), grad)",
+             "before = [self.window.kept.get(id(grad), grad)",
+             ("tests/test_mutation_targets_script.py::test_the_gradient_is_read_as_it_was_"
+              "before_the_clip",)),
+    Mutation("no-forwards-a-partial-window", "harness/grad_check/script/judge.py",
+             "short = any(0 < count < split.accum_steps for count in forwards)",
+             "short = any(count < split.accum_steps for count in forwards)",
+             ("tests/test_mutation_targets_script.py::test_a_rank_whose_forwards_went_unseen_"
+              "is_no_partial_window",)),
+    Mutation("clip-note-at-the-tighter-tolerance", "harness/grad_check/script/judge.py",
+             "if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):",
+             "if not close(received, 1.0, min(facts.rtol, CLIPPED_ALIKE)):",
+             ("tests/test_mutation_targets_script.py::test_a_binding_clip_hid_the_scale_up_to_"
+              "its_own_epsilon_even_in_float64",)),
 )
 
 

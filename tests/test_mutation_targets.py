@@ -2,17 +2,24 @@
 
 scripts/mutate.py plants a bug in each of these lines and requires these tests to
 fail: where a fix is chosen, how a batch is split, which learning-rate factor a
-scale asks for.
+scale asks for, what the judge carries from one step to the next, which statuses fail
+a check. (``grad-check run``'s own rules: tests/test_mutation_targets_script.py.)
 """
 
 import torch
 from torch import nn
 
 from harness.check.batches import piece
+from harness.check.compare import Comparison
 from harness.check.fix import Facts, scale_fix
+from harness.check.judge import Compared, judge_step
+from harness.check.outcome import FAIL_ON, exit_code, failing_cases
+from harness.check.precision import unresolved_below
 from harness.check.setup import Setup
 from harness.check.step import WholeStep, not_finite
+from harness.fit import ScaleFit
 from harness.studies.update.experiments.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
+from harness.verdicts import Equivalence, Status
 
 DDP_3X2 = Facts(reduces_in_buckets=True, world_size=3, accum_steps=2)
 
@@ -60,3 +67,85 @@ def test_the_scaler_skips_the_step_where_a_single_gradient_overflowed():
     finite = torch.ones(3)
     assert whole.skips([finite, torch.tensor([1.0, INF]), finite])
     assert not whole.skips([finite, None, finite])
+
+
+# ---------------------------------------------------------------- the judge across steps
+def comparison(verdict: Equivalence, scale: float = 1.0, residual: float = 0.0,
+               nothing: bool = False) -> Comparison:
+    """A fit as compare.py gives it (the verdict already read at the run's tolerance)."""
+    return Comparison(ScaleFit(scale, residual), verdict, {}, nothing)
+
+
+MATCHES = comparison(Equivalence.MATCHES)
+
+
+def test_only_step_0s_scaled_gradient_is_the_cause_later_rows_follow_from():
+    """A loss scaled from the start scales step 0's gradient, and every later row follows
+    from it. A gradient first scaled at a later step (a loss that changes mid-run) is that
+    step's own finding: it must not become the cause named on the rows after it, nor on
+    its own update."""
+    facts = Facts(world_size=2, accum_steps=2)
+    steps = [
+        [Compared("grad", MATCHES), Compared("params", MATCHES)],
+        [Compared("grad", comparison(Equivalence.SCALED, 2.0)),
+         Compared("params", comparison(Equivalence.DIFFERS, 1.3, 0.2))],
+        [Compared("grad", MATCHES), Compared("params", comparison(Equivalence.DIFFERS, 1.1, 0.1))],
+    ]
+    rows = [row for step, compared in enumerate(steps)
+            for row in judge_step(step, compared, torch.float64, facts)]
+    assert facts.gradient_scale is None
+    assert not any("step 0" in row.fix for row in rows), [row.fix for row in rows]
+    assert rows[2].fix == scale_fix("grad", 2.0, facts)  # its own scale's fix, and no more
+    # Scaled at step 0, the same memory names it on a later row it alone does not explain.
+    facts = Facts(world_size=2, accum_steps=2)
+    judge_step(0, steps[1], torch.float64, facts)
+    [_, update] = judge_step(1, steps[2], torch.float64, facts)
+    assert facts.gradient_scale == 2.0 and update.fix.startswith("step 0's gradient is scaled")
+
+
+def test_an_update_off_after_a_scaled_gradient_differs_even_in_bfloat16():
+    """'unresolved' is for an update off after a gradient that matched, where bfloat16's
+    rounding magnified by Adam and a real difference look alike. After a gradient twice the
+    reference's, the update is off because the gradient is: it differs, and fails."""
+    facts = Facts(world_size=2, accum_steps=1)
+    grad, update = judge_step(0, [Compared("grad", comparison(Equivalence.SCALED, 2.0, 1e-3)),
+                                  Compared("params", comparison(Equivalence.DIFFERS, 1.0, 0.06))],
+                              torch.bfloat16, facts, say_unresolved=True)
+    assert grad.verdict == "scaled"
+    assert (update.status, update.verdict) == (Status.OK, "differs")
+    rows = [{"step": 0, "point": row.point, "status": row.status, "verdict": row.verdict,
+             "error": ""} for row in (grad, update)]
+    assert exit_code(rows, "differs", "grad-check run", lambda row: "2x1") == 1
+
+
+def test_an_update_that_moved_nothing_is_skipped_only_where_every_group_had_learning_rate_0():
+    """A warm-up from 0 moves nothing, as expected. Where one group of the optimizer still
+    had a learning rate (a frozen backbone's group at 0, the head's at 1e-3), an update of
+    all zeros is a step that did not happen: it fails."""
+    zero = Compared("params", comparison(Equivalence.MATCHES, nothing=True))
+    for rates, skipped in (((0.0, 0.0), True), ((0.0, 1e-3), False), ((1e-3,), False)):
+        facts = Facts(world_size=1, accum_steps=2, learning_rates=rates)
+        [row] = judge_step(0, [zero], torch.float64, facts)
+        assert row.status.startswith(Status.SKIPPED) is skipped, rates
+        assert (row.status == Status.NO_UPDATE) is not skipped, rates
+
+
+def test_a_step_that_moved_nothing_fails_the_check_under_every_fail_on():
+    """No parameter moved, here and in the big batch, at a learning rate other than 0:
+    nothing was compared, so no --fail-on level may read that as a pass."""
+    row = {"step": 0, "point": "params", "status": str(Status.NO_UPDATE), "verdict": "",
+           "error": ""}
+    for level in FAIL_ON:
+        assert failing_cases([row], level, lambda r: "1x2") == {"1x2": "step 0: no update"}
+
+
+def test_float32_rounds_an_update_coarser_than_its_gradient():
+    """In float32 a gradient is rounded within ~2e-6 and an update within ~3e-5 (Adam
+    divides by sqrt(v), and a parameter's update loses digits to cancellation). A residual
+    of 5e-5 is beyond rounding on a gradient, and a match there says so; on an update it
+    is rounding, and says nothing."""
+    rtol = 1e-3
+    assert "above its rounding" in unresolved_below(torch.float32, rtol, 5e-5, "grad")
+    assert unresolved_below(torch.float32, rtol, 5e-5, "params") == ""
+    assert unresolved_below(torch.float32, rtol, 5e-6, "grad") == ""
+    assert "above its rounding" in unresolved_below(torch.float32, rtol, 5e-4, "params")

@@ -1,0 +1,156 @@
+"""Fast tests of ``grad-check run``'s one-line rules that otherwise only a launched script
+exercises: the GPUs a command would see, the gradient the capture reads around a clip, the
+clip's factor, what a window's forwards say, when a clip hid a scale.
+
+scripts/mutate.py plants a bug in each of these lines and requires these tests to fail.
+Nothing here starts a process: the capture is driven in this one, and the captures the
+judge reads are built as a run's ranks leave them (harness/grad_check/script/records.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from harness.check import shards
+from harness.grad_check.script import launchers
+from harness.grad_check.script.capture import Capture
+from harness.grad_check.script.files import tensors_file
+from harness.grad_check.script.judge import SplitJudge
+from harness.grad_check.script.records import Captured
+from harness.grad_check.script.splits import Split
+
+
+# ---------------------------------------------------------------- the GPUs a command sees
+@pytest.mark.parametrize(("nodes", "visible", "seen"), [
+    (2, "0,1,2,3", 2),  # a job script's list written for a larger machine
+    (0, "0", 0),  # a machine without GPUs, CUDA_VISIBLE_DEVICES left set
+    (4, "1,3", 2),  # the list narrows what the machine has
+    (4, None, 4),
+    (4, "-1", 0),
+])
+def test_cuda_visible_devices_never_shows_more_gpus_than_the_machine_has(
+        monkeypatch, nodes, visible, seen):
+    """CUDA_VISIBLE_DEVICES can only hide devices: a split is refused for want of GPUs
+    (one per rank) by what the machine really holds, not by a list that names more."""
+    monkeypatch.setattr(launchers.glob, "glob",
+                        lambda pattern: [f"/dev/nvidia{i}" for i in range(nodes)])
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert launchers.visible_gpus() == seen
+
+
+# ---------------------------------------------------------------- the capture around a clip
+def clipped_step(folder: Path, max_norm: float):
+    """One step of a tiny float64 model whose script clips before stepping, through the
+    capture as the reference's run (it writes what it reads): the capture, the gradients
+    before the clip and those the optimizer received."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = Capture(folder, steps=1, keep_going=True, timeout=10)
+    model(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum().backward()
+    before = {name: p.grad.clone() for name, p in model.named_parameters()}
+    # What the capture's wrapper of clip_grad_norm_ does first (wrappers.py), then the clip.
+    seen.before_editing(model.parameters())
+    seen.window.clipped(f"clip_grad_norm_(max_norm={max_norm:g})", model.parameters())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    received = {name: p.grad.clone() for name, p in model.named_parameters()}
+    seen.before_step(optimizer, (optimizer,), {})
+    return seen, before, received
+
+
+def test_the_gradient_is_read_as_it_was_before_the_clip(tmp_path):
+    """The split's gradient is compared with the reference's as the backward left it: a clip
+    scales both to the same norm, and would hide a gradient k times too large. The clip
+    edits each .grad in place, so only the parameter knows which kept gradient is its own."""
+    _, before, received = clipped_step(tmp_path, max_norm=0.1)
+    assert not torch.allclose(before["weight"], received["weight"])  # the clip bound
+    written = shards.Mapped(tensors_file(tmp_path, 0, 0, "grad"))
+    for name in ("weight", "bias"):
+        assert torch.equal(written.whole(name), before[name]), name
+
+
+def captured(split: Split, records: list[list[dict]], dtypes=("torch.float64",)) -> Captured:
+    """A run of ``split`` as its ranks leave it: rank r's ``records[r]`` of one SGD over
+    ``w`` and ``b``."""
+    summaries = tuple({"optimizers": [{"kind": "SGD", "names": ["w", "b"], "steps": len(own)}],
+                       "records": own, "dtypes": list(dtypes), "unknown": [], "batchnorm": [],
+                       "dropout": [], "frameworks": []} for own in records)
+    run = SimpleNamespace(split=split, command=("python", "train.py"), folder=Path("never-written"),
+                          failure=None)
+    return Captured(run, summaries)
+
+
+def fit(scale: float, residual: float = 0.0) -> dict:
+    """What a rank records of a point it compared with the reference (points.py)."""
+    return {"fit": (scale, residual), "errors": {"w": residual, "b": residual},
+            "nothing": False, "each": abs(scale - 1.0) + residual}
+
+
+def record(step: int = 0, grad: float = 1.0, update: float = 1.0, forwards: int = 1,
+           samples=(), **more) -> dict:
+    return {"optimizer": 0, "step": step, "compared": {"grad": fit(grad), "params": fit(update)},
+            "samples": [[s, s, "pad"] for s in samples], "counts": [], "per_forward": [],
+            "lrs": [0.1], "clips": [], "forwards": forwards, **more}
+
+
+def test_the_clip_factor_is_what_the_clip_multiplied_the_gradient_by(tmp_path):
+    """clip_factor is the optimizer's gradient over the backward's: below 1 where a clip
+    bound, and the received gradient is that factor times the one before it."""
+    seen, before, received = clipped_step(tmp_path, max_norm=0.1)
+    factor = captured(Split(1, 1), [[seen.tracked[0].record]]).clip_factor(0, 0)
+    assert 0 < factor < 1
+    for name in ("weight", "bias"):
+        assert torch.allclose(factor * before[name], received[name], rtol=1e-12), name
+
+
+# ---------------------------------------------------------------- the judge's own causes
+def test_a_rank_whose_forwards_went_unseen_is_no_partial_window():
+    """A window the data ran out in has fewer forwards than k on some rank, but at least
+    one. A count of 0 is a script whose forwards the capture did not see (the samples are
+    unknown on every side): it says nothing of the window, and a scale's own fix stands."""
+    reference = captured(Split(1, 1), [[record(forwards=0)]])
+    unseen = captured(Split(2, 4), [[record(grad=2.0, forwards=0)]] * 2)
+    rows = SplitJudge(unseen, reference, {}, 8).rows()
+    assert rows[0]["verdict"] == "scaled"
+    assert rows[0]["fix"].startswith("divide the loss by 2") and "window" not in rows[0]["fix"]
+    # Three forwards of k = 4, the other rank's unseen: the window ran out on rank 0.
+    partial = captured(Split(2, 4), [[record(grad=2.0, forwards=3)],
+                                     [record(grad=2.0, forwards=0)]])
+    fix = SplitJudge(partial, reference, {}, 8).rows()[0]["fix"]
+    assert "partial window" in fix and "rank 0 ran 3 of its k = 4" in fix
+
+
+def norms_clipped(gradient: torch.Tensor, max_norm: float) -> dict:
+    """A record's norms where clip_grad_norm_(max_norm) clipped ``gradient``."""
+    parameter = nn.Parameter(torch.zeros_like(gradient))
+    parameter.grad = gradient.clone()
+    torch.nn.utils.clip_grad_norm_([parameter], max_norm)
+    return {"clips": [f"clip_grad_norm_(max_norm={max_norm:g})"],
+            "before_norm": float(gradient.norm()), "received_norm": float(parameter.grad.norm())}
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 100.0])
+def test_a_binding_clip_hid_the_scale_up_to_its_own_epsilon_even_in_float64(max_norm):
+    """A gradient k = 2 times the reference's, both clipped to max_norm = 1: the optimizer
+    received the reference's gradient but for the clip's own epsilon (it divides by the
+    norm plus 1e-6), a relative 1e-7 here, far beyond float64's 1e-9 and yet no
+    difference of the script's. The row says that the clip hid the scale. A clip that does
+    not bind (max_norm = 100) lets the scale through, and says nothing of the sort."""
+    gradient = torch.linspace(-1.0, 2.0, 15, dtype=torch.float64)
+    reference = captured(Split(1, 1), [[record(**norms_clipped(gradient, max_norm))]])
+    doubled = captured(Split(1, 2), [[record(grad=2.0, forwards=2,
+                                             **norms_clipped(2 * gradient, max_norm))]])
+    [grad, update] = SplitJudge(doubled, reference, {}, 8).rows()
+    assert (grad["verdict"], grad["precision"]) == ("scaled", "float64")
+    assert grad["fix"].startswith("divide the loss by 2")
+    hid = "clip_grad_norm_(max_norm=1) hid it" in grad["fix"]
+    assert hid is (max_norm == 1.0), grad["fix"]
+    assert grad["clip_factor"] == pytest.approx(min(1.0, max_norm / float(2 * gradient.norm())))
