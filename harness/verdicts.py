@@ -57,11 +57,12 @@ class Status(StrEnum):
     #: The step moved no parameter in the case or in the reference, at a learning rate
     #: other than 0: nothing was compared.
     NO_UPDATE = "no update"
-    #: Measured, and beyond the reach of its precision: an update below float32 off by
-    #: more than the tolerance after a gradient that matched it, at scale 1. An adaptive
-    #: optimizer (Adam) magnifies the gradient's rounding in its step, which such a run
-    #: cannot tell from a difference of the optimizer's own; only a run in float32 can.
-    #: Neither a match nor a failure: the row says to run once in float32.
+    #: Measured, and beyond the reach of its precision: a float32 step within float32's
+    #: tolerance but above its rounding (only a run in float64 can tell); or an update
+    #: below float32 off by more than the tolerance after a gradient that matched it, at
+    #: scale 1 (an adaptive optimizer magnifies the gradient's rounding in its step, which
+    #: such a run cannot tell from a difference of the optimizer's own; a run in float32
+    #: can). Neither a match nor a failure: the row says which run resolves it.
     UNRESOLVED = "unresolved"
 
 

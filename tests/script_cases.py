@@ -11,6 +11,9 @@ Correct scripts (each must match at every split):
   activation checkpointing, reentrant and not;
 - ``bf16-layer``: a float32 model whose middle layer runs under bfloat16 autocast entered
   inside its ``forward``;
+- ``bf16-by-hand``: a float32 model whose middle layer casts its input and weights to
+  bfloat16 itself (``F.linear(h.bfloat16(), w.bfloat16())``), returning float32, as
+  custom low-precision layers do;
 - ``zero-redundancy``: DDP with a ZeroRedundancyOptimizer (each rank steps the state of
   its shard of the parameters, then broadcasts them), plain SGD in one process.
 
@@ -22,7 +25,11 @@ Scripts with a bug (each must read what it is):
 - ``clip-on-rank-0``: rank 0 alone clips before the step;
 - ``remainder``: the dataset ends in a window of fewer micro-steps than k, stepped with
   the loss divided by k;
-- ``zero-redundancy-no-divide``: ``zero-redundancy`` with the loss not divided by k.
+- ``zero-redundancy-no-divide``: ``zero-redundancy`` with the loss not divided by k;
+- ``count-before-shift``: a float64 model of padded sequences whose loss alone casts to
+  float32, each micro-batch's token mean after the causal shift weighed by its tokens
+  counted before it, the window divided by that count (torchtune's recipes): each
+  micro-batch weighs 1 + rows / tokens, a small real difference (~1e-4).
 """
 
 import argparse
@@ -38,7 +45,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
          "two-optimizers", "clip-on-rank-0", "remainder", "zero-redundancy",
-         "zero-redundancy-no-divide")
+         "zero-redundancy-no-divide", "bf16-by-hand", "count-before-shift")
 
 
 def arguments() -> argparse.Namespace:
@@ -85,6 +92,11 @@ def data(case: str) -> TensorDataset:
     x = torch.randn(samples, 4, generator=generator, dtype=torch.float64)
     if case == "one-logit":
         return TensorDataset(x, torch.zeros(samples, dtype=torch.long))
+    if case == "count-before-shift":  # sequences of 30 to 32 tokens, padded: NaN targets
+        tokens = torch.randn(samples, 32, 4, generator=generator, dtype=torch.float64)
+        lengths = torch.randint(30, 33, (samples, 1), generator=generator)
+        targets = tokens.sum(dim=2).sin()
+        return TensorDataset(tokens, targets.where(torch.arange(32) < lengths, torch.nan))
     if case == "checkpointed":
         sequences = torch.randn(samples, 6, 3, generator=generator, dtype=torch.float64)
         return TensorDataset(sequences, sequences.sum(dim=(1, 2)).sin())
@@ -200,6 +212,55 @@ def two_optimizers(args, distributed: bool, rank: int):
     return step
 
 
+class ByHand(nn.Module):
+    """float32, its middle layer computed in bfloat16 by hand and returned as float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x.float()))
+        weight, bias = self.middle.weight, self.middle.bias
+        hidden = nn.functional.linear(hidden.bfloat16(), weight.bfloat16(), bias.bfloat16())
+        return self.last(torch.tanh(hidden.float()))
+
+
+def bf16_by_hand(args, distributed: bool, rank: int):
+    torch.manual_seed(0)
+    return single_model(ByHand(), True, loss=lambda o, y: nn.functional.mse_loss(
+        o, y.float()))(args, distributed, rank)
+
+
+def count_before_shift(args, distributed: bool, rank: int):
+    """Each micro-batch's mean over its targets after the shift, times its tokens counted
+    before it; the window's gradient times N over the window's count (all ranks')."""
+    model = wrapped(nn.Linear(4, 1).double(), distributed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    world_size = dist.get_world_size() if distributed else 1
+    counted = torch.zeros((), dtype=torch.float64)
+
+    def step(x, y, last: bool) -> None:
+        nonlocal counted
+        before = ~y.isnan()  # the tokens, counted before the shift
+        after = before[:, 1:]  # each predicts the next token's target
+        predicted = model(x).squeeze(2)[:, :-1].float()  # the loss alone casts to float32
+        errors = (predicted - y[:, 1:].nan_to_num().float()) ** 2
+        mean = errors[after].mean()
+        (mean * before.sum()).backward()
+        counted += before.sum()
+        if last:
+            if distributed:
+                dist.all_reduce(counted)
+            for parameter in model.parameters():
+                parameter.grad *= world_size / counted
+            optimizer.step()
+            optimizer.zero_grad()
+            counted = torch.zeros((), dtype=torch.float64)
+
+    return step
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
@@ -222,6 +283,8 @@ TRAINERS = {
         mlp(), True, sharded_state=True)(args, d, rank),
     "zero-redundancy-no-divide": lambda args, d, rank: single_model(
         mlp(), True, sharded_state=True, divide=False)(args, d, rank),
+    "bf16-by-hand": bf16_by_hand,
+    "count-before-shift": count_before_shift,
 }
 
 

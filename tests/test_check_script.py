@@ -297,7 +297,7 @@ def point(points: Points, step: int, name: str, tensors: dict[str, torch.Tensor]
 
 def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1, forwards=None, frameworks=(),
+                    lr=0.1, forwards=None, frameworks=(), model_dtypes=(),
                     against: Captured | None = None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
@@ -329,6 +329,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
         torch.save({"rank": rank, "world_size": split.world_size,
                     "optimizers": [{"kind": "SGD", "names": list(NAMES), "steps": 2}],
                     "records": own, "dtypes": list(dtypes), "unknown": [], "batchnorm": [],
+                    "model_dtypes": list(model_dtypes),
                     "dropout": [], "frameworks": list(frameworks)},
                    summary_file(folder, rank))
     return Captured.read(Run(split, ("python", "t.py"), folder, 0.0, None))
@@ -714,6 +715,44 @@ def test_a_float32_run_is_judged_at_float32s_tolerance(tmp_path):
     assert rows[0]["precision"] == "float32" and rows[0]["verdict"] == "matches"
 
 
+def off_by(relative: float):
+    """Gradients off the big batch's by ``relative``, not along them (no scale fits)."""
+    return lambda s: {n: t * (1 + relative * t.cos()) for n, t in gradients(s).items()}
+
+
+@pytest.mark.parametrize(("model", "relative", "verdict", "status"), [
+    ("torch.float64", 5e-5, "differs", "ok"),  # the loss's cast rounds to ~1e-7: a bug
+    ("torch.float32", 5e-5, "", "unresolved"),  # float32 all through: run it in float64
+    ("torch.float64", 2e-6, "matches", "ok"),
+    ("torch.float32", 2e-6, "matches", "ok")])
+def test_a_float32_residual_above_its_rounding_is_never_a_match(tmp_path, model, relative,
+                                                                verdict, status):
+    """Within float32's tolerance (1e-3) but above its rounding (FLOAT32_ROUNDING): where
+    the model is float64 and only the loss casts, that cast's rounding is all a run can
+    show, so the row differs; where the model is float32, a run in float64 would tell,
+    so the row says so as its status, with no verdict."""
+    [grad, _] = rows_of(tmp_path, Split(1, 2), grads=off_by(relative),
+                        dtypes=(model, "torch.float32"), model_dtypes=(model,))[:2]
+    assert (grad["precision"], grad["verdict"], grad["status"]) == ("float32", verdict,
+                                                                    status)
+    assert ("run once in float64" in grad["fix"]) is (status == "unresolved")
+
+
+def test_the_types_a_backward_computes_in_are_read_from_its_graph():
+    """A layer cast to bfloat16 by hand returns float32; a float64 model whose loss casts
+    to float32 returns a float32 loss: the graph behind the loss shows both."""
+    from harness.grad_check.script.graph import graph_dtypes
+
+    weight = torch.randn(3, 4, requires_grad=True)
+    hidden = torch.nn.functional.linear(torch.randn(2, 4).bfloat16(), weight.bfloat16())
+    assert graph_dtypes([hidden.float().sum()]) == {"torch.float32", "torch.bfloat16"}
+    model = torch.nn.Linear(4, 1).double()
+    loss = model(torch.randn(2, 4, dtype=torch.float64)).float().pow(2).mean()
+    assert graph_dtypes([loss]) == {"torch.float32", "torch.float64"}
+    with torch.no_grad():  # what ran outside the graph is not the step's
+        assert graph_dtypes([model(torch.randn(2, 4, dtype=torch.float64)).half()]) == set()
+
+
 def test_a_split_that_stopped_early_says_why_in_its_rows(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1))
     folder = tmp_path / "failed"
@@ -817,16 +856,15 @@ def test_a_scale_of_n_or_k_under_the_trainer_names_its_loss_contract(tmp_path, f
     assert ("num_items_in_batch" in fix) is said, fix
 
 
-def test_a_float32_match_above_float32s_rounding_says_so(tmp_path):
+def test_a_float32_residual_within_tolerance_above_rounding_is_unresolved_not_a_match(
+        tmp_path):
     """LitGPT's per-micro-batch token mean is 1e-3 off: within float32's tolerance, 500 times
-    its rounding. The row matches, and says a run in float64 would resolve it."""
-    def off(relative: float):
-        return lambda s: {n: t * (1 + relative * t.cos()) for n, t in gradients(s).items()}
-
-    near = rows_of(tmp_path / "near", Split(1, 2), grads=off(5e-4), dtypes=("torch.float32",))
-    assert near[0]["verdict"] == "matches"
+    its rounding. The row is no match: its status says a run in float64 would resolve it."""
+    near = rows_of(tmp_path / "near", Split(1, 2), grads=off_by(5e-4),
+                   dtypes=("torch.float32",))
+    assert (near[0]["status"], near[0]["verdict"]) == ("unresolved", "")
     assert "above its rounding" in near[0]["fix"] and "float64" in near[0]["fix"]
-    tight = rows_of(tmp_path / "tight", Split(1, 2), grads=off(1e-8),
+    tight = rows_of(tmp_path / "tight", Split(1, 2), grads=off_by(1e-8),
                     dtypes=("torch.float32",))
     assert tight[0]["verdict"] == "matches" and tight[0]["fix"] == ""
 

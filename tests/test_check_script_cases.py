@@ -14,7 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from harness.tolerances import FLOAT32_ROUNDING, check_tolerance
 from tests.scheduling import launching
 from tests.script_runs import python, run_checks
 
@@ -25,6 +27,8 @@ RUNS = {
     "composite": ["--splits", "1x2,2x1", "--steps", "2"],
     "checkpointed": ["--splits", "1x2,2x1"],
     "bf16-layer": ["--splits", "2x1"],
+    "bf16-by-hand": ["--splits", "2x1"],
+    "count-before-shift": ["--splits", "1x2"],
     "clipped-no-divide": ["--splits", "1x2"],
     "one-logit": ["--splits", "1x2"],
     "two-optimizers": ["--splits", "1x2"],
@@ -61,6 +65,25 @@ def test_low_precision_inside_forward_is_the_precision_judged(runs):
     assert done.code == 0, done.stdout + done.stderr
     assert set(done.rows["precision"]) == {"bfloat16"}
     assert set(done.rows["verdict"]) == {"matches"}
+
+
+def test_a_layer_cast_to_bfloat16_by_hand_is_judged_at_bfloat16(runs):
+    """Its module returns float32; the operations behind the loss ran in bfloat16, and
+    their rounding (~2e-3 here, above float32's tolerance) is not a difference."""
+    done = runs["bf16-by-hand"]
+    assert done.code == 0, done.stdout + done.stderr
+    assert set(done.rows["precision"]) == {"bfloat16"}
+    assert set(done.rows["verdict"]) == {"matches"}
+
+
+def test_a_float64_model_whose_loss_casts_is_judged_at_that_casts_rounding(runs):
+    """Each micro-batch weighs 1 + rows / tokens: off by ~2e-5, within float32's tolerance
+    (1e-3) but above what casting the loss to float32 can round to; the rest of the model
+    is float64 already, so no run resolves more: it differs."""
+    grad = runs["count-before-shift"].row("1x2")
+    assert grad["precision"] == "float32" and grad["verdict"] == "differs"
+    assert FLOAT32_ROUNDING["grad"] < grad["residual"] < check_tolerance(torch.float32)
+    assert "run once in float64" not in grad["fix"]
 
 
 def test_a_clip_that_binds_does_not_hide_a_missing_division_by_k(runs):

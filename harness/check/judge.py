@@ -23,7 +23,12 @@ import torch
 
 from harness.check.compare import Comparison, worst_tensors
 from harness.check.fix import Facts, suggest
-from harness.check.precision import coarser_than_float32, tolerance, unresolved_below
+from harness.check.precision import (
+    above_float32_rounding,
+    coarser_than_float32,
+    tolerance,
+    unresolved_below,
+)
 from harness.columns import Column
 from harness.tolerances import dtype_name
 from harness.verdicts import Equivalence, Status, skipped
@@ -43,6 +48,9 @@ class Compared:
     #: The front-end's own cells that belong with this comparison (e.g. the frameworks'
     #: comparison under the framework's recipe).
     own: Mapping[str, Any] = field(default_factory=dict)
+    #: The tolerance the comparison was judged at, where it is not its precision's (a
+    #: float64 model whose loss alone casts to float32: that cast's rounding).
+    rtol: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,8 @@ class Judged:
     own: Mapping[str, Any] = field(default_factory=dict)
     #: The ranks disagree where only rank 0's tensors were compared: a verdict of its own.
     ranks_differ: bool = False
+    #: The tolerance judged at, where it is not the precision's (Compared.rtol).
+    rtol: float | None = None
 
     @property
     def verdict(self) -> str:
@@ -84,7 +94,8 @@ class Judged:
     def worst_tensors(self) -> str:
         if self.comparison is None:
             return ""
-        rtol = tolerance(self.precision) if self.precision is not None else 0.0
+        rtol = (self.rtol if self.rtol is not None else tolerance(self.precision)
+                if self.precision is not None else 0.0)
         return worst_tensors(self.comparison.errors.items(), rtol)
 
     @property
@@ -132,12 +143,16 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
         fix = cause(measured, facts, judged)
         if fix is None:
             fix = suggest(measured.point, measured.comparison, facts)
+        status = Status.OK
         if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
             fix = unresolved_below(precision, rtol, measured.comparison.residual,
                                    measured.point)
-        judged.append(Judged(step, measured.point, measured.comparison, precision, fix,
+            if above_float32_rounding(precision, measured.comparison.residual, measured.point):
+                status = Status.UNRESOLVED  # never a match above the rounding of what ran
+        judged.append(Judged(step, measured.point, measured.comparison, precision, fix, status,
                              ranks_agree=measured.ranks_agree, own=measured.own,
-                             ranks_differ=rank_zero_only and measured.ranks_agree is False))
+                             ranks_differ=rank_zero_only and measured.ranks_agree is False,
+                             rtol=measured.rtol))
         if (step == 0 and measured.point == "grad"
                 and measured.comparison.verdict is Equivalence.SCALED):
             facts.gradient_scale = measured.comparison.scale

@@ -62,6 +62,13 @@ def coarser_than_float32(dtype: torch.dtype) -> bool:
     return torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
 
 
+def above_float32_rounding(dtype: torch.dtype, residual: float, point: str) -> bool:
+    """A float32 step off by more than float32's rounding can leave (``FLOAT32_ROUNDING``),
+    though within its tolerance: not known to be the big batch's step."""
+    bound = FLOAT32_ROUNDING.get(point) if dtype == torch.float32 else None
+    return bound is not None and residual > bound
+
+
 def unresolved_below(dtype: torch.dtype, rtol: float, residual: float = 0.0,
                      point: str = "grad") -> str:
     """What a ``matches`` leaves open where no twin without autocast was run (``grad-check

@@ -17,8 +17,9 @@ wrapped functions it sees:
 - every training forward (samples.py: an outermost call of a module with parameters,
   autograd on, in training mode, on data, not recomputed in a backward): a fingerprint of
   each sample it fed and the tokens its ``labels`` count;
-- the floating types that ran: parameters, gradients, losses, and every module's output
-  (autocast entered inside ``forward``, a layer cast by hand).
+- the floating types that ran: parameters, gradients, losses, and every operation in the
+  graph behind each loss (graph.py: autocast entered inside ``forward``, a layer cast by
+  hand).
 
 The capture never raises inside the user's code: what it cannot read it records as
 unknown. Once every optimizer alive has taken S steps, every rank writes its summary,
@@ -54,6 +55,7 @@ from torch.optim.optimizer import (
 from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, first_sentence
 from harness.grad_check.script import ending, engines, points, samples, wrappers
+from harness.grad_check.script.graph import graph_dtypes
 from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import owner, parameter_names, stripped
 from harness.grad_check.script.sharded import reader_for
@@ -120,6 +122,9 @@ class Capture:
         self.step_depth = self.forward_depth = self.backward_depth = 0
         self.facts: dict[str, set[str]] = {"batchnorm": set(), "dropout": set()}
         self.dtypes: set[str] = set()
+        #: The types of the parameters stepped: a float64 model whose loss alone casts to
+        #: float32 can round no further than that cast.
+        self.model_dtypes: set[str] = set()
         self.unknown: set[str] = set()
         self.records: list[dict[str, Any]] = []
         self.written = False
@@ -202,6 +207,7 @@ class Capture:
                   for p, grad in zip(tracked.parameters, received, strict=True)]
         specs, pieces, kept = tracked.read(before, "grad", self.rank)
         self.dtypes.update(str(p.dtype) for p in tracked.parameters)
+        self.model_dtypes.update(str(p.dtype) for p in tracked.parameters)
         self.dtypes.update(str(dtype) for _, _, dtype, present in specs if present)
         record = tracked.open_record(self.window, optimizer)
         record["grad_digests"] = kept
@@ -253,8 +259,6 @@ class Capture:
     @never_raising
     def saw_module(self, module: nn.Module, args: tuple, kwargs: dict, result: Any) -> None:
         output = samples.first_tensor(result)
-        if isinstance(output, torch.Tensor) and output.is_floating_point():
-            self.dtypes.add(str(output.dtype))
         if self.forward_depth > 0:
             return
         if torch.is_grad_enabled() and module.training and self.backward_depth == 0:
@@ -275,14 +279,18 @@ class Capture:
         self.window.forwarded(held, samples.samples_of(first, kwargs, self.micro_batch),
                               samples.labelled_count(kwargs))
 
+    @never_raising
     def saw_backward(self, tensors) -> None:
-        """The type of each loss backpropagated: a float32 loss of a float64 model rounds
-        like float32, and its rows are judged at float32's tolerance."""
+        """The type of each loss backpropagated and of every operation behind it (graph.py):
+        a float32 loss of a float64 model rounds like float32, a layer cast to bfloat16 by
+        hand like bfloat16, and the rows are judged at what they can round to."""
         if not self.recording or self.backward_depth:
             return
-        for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
+        roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ())
+        for tensor in roots:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 self.dtypes.add(str(tensor.dtype))
+        self.dtypes |= graph_dtypes(roots)
 
     # ------------------------------------------------------------------ optimizers
     def _by_key(self, key: frozenset[int]) -> Tracked | None:
@@ -373,6 +381,7 @@ class Capture:
                                      if module in sys.modules),
                 "optimizers": [tracked.summary() for tracked in self.tracked],
                 "records": self.records, "dtypes": sorted(self.dtypes),
+                "model_dtypes": sorted(self.model_dtypes),
                 "unknown": sorted(self.unknown),
                 **{name: sorted(values) for name, values in self.facts.items()}}
 

@@ -21,6 +21,7 @@ import torch
 
 from harness.check.precision import tolerance
 from harness.tolerances import close
+from harness.verdicts import Equivalence
 
 #: (optimizer, step, point): the rows of one point of one optimizer step.
 Key = tuple[str, int, str]
@@ -52,9 +53,9 @@ def evidence(rows: Iterable[Mapping[str, Any]]) -> dict[Key, Powers]:
     different powers is dropped: no telling then)."""
     pooled: dict[Key, dict[str, set[int]]] = {}
     for row in rows:
-        if row.get("verdict") not in ("matches", "scaled"):
+        if row.get("verdict") not in (Equivalence.MATCHES, Equivalence.SCALED):
             continue
-        scale = 1.0 if row["verdict"] == "matches" else float(row["scale"])
+        scale = 1.0 if row["verdict"] == Equivalence.MATCHES else float(row["scale"])
         rtol = tolerance(getattr(torch, str(row["precision"])))
         found = powers_of(scale, int(row["world_size"]), int(row["accum_steps"]), rtol)
         for name, power in found.items():

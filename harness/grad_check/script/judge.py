@@ -52,9 +52,20 @@ def shown(names: Sequence[str]) -> str:
 
 
 def precision(*runs: Captured) -> torch.dtype:
-    """The lowest floating type any of the runs used (parameters, gradients, losses,
-    every module's output)."""
+    """The lowest floating type any of the runs used (parameters, gradients, losses, every
+    operation behind a loss: harness/grad_check/script/graph.py)."""
     return lowest(dtype for run in runs for dtype in run.dtypes)
+
+
+def cast_rounding(point: str, *runs: Captured) -> float | None:
+    """Where a float64 model rounds to float32 only in some operations (a loss that casts
+    its logits, as transformers' and torchtune's do), the most that float32 rounding can
+    leave in the step (``FLOAT32_ROUNDING``): the point is judged at it, since no run in
+    a higher precision can resolve more. None for any other run."""
+    models = [dtype for run in runs for dtype in run.model_dtypes]
+    if models and lowest(models) == torch.float64 and precision(*runs) == torch.float32:
+        return FLOAT32_ROUNDING[point]
+    return None
 
 
 def recorded(measured: Captured, reference: Captured, optimizer: int, step: int,
@@ -248,12 +259,15 @@ class SplitJudge:
         facts.tie = factors.step_tie(self.ties, self.reference.label(optimizer), step)
         facts.learning_rates = tuple(self.reference.learning_rates(optimizer, step))
         own = self.own_cells(optimizer, step)
-        points = [Compared(point, compared(self.measured, self.reference, optimizer, step,
-                                           point, rtol),
-                           self.measured.ranks_agree(optimizer, step, point),
-                           {**own, "reference_noise": self.reference_noise.get(
-                               (optimizer, step, point), math.nan)})
-                  for point in POINTS]
+        points = []
+        for point in POINTS:
+            cast = cast_rounding(point, self.measured, self.reference)
+            points.append(Compared(
+                point, compared(self.measured, self.reference, optimizer, step, point,
+                                cast or rtol),
+                self.measured.ranks_agree(optimizer, step, point),
+                {**own, "reference_noise": self.reference_noise.get((optimizer, step, point),
+                                                                   math.nan)}, cast))
         return judge_step(step, points, dtype, facts, cause=self.cause(optimizer, step),
                           say_unresolved=True, rank_zero_only=True)
 

@@ -167,6 +167,13 @@ class Captured:
         names = {name for summary in self.summaries if summary for name in summary["dtypes"]}
         return {getattr(torch, name.removeprefix("torch.")) for name in names}
 
+    @cached_property
+    def model_dtypes(self) -> set[torch.dtype]:
+        """The types of the parameters stepped."""
+        names = {name for summary in self.summaries if summary
+                 for name in summary.get("model_dtypes", ())}
+        return {getattr(torch, name.removeprefix("torch.")) for name in names}
+
     @property
     def unknown(self) -> list[str]:
         return sorted({line for summary in self.summaries if summary

@@ -40,15 +40,19 @@ COLUMNS: tuple[Column, ...] = (
         ranks_agree="whether every rank held the same tensors at that point (sampled "
                     "fingerprints); empty at N = 1",
         precision="the lowest floating type the reference's and the split's runs used "
-                  "(parameters, gradients, losses, autocast): the row's tolerance is that "
-                  "type's",
+                  "(parameters, gradients, losses, and every operation in the graph behind "
+                  "a loss: autocast, a layer cast by hand): the row's tolerance is that "
+                  "type's; a float64 model whose loss alone casts to float32 is judged at "
+                  "what that cast can round to (`FLOAT32_ROUNDING`)",
         status=f"`ok`; `{Status.NO_GRADIENT}` or `{Status.NO_UPDATE}` where the gradient (the "
                "update) was all zero in the split and in the reference, so that nothing was "
-               f"compared; `{Status.UNRESOLVED}` where an update below float32 is off at "
-               "scale 1 after a gradient that matched (the verdict is left empty: an "
-               "adaptive optimizer magnifies the gradient's rounding, which such a run cannot "
-               "tell from a difference; a run in float32 can); `skipped: why` for an update "
-               "at learning rate 0; or `error`",
+               f"compared; `{Status.UNRESOLVED}` where the run's precision cannot tell a "
+               "difference from its rounding (the verdict is left empty): a float32 step "
+               "within float32's tolerance but above its rounding (a run in float64 can "
+               "tell), or an update below float32 off at scale 1 after a gradient that "
+               "matched (an adaptive optimizer magnifies the gradient's rounding; a run in "
+               "float32 can tell); `skipped: why` for an update at learning rate 0; or "
+               "`error`",
         error="why the split's run gave no capture of the step: the failing rank and its "
               "line (`rank 1: Type: first sentence`), else empty"),
     Column("clip", "text",
