@@ -154,3 +154,28 @@ def test_a_binding_clip_hid_the_scale_up_to_its_own_epsilon_even_in_float64(max_
     hid = "clip_grad_norm_(max_norm=1) hid it" in grad["fix"]
     assert hid is (max_norm == 1.0), grad["fix"]
     assert grad["clip_factor"] == pytest.approx(min(1.0, max_norm / float(2 * gradient.norm())))
+
+
+# ---------------------------------------------------------------- which forwards train
+class EvalWrapper(nn.Module):
+    """A wrapper left in evaluation mode around a model that trains (Lightning's DDP
+    wrapper after its sanity check)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_a_training_forward_through_a_wrapper_left_in_eval_mode_feeds_its_samples(tmp_path):
+    seen = Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    wrapper = EvalWrapper(nn.Linear(3, 2).double())
+    wrapper.training = False  # the wrapper alone, as Lightning leaves it
+    x = torch.randn(4, 3, dtype=torch.float64)
+    seen.saw_module(wrapper, (x,), {}, wrapper(x))
+    assert seen.window.forwards == 1
+    wrapper.eval()  # an evaluation forward with autograd on: the model does not train
+    seen.saw_module(wrapper, (x,), {}, wrapper(x))
+    assert seen.window.forwards == 1

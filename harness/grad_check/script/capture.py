@@ -261,7 +261,7 @@ class Capture:
         output = samples.first_tensor(result)
         if self.forward_depth > 0:
             return
-        if torch.is_grad_enabled() and module.training and self.backward_depth == 0:
+        if torch.is_grad_enabled() and samples.trains(module) and self.backward_depth == 0:
             self.saw_forward(module, args, kwargs)
         if isinstance(output, torch.Tensor) and samples.readable(output):
             self.window.produced(output)

@@ -51,6 +51,14 @@ def readable(tensor: torch.Tensor) -> bool:
     return not tensor.is_meta and tensor.layout == torch.strided
 
 
+def trains(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` is a training forward: it is in training mode, or a
+    module holding parameters inside it is (a wrapper left in evaluation mode around a
+    model that trains: Lightning's DDP wrapper after its sanity check)."""
+    return module.training or any(inner.training for inner in module.modules()
+                                  if inner._parameters)
+
+
 def is_data(tensor: torch.Tensor) -> bool:
     """Whether the tensor is input data rather than an activation: nothing computed it
     with autograd. A loss module's input, or a second module's, is the first module's
