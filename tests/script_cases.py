@@ -26,6 +26,8 @@ Scripts with a bug (each must read what it is):
 - ``remainder``: the dataset ends in a window of fewer micro-steps than k, stepped with
   the loss divided by k;
 - ``zero-redundancy-no-divide``: ``zero-redundancy`` with the loss not divided by k;
+- ``clip-every-micro-step``: DDP with ``no_sync`` but on the last micro-step, and a clip
+  that binds after every micro-step's backward, not once per window;
 - ``count-before-shift``: a float64 model of padded sequences whose loss alone casts to
   float32, each micro-batch's token mean after the causal shift weighed by its tokens
   counted before it, the window divided by that count (torchtune's recipes): each
@@ -33,6 +35,7 @@ Scripts with a bug (each must read what it is):
 """
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -45,7 +48,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
          "two-optimizers", "clip-on-rank-0", "remainder", "zero-redundancy",
-         "zero-redundancy-no-divide", "bf16-by-hand", "count-before-shift")
+         "zero-redundancy-no-divide", "bf16-by-hand", "count-before-shift",
+         "clip-every-micro-step")
 
 
 def arguments() -> argparse.Namespace:
@@ -261,6 +265,23 @@ def count_before_shift(args, distributed: bool, rank: int):
     return step
 
 
+def clip_every_micro_step(args, distributed: bool, rank: int):
+    model = wrapped(mlp(), distributed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y, last: bool) -> None:
+        synced = not distributed or last
+        with contextlib.nullcontext() if synced else model.no_sync():
+            loss = nn.functional.mse_loss(model(x).squeeze(1), y) / args.grad_accum
+            loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # every micro-step
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return step
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
@@ -285,6 +306,7 @@ TRAINERS = {
         mlp(), True, sharded_state=True, divide=False)(args, d, rank),
     "bf16-by-hand": bf16_by_hand,
     "count-before-shift": count_before_shift,
+    "clip-every-micro-step": clip_every_micro_step,
 }
 
 

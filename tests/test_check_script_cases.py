@@ -29,6 +29,7 @@ RUNS = {
     "bf16-layer": ["--splits", "2x1"],
     "bf16-by-hand": ["--splits", "2x1"],
     "count-before-shift": ["--splits", "1x2"],
+    "clip-every-micro-step": ["--splits", "1x2,2x2"],
     "clipped-no-divide": ["--splits", "1x2"],
     "one-logit": ["--splits", "1x2"],
     "two-optimizers": ["--splits", "1x2"],
@@ -84,6 +85,21 @@ def test_a_float64_model_whose_loss_casts_is_judged_at_that_casts_rounding(runs)
     assert grad["precision"] == "float32" and grad["verdict"] == "differs"
     assert FLOAT32_ROUNDING["grad"] < grad["residual"] < check_tolerance(torch.float32)
     assert "run once in float64" not in grad["fix"]
+
+
+def test_a_clip_every_micro_step_is_named_and_is_no_disagreement_of_the_ranks(runs):
+    """Under no_sync, micro-step 0's clip sees each rank's local partial gradient; the
+    gradient the optimizer steps with is every rank's alike (DDP reduced the last
+    micro-step). The row judges the gradient before the window's last clip and names the
+    clip, at 1x2 as at 2x2."""
+    done = runs["clip-every-micro-step"]
+    for split in ("1x2", "2x2"):
+        grad = done.row(split)
+        assert grad["verdict"] in ("differs", "scaled"), grad["verdict"]
+        assert grad["ranks_agree"] is not False
+        assert grad["fix"].startswith("clip_grad_norm_(max_norm=0.05) ran 2 times in this "
+                                      "step's window, once per micro-step"), grad["fix"]
+    assert done.row("2x2")["ranks_agree"]
 
 
 def test_a_clip_that_binds_does_not_hide_a_missing_division_by_k(runs):

@@ -179,3 +179,25 @@ def test_a_training_forward_through_a_wrapper_left_in_eval_mode_feeds_its_sample
     wrapper.eval()  # an evaluation forward with autograd on: the model does not train
     seen.saw_module(wrapper, (x,), {}, wrapper(x))
     assert seen.window.forwards == 1
+
+
+def test_a_clip_every_micro_step_is_read_before_the_windows_last_clip(tmp_path):
+    """The gradient judged is the one the window's last clip was given (every rank's
+    alike once DDP reduced the last micro-step), not micro-step 0's partial one; the
+    record counts the window's clips."""
+    from harness.grad_check.script.wrappers import clipping
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    for _ in range(2):
+        model(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum().backward()
+        before_last = {name: p.grad.clone() for name, p in model.named_parameters()}
+        clipping(seen, "clip_grad_norm_", torch.nn.utils.clip_grad.clip_grad_norm_,
+                 model.parameters(), 0.01)
+    seen.before_step(optimizer, (optimizer,), {})
+    written = shards.Mapped(tensors_file(tmp_path, 0, 0, "grad"))
+    for name in ("weight", "bias"):
+        assert torch.equal(written.whole(name), before_last[name]), name
+    assert seen.tracked[0].record["clip_calls"] == 2

@@ -149,10 +149,11 @@ class Capture:
         atexit.register(self.write_summary)
 
     @never_raising
-    def before_editing(self, parameters: Iterable[nn.Parameter]) -> None:
-        """Keep each gradient as it is now, where this window has not kept it yet."""
+    def before_editing(self, parameters: Iterable[nn.Parameter], again: bool = False) -> None:
+        """Keep each gradient as it is now, where this window has not kept it yet (``again``:
+        in place of what it kept)."""
         if self.recording:
-            self.window.keep_gradients(parameters)
+            self.window.keep_gradients(parameters, again)
 
     @property
     def recording(self) -> bool:

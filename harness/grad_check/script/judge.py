@@ -285,6 +285,8 @@ class SplitJudge:
             gradient = judged[0].comparison if judged else None
             if comparison.verdict is Equivalence.MATCHES and measured.ranks_agree is not False:
                 return None
+            if (why := self.repeated_clip_fix(optimizer, step)) is not None:
+                return why
             if measured.ranks_agree is False:
                 return self.ranks_fix(optimizer, step, measured.point)
             if (why := self.data_fix(optimizer, step)) is not None:
@@ -302,6 +304,19 @@ class SplitJudge:
                     or self.trainer_count_fix(measured, facts))
 
         return cause
+
+    def repeated_clip_fix(self, optimizer: int, step: int) -> str | None:
+        """A clip called once per micro-step: each clips the gradient accumulated so far, so
+        the window is not the big batch's gradient clipped once."""
+        calls = self.measured.clip_calls(optimizer, step)
+        if calls < 2:
+            return None
+        clip = self.measured.clips(optimizer, step)[0]
+        return (f"{clip} ran {calls} times in this step's window, once per micro-step: each "
+                "call clips the gradient accumulated so far, so the step is not the big "
+                "batch's gradient clipped once (the gradient compared is the one before the "
+                "window's last clip); clip once per window, after the last micro-step's "
+                "backward, right before optimizer.step()")
 
     def data_fix(self, optimizer: int, step: int) -> str | None:
         """Other samples, or a window the data ran out in, where the samples show one."""

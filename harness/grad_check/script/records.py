@@ -128,6 +128,10 @@ class Captured:
     def clips(self, optimizer: int, step: int) -> list[str]:
         return list(self.records(optimizer, step)[0]["clips"])
 
+    def clip_calls(self, optimizer: int, step: int) -> int:
+        """How many clips the step's window ran on rank 0 (more than one: per micro-step)."""
+        return int(self.records(optimizer, step)[0].get("clip_calls", 0))
+
     def clip_factor(self, optimizer: int, step: int) -> float:
         """``||received|| / ||before the clip||`` on rank 0 (1 where nothing was clipped)."""
         record = self.records(optimizer, step)[0]

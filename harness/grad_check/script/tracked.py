@@ -86,10 +86,18 @@ class Window:
         self.events[self.forwards] = Forward(held, fed, count)
         self.forwards += 1
 
-    def keep_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+    def keep_gradients(self, parameters: Iterable[nn.Parameter], again: bool = False) -> None:
+        """Each gradient as it is now, where this window has not kept it yet (``again``:
+        in its place, at a clip that follows another in the window)."""
         for parameter in parameters:
-            if parameter.grad is not None and id(parameter) not in self.kept:
+            if parameter.grad is not None and (again or id(parameter) not in self.kept):
                 self.kept[id(parameter)] = parameter.grad.detach().clone()
+
+    def clip_calls(self, key: Iterable[int]) -> int:
+        """How many clips of this window any one of the parameters went through: more than
+        one where the script clips every micro-step."""
+        return max((sum(1 for _, held in self.clips if parameter in held)
+                    for parameter in key), default=0)
 
     def kept_bytes(self) -> int:
         """The memory the kept gradients take in this process (a DTensor's: its shard's)."""
@@ -138,7 +146,8 @@ class Tracked:
                        "forwards": len(fed),
                        "per_forward": [len(event.samples) for event in fed],
                        "counts": [event.count for event in fed if event.count is not None],
-                       "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key)}
+                       "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key),
+                       "clip_calls": window.clip_calls(self.key)}
         return self.record
 
     def close_record(self, window: Window) -> dict[str, Any]:

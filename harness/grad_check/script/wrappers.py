@@ -138,11 +138,15 @@ def after_import(capture: Capture, name: str, patch: Callable[[ModuleType], None
 
 def clipping(capture: Capture, name: str, original, parameters, *args, **kwargs):
     """A clip of the script's: the window's gradient kept first (the outermost clip only:
-    clip_grad_norm_ calls clip_grads_with_norm_)."""
+    clip_grad_norm_ calls clip_grads_with_norm_). A clip that follows another in the same
+    window (a script that clips every micro-step) keeps it again: the gradient judged is
+    the one before the window's last clip, which every rank holds alike once DDP has
+    reduced the last micro-step, not micro-step 0's local partial one."""
     held = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     outermost = not capture.window.clipping
     if outermost:
-        capture.before_editing(held)
+        again = capture.window.clip_calls({id(p) for p in held}) > 0
+        capture.before_editing(held, again)
         capture.window.clipped(clip_text(name, args, kwargs), held)
     capture.window.clipping = True
     try:
