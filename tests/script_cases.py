@@ -28,6 +28,9 @@ Scripts with a bug (each must read what it is):
 - ``zero-redundancy-no-divide``: ``zero-redundancy`` with the loss not divided by k;
 - ``clip-every-micro-step``: DDP with ``no_sync`` but on the last micro-step, and a clip
   that binds after every micro-step's backward, not once per window;
+- ``augmented-in-workers``: the sound loop, its samples given a random jitter as two
+  DataLoader workers load them, from each worker's own seed (as image augmentation does):
+  every split draws the same indices, but which worker loads which batch depends on b;
 - ``count-before-shift``: a float64 model of padded sequences whose loss alone casts to
   float32, each micro-batch's token mean after the causal shift weighed by its tokens
   counted before it, the window divided by that count (torchtune's recipes): each
@@ -44,12 +47,12 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
          "two-optimizers", "clip-on-rank-0", "remainder", "zero-redundancy",
          "zero-redundancy-no-divide", "bf16-by-hand", "count-before-shift",
-         "clip-every-micro-step")
+         "clip-every-micro-step", "augmented-in-workers")
 
 
 def arguments() -> argparse.Namespace:
@@ -86,6 +89,21 @@ class Recurrent(nn.Module):
         return checkpoint(torch.tanh, last, use_reentrant=True).squeeze(1)
 
 
+class Jittered(Dataset):
+    """Each sample's input jittered at random as it loads, from the loading process's own
+    random state (a DataLoader worker's is seeded per worker)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        x, y = self.data[index]
+        return x + 0.1 * torch.randn_like(x), y
+
+
 def wrapped(module: nn.Module, distributed: bool) -> nn.Module:
     return DistributedDataParallel(module) if distributed else module
 
@@ -116,7 +134,11 @@ def main() -> None:
     torch.manual_seed(0)
     dataset = data(args.case)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
-    batches = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    workers = 0
+    if args.case == "augmented-in-workers":
+        dataset, workers = Jittered(dataset), 2
+    batches = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                         num_workers=workers)
     step = TRAINERS[args.case](args, distributed, rank)
     done = 0
     while True:  # epochs, until --steps optimizer steps
@@ -307,6 +329,7 @@ TRAINERS = {
     "bf16-by-hand": bf16_by_hand,
     "count-before-shift": count_before_shift,
     "clip-every-micro-step": clip_every_micro_step,
+    "augmented-in-workers": lambda args, d, rank: single_model(mlp(), True)(args, d, rank),
 }
 
 

@@ -297,7 +297,7 @@ def point(points: Points, step: int, name: str, tensors: dict[str, torch.Tensor]
 
 def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     counts=(), fingerprints=None, dtypes=("torch.float64",),
-                    lr=0.1, forwards=None, frameworks=(), model_dtypes=(),
+                    lr=0.1, forwards=None, frameworks=(), model_dtypes=(), indices=(),
                     against: Captured | None = None) -> Captured:
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
@@ -317,7 +317,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
         records.append({"optimizer": 0, "step": step, "compared": compared,
                         "samples": [[name, name, "pad"] for name in samples],
                         "counts": list(counts), "lrs": [lr], "clips": [],
-                        "forwards": split.accum_steps,
+                        "forwards": split.accum_steps, "indices": list(indices),
                         "grad_digests": dict.fromkeys(NAMES, 1.0),
                         "params_digests": dict.fromkeys(NAMES, 1.0)})
     for rank in range(split.world_size):
@@ -681,6 +681,26 @@ def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(c
         os.waitpid(holder, 0)
     with out_lock(out):  # free again once its holder ended
         pass
+
+
+def test_other_values_for_the_references_dataset_items_are_an_augmentation_not_the_sampler(
+        tmp_path):
+    """The fingerprints differ from the reference's; the dataset indices the loaders
+    handed do not: the data was transformed at random as it loaded. Where the indices
+    differ too, it is the sampler."""
+    reference = written_capture(tmp_path / "reference", Split(1, 1), indices=range(8))
+    jittered = [f"j{i}" for i in range(8)]
+
+    def fix(indices) -> str:
+        split = written_capture(tmp_path / f"split{len(list(tmp_path.iterdir()))}",
+                                Split(1, 2), grads=off_by(1e-2), samples=jittered,
+                                indices=indices, against=reference)
+        return SplitJudge(split, reference, {}, 8).rows()[0]["fix"]
+
+    assert fix(reversed(range(8))).startswith("step 0 was handed the reference's 8 dataset "
+                                              "items (the same indices")
+    assert fix(range(8, 16)).startswith("step 0 fed 8 sample(s) the reference's step did not")
+    assert fix(()).startswith("step 0 fed 8 sample(s) the reference's step did not")
 
 
 def test_a_split_that_ended_step_0_elsewhere_does_not_match_at_step_1(tmp_path):

@@ -30,6 +30,7 @@ RUNS = {
     "bf16-by-hand": ["--splits", "2x1"],
     "count-before-shift": ["--splits", "1x2"],
     "clip-every-micro-step": ["--splits", "1x2,2x2"],
+    "augmented-in-workers": ["--splits", "2x1"],
     "clipped-no-divide": ["--splits", "1x2"],
     "one-logit": ["--splits", "1x2"],
     "two-optimizers": ["--splits", "1x2"],
@@ -100,6 +101,16 @@ def test_a_clip_every_micro_step_is_named_and_is_no_disagreement_of_the_ranks(ru
         assert grad["fix"].startswith("clip_grad_norm_(max_norm=0.05) ran 2 times in this "
                                       "step's window, once per micro-step"), grad["fix"]
     assert done.row("2x2")["ranks_agree"]
+
+
+def test_random_augmentation_in_the_workers_is_named_not_the_sampler(runs):
+    """Every split draws the same indices from the seeded sampler; the jitter each sample
+    gets depends on which worker loads its batch, which depends on b."""
+    grad = runs["augmented-in-workers"].row("2x1")
+    assert grad["verdict"] == "differs"
+    assert grad["fix"].startswith("step 0 was handed the reference's 16 dataset items (the "
+                                  "same indices from the sampler) but fed other values"), \
+        grad["fix"]
 
 
 def test_a_clip_that_binds_does_not_hide_a_missing_division_by_k(runs):

@@ -201,3 +201,23 @@ def test_a_clip_every_micro_step_is_read_before_the_windows_last_clip(tmp_path):
     for name in ("weight", "bias"):
         assert torch.equal(written.whole(name), before_last[name]), name
     assert seen.tracked[0].record["clip_calls"] == 2
+
+
+# ---------------------------------------------------------------- what the sampler drew
+def test_each_batch_a_data_loader_hands_the_script_is_known_by_its_dataset_indices(
+        monkeypatch, tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset, dataloader
+
+    from harness.grad_check.script import wrappers
+
+    kind = dataloader._BaseDataLoaderIter
+    for name in ("_next_index", "_reset", "__next__"):  # restored after the test
+        monkeypatch.setattr(kind, name, getattr(kind, name))
+    seen = Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    wrappers.wrap_data_loading(seen)
+    data = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(data, batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(3))
+    handed = [batch[0].long().tolist() for batch in loader]  # each value is its index
+    assert sorted(sum(handed, [])) == list(range(10)) and handed[0] != [0, 1, 2, 3]
+    assert [indices for _, indices in seen.window.batches] == handed

@@ -138,6 +138,7 @@ class Capture:
         wrappers.wrap_construction(self)
         wrappers.wrap_backward(self)
         wrappers.wrap_clipping(self)
+        wrappers.wrap_data_loading(self)
         engines.wrap_engine(self)
         original_hook = sys.excepthook
 
@@ -154,6 +155,12 @@ class Capture:
         in place of what it kept)."""
         if self.recording:
             self.window.keep_gradients(parameters, again)
+
+    @never_raising
+    def loaded(self, indices: Any) -> None:
+        """A batch of the dataset's ``indices`` handed to the script."""
+        if self.recording:
+            self.window.loaded(indices)
 
     @property
     def recording(self) -> bool:

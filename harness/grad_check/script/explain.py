@@ -7,8 +7,10 @@ show: a step that fed another number of samples than G (an accumulation or batch
 argument), ranks that all fed the same samples (no sharding), rank 0 feeding the
 reference's samples while the others feed new ones (a seed that depends on the rank), a
 sample fed twice (a sampler that pads), or another set of samples (a shuffle that depends
-on N, ``drop_last``). A window with fewer micro-steps than k (the data ran out) is named
-too: the loss-divisor fix a scale suggests would break every full window.
+on N, ``drop_last``); where the DataLoaders handed the reference's dataset indices, other
+values for the same items (a random augmentation drawn per worker). A window with fewer
+micro-steps than k (the data ran out) is named too: the loss-divisor fix a scale suggests
+would break every full window.
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ def _rank_zero_only(each: Sequence[collections.Counter], reference: collections.
     return (not each[0] - reference and bool(others)
             and all(sum((rank & reference).values()) * 2 <= sum(rank.values())
                     for rank in others))
+
+
+def drawn_alike(ours: Sequence[int], theirs: Sequence[int]) -> bool:
+    """Whether two steps were handed the same dataset indices (with repeats)."""
+    return bool(ours) and collections.Counter(ours) == collections.Counter(theirs)
+
+
+def augmentation_fix(step: int, drawn: int) -> str:
+    """The sampler drew the reference's items, yet the samples fed are other values."""
+    return (f"step {step} was handed the reference's {drawn} dataset items (the same indices "
+            "from the sampler) but fed other values for them: the data is transformed at "
+            "random as it loads (a random augmentation drawn from each DataLoader worker's "
+            "own seed or from the global random state: which worker loads which batch, and "
+            "so each sample's draw, depends on the batch size), so no split can give the "
+            "reference's step; turn random augmentation off while checking (timm: --no-aug; "
+            "no Random* transforms), or draw it from a generator seeded with the sample's "
+            "index")
 
 
 def count_fix(step: int, fed: int, expected: int, global_batch: int) -> str:

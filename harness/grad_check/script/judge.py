@@ -323,6 +323,9 @@ class SplitJudge:
         ours = [record["samples"] for record in self.measured.records(optimizer, step)]
         theirs = self.reference.samples(optimizer, step)
         if not explain.same_samples([s for rank in ours for s in rank], theirs):
+            drawn = self.measured.indices(optimizer, step)
+            if explain.drawn_alike(drawn, self.reference.indices(optimizer, step)):
+                return explain.augmentation_fix(step, len(drawn))
             return explain.samples_fix(step, ours, theirs, self.global_batch)
         forwards = self.measured.forwards(optimizer, step)
         split = self.measured.run.split

@@ -101,6 +101,12 @@ class Captured:
         return [sample for record in self.records(optimizer, step)
                 for sample in record["samples"]]
 
+    def indices(self, optimizer: int, step: int) -> list[int]:
+        """The dataset indices of the batches the step's window was handed, over all
+        ranks (empty where no DataLoader of a map-style dataset handed any)."""
+        return [index for record in self.records(optimizer, step)
+                for index in record.get("indices", [])]
+
     def counts(self, optimizer: int, step: int) -> tuple[int, ...]:
         """The labelled tokens of each of the step's training forwards, over all ranks;
         where the forwards took no ``labels`` (LitGPT computes its loss outside the model),

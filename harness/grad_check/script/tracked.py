@@ -57,6 +57,9 @@ class Window:
     clips: list[tuple[str, set[int]]] = field(default_factory=list)
     #: Inside a clip (one clip calls another: the outermost is the script's).
     clipping: bool = False
+    #: Each batch a DataLoader handed the script: (the forward it came before, its dataset
+    #: indices).
+    batches: list[tuple[int, list[int]]] = field(default_factory=list)
     held_by: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     #: The outputs of outermost module calls still alive: a later call whose input shares
     #: one's memory (``features.detach()``) is fed an activation, not data.
@@ -85,6 +88,16 @@ class Window:
     def forwarded(self, held: frozenset[int], fed: list[list[str]], count: int | None) -> None:
         self.events[self.forwards] = Forward(held, fed, count)
         self.forwards += 1
+
+    def loaded(self, indices: Any) -> None:
+        """A batch's dataset indices (a sampler that yields one index: a batch of one;
+        an iterable dataset's, which has none, is not kept)."""
+        found = [indices] if isinstance(indices, int) else indices
+        if isinstance(found, (list, tuple)) and all(isinstance(i, int) for i in found):
+            self.batches.append((self.forwards, list(found)))
+
+    def indices_since(self, since: int) -> list[int]:
+        return [index for at, batch in self.batches if at >= since for index in batch]
 
     def keep_gradients(self, parameters: Iterable[nn.Parameter], again: bool = False) -> None:
         """Each gradient as it is now, where this window has not kept it yet (``again``:
@@ -119,6 +132,7 @@ class Window:
         self.clips = [(text, held - ids) for text, held in self.clips if held - ids]
         for index in [index for index in self.events if index < oldest]:
             del self.events[index]
+        self.batches = [(at, batch) for at, batch in self.batches if at >= oldest]
 
 
 @dataclass
@@ -147,7 +161,8 @@ class Tracked:
                        "per_forward": [len(event.samples) for event in fed],
                        "counts": [event.count for event in fed if event.count is not None],
                        "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key),
-                       "clip_calls": window.clip_calls(self.key)}
+                       "clip_calls": window.clip_calls(self.key),
+                       "indices": window.indices_since(self.since)}
         return self.record
 
     def close_record(self, window: Window) -> dict[str, Any]:

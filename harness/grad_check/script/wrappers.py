@@ -54,6 +54,40 @@ def wrap_backward(capture: Capture) -> None:
         setattr(torch.autograd, name, functools.wraps(original)(during))
 
 
+def wrap_data_loading(capture: Capture) -> None:
+    """The dataset indices of each batch a DataLoader hands the script, in the order it
+    hands them: the sampler's draw, told apart from what loading made of it (a random
+    augmentation gives the same indices other values). A multi-worker loader draws
+    indices ahead of the batches it returns, in order (``in_order``), so each iterator
+    keeps its drawn indices until the batch they are for comes out."""
+    from collections import deque
+
+    from torch.utils.data import dataloader
+
+    kind = dataloader._BaseDataLoaderIter
+    draw, reset, give = kind._next_index, kind._reset, kind.__next__
+
+    def _next_index(iterator):
+        indices = draw(iterator)
+        iterator.__dict__.setdefault("_grad_check_drawn", deque()).append(indices)
+        return indices
+
+    def _reset(iterator, *args, **kwargs):
+        iterator.__dict__["_grad_check_drawn"] = deque()  # a new epoch draws anew
+        return reset(iterator, *args, **kwargs)
+
+    def __next__(iterator):
+        batch = give(iterator)
+        drawn = iterator.__dict__.get("_grad_check_drawn")
+        if drawn:
+            capture.loaded(drawn.popleft())
+        return batch
+
+    for name, function, original in (("_next_index", _next_index, draw),
+                                     ("_reset", _reset, reset), ("__next__", __next__, give)):
+        setattr(kind, name, functools.wraps(original)(function))
+
+
 def wrap_clipping(capture: Capture) -> None:
     """The window's gradient is read on entry to the first clip, or once a GradScaler has
     unscaled it: what the loss made, before anything edits it."""
