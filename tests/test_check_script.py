@@ -701,6 +701,9 @@ def test_other_values_for_the_references_dataset_items_are_an_augmentation_not_t
                                               "items (the same indices")
     assert fix(range(8, 16)).startswith("step 0 fed 8 sample(s) the reference's step did not")
     assert fix(()).startswith("step 0 fed 8 sample(s) the reference's step did not")
+    # No DataLoader handed indices here nor there (an iterable dataset): nothing is known.
+    reference = written_capture(tmp_path / "unindexed", Split(1, 1))
+    assert fix(()).startswith("step 0 fed 8 sample(s) the reference's step did not")
 
 
 def test_a_split_that_ended_step_0_elsewhere_does_not_match_at_step_1(tmp_path):
