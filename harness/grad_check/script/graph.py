@@ -7,7 +7,10 @@ inside a float64 model returns float32 whatever ran before. Every operation auto
 recorded carries the type of the gradient it takes (its node's input metadata), so the
 graph behind a loss names every type the step's gradient went through, and nothing that
 ran outside it (an evaluation forward, a no_grad branch). Walked once per backward while
-the capture records: about a microsecond a node.
+the capture records, never after step S: about 4 us a node (measured on CPU: a GPT-2 of 12
+layers, width 256, 858 nodes in 3.4 ms, 1.7% of its backward; 24 layers, width 512, 1698
+nodes in 7.6 ms, 0.5%). A dispatch or function mode would see every operation too, but
+would run Python at each of them, and stand in torch.compile's way.
 """
 
 from __future__ import annotations
