@@ -158,12 +158,12 @@ def test_a_rank_that_hangs_after_its_backward_is_named_alone_not_the_rank_waitin
     """Rank 1 sleeps after its step-0 backward; rank 0 took the step and waits for rank 1's
     capture inside grad-check's exchange: rank 0 reached the step, rank 1 hung."""
     done = run_check(["--global-batch", "8", "--splits", "2x1", "--steps", "1",
-                      "--timeout", "5", "--reference-once",
+                      "--timeout", "4", "--reference-once",
                       *program("sleeps-after-backward-on-rank-1")], tmp_path / "out")
     assert done.code == 1
     error = done.row("2x1")["error"]
     assert error.startswith("rank 1 hung: no progress for "), error
-    assert error.endswith("at step 0 after 1 forward pass(es) (--timeout 5 s stopped the "
+    assert error.endswith("at step 0 after 1 forward pass(es) (--timeout 4 s stopped the "
                           "split; rank 0 reached the end of step 0, in grad-check's exchange: "
                           "waiting for it)"), error
 
