@@ -170,6 +170,11 @@ MUTATIONS = (
              "and abs(comparison.scale - 1.0) <= 1.0",
              ("tests/test_check_script.py::test_a_bfloat16_update_off_after_a_matching_gradient_"
               "is_unresolved_not_differs",)),
+    Mutation("wrapper-named-at-the-top-only", "harness/grad_check/script/naming.py",
+             "own = wrapped_attributes(module)",
+             "own = wrapped_attributes(module) if not prefix else ()",
+             ("tests/test_check_script_naming.py::test_a_model_wrapped_in_ddp_inside_a_task_"
+              "module_keeps_its_names",)),
 )
 
 
