@@ -175,6 +175,11 @@ MUTATIONS = (
              "own = wrapped_attributes(module) if not prefix else ()",
              ("tests/test_check_script_naming.py::test_a_model_wrapped_in_ddp_inside_a_task_"
               "module_keeps_its_names",)),
+    Mutation("tune-run-always-a-launcher", "harness/grad_check/script/launchers.py",
+             "return launcher if own_arguments(launcher, command) else None",
+             "return launcher",
+             ("tests/test_check_script_commands.py::test_a_launcher_at_the_head_of_the_command_"
+              "is_recognised",)),
 )
 
 
