@@ -274,6 +274,16 @@ MUTATIONS = (
              'return bool(ours) and collections.Counter(ours) == collections.Counter(theirs)',
              'return collections.Counter(ours) == collections.Counter(theirs)',
              ('tests/test_check_script.py::test_other_values_for_the_references_dataset_items_are_an_augmentation_not_the_sampler',)),
+    Mutation("wrapper-named-at-the-top-only", "harness/grad_check/script/naming.py",
+             "own = wrapped_attributes(module)",
+             "own = wrapped_attributes(module) if not prefix else ()",
+             ("tests/test_check_script_naming.py::test_a_model_wrapped_in_ddp_inside_a_task_"
+              "module_keeps_its_names",)),
+    Mutation("tune-run-always-a-launcher", "harness/grad_check/script/launchers.py",
+             "return launcher if own_arguments(launcher, command) else None",
+             "return launcher",
+             ("tests/test_check_script_commands.py::test_a_launcher_at_the_head_of_the_command_"
+              "is_recognised",)),
 )
 
 

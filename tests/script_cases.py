@@ -15,7 +15,9 @@ Correct scripts (each must match at every split):
   bfloat16 itself (``F.linear(h.bfloat16(), w.bfloat16())``), returning float32, as
   custom low-precision layers do;
 - ``zero-redundancy``: DDP with a ZeroRedundancyOptimizer (each rank steps the state of
-  its shard of the parameters, then broadcasts them), plain SGD in one process.
+  its shard of the parameters, then broadcasts them), plain SGD in one process;
+- ``task-module``: timm's train.py, a task module holding the model and the loss module,
+  whose model child alone is swapped for ``DDP(model)`` from N > 1 on.
 
 Scripts with a bug (each must read what it is):
 
@@ -52,7 +54,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 CASES = ("composite", "checkpointed", "bf16-layer", "clipped-no-divide", "one-logit",
          "two-optimizers", "clip-on-rank-0", "remainder", "zero-redundancy",
          "zero-redundancy-no-divide", "bf16-by-hand", "count-before-shift",
-         "clip-every-micro-step", "augmented-in-workers")
+         "clip-every-micro-step", "augmented-in-workers", "task-module")
 
 
 def arguments() -> argparse.Namespace:
@@ -304,6 +306,34 @@ def clip_every_micro_step(args, distributed: bool, rank: int):
     return step
 
 
+class Task(nn.Module):
+    """timm's train.py: the model and the loss module under one module, the model child
+    alone wrapped in DDP (the optimizer's parameters are the task's)."""
+
+    def __init__(self, model: nn.Module, distributed: bool) -> None:
+        super().__init__()
+        self.trainable_module = model
+        self.criterion = nn.MSELoss()
+        if distributed:
+            self.trainable_module = DistributedDataParallel(model)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.criterion(self.trainable_module(x).squeeze(1), y)
+
+
+def task_module(args, distributed: bool, rank: int):
+    task = Task(mlp(), distributed)
+    optimizer = torch.optim.SGD(task.parameters(), lr=0.1)
+
+    def step(x, y, last: bool) -> None:
+        (task(x, y) / args.grad_accum).backward()
+        if last:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return step
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
@@ -330,6 +360,7 @@ TRAINERS = {
     "count-before-shift": count_before_shift,
     "clip-every-micro-step": clip_every_micro_step,
     "augmented-in-workers": lambda args, d, rank: single_model(mlp(), True)(args, d, rank),
+    "task-module": task_module,
 }
 
 

@@ -174,8 +174,6 @@ def test_parameters_are_named_by_the_model_inside_its_wrappers():
     assert found is model
     assert [name for name, _ in found.named_parameters()] == ["0.weight", "0.bias", "2.weight",
                                                               "2.bias"]
-    assert naming.stripped("layers.0._fsdp_wrapped_module._orig_mod.weight") == \
-        "layers.0.weight"
 
 
 def test_a_model_under_two_names_of_its_wrapper_keeps_its_own_names():

@@ -36,6 +36,7 @@ RUNS = {
     "two-optimizers": ["--splits", "1x2"],
     "clip-on-rank-0": ["--splits", "2x1"],
     "remainder": ["--splits", "1x2", "--steps", "2"],  # its step 1 is the data's end
+    "task-module": ["--splits", "2x1"],
 }
 
 
@@ -50,11 +51,13 @@ def runs(tmp_path_factory):
     return dict(zip(RUNS, run_checks(calls), strict=True))
 
 
-@pytest.mark.parametrize("case", ["composite", "checkpointed"])
+@pytest.mark.parametrize("case", ["composite", "checkpointed", "task-module"])
 def test_correct_scripts_match_at_every_split(runs, case):
     """Two modules, a loss module with a parameter, an evaluation forward with autograd
     on, a meta-device forward, an optimizer re-created each step; a sequence-first GRU
-    under activation checkpointing: none changes the step, none is another sample."""
+    under activation checkpointing: none changes the step, none is another sample. A
+    model wrapped in DDP inside the module the optimizer's parameters are named from
+    (timm's task) is paired by the names it has at N = 1."""
     done = runs[case]
     assert done.code == 0, done.stdout + done.stderr
     assert set(done.rows["verdict"]) == {"matches"}

@@ -102,6 +102,17 @@ def test_k_may_follow_from_the_micro_batch_and_the_global_batch():
     (["python", "t.py"], None),
     (["accelerate", "config"], None),
     (["trl", "env"], None),
+    (["tune", "run", "--nproc_per_node", "{nproc}", "full_finetune_distributed", "--config",
+      "llama3_2/1B_full"], "tune run"),
+    (["python", "-m", "torchtune._cli.tune", "run", "--nproc-per-node={nproc}", "recipe.py",
+      "--config", "c.yaml"], "tune run"),
+    (["tune", "run", "--standalone", "full_finetune_distributed", "--config", "c"],
+     "tune run"),
+    # No torchrun option before the recipe: tune runs it in its own process, a plain one.
+    (["tune", "run", "lora_finetune_single_device", "--config", "c", "--nproc_per_node", "2"],
+     None),
+    (["python", "-m", "torchtune._cli.tune", "run", "recipe.py", "--config", "c.yaml"], None),
+    (["tune", "ls"], None),
 ])
 def test_a_launcher_at_the_head_of_the_command_is_recognised(command, name):
     found = launcher_of(command)
@@ -119,6 +130,14 @@ def test_a_launcher_at_the_head_of_the_command_is_recognised(command, name):
     (["accelerate", "launch", "--num_machines", "2", "--num_processes", "{nproc}", "t.py"],
      "accelerate launch --num_machines 2 spans machines"),
     (["trl", "sft", "--model_name_or_path", "m"], "trl sft without --num_processes"),
+    (["tune", "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config", "c"],
+     "tune run --nproc_per_node 2 starts the same processes at every split, but split 1x1 "
+     "needs 1; allowed: --nproc_per_node {nproc}"),
+    (["tune", "run", "--standalone", "full_finetune_distributed", "--config", "c"],
+     "tune run without --nproc_per_node (1) starts the same processes at every split, but "
+     "split 2x1 needs 2"),
+    (["tune", "run", "--nnodes", "2", "--nproc_per_node", "{nproc}", "r", "--config", "c"],
+     "tune run --nnodes 2 spans machines"),
 ])
 def test_a_launcher_that_cannot_run_the_splits_is_refused_by_name(command, named):
     with pytest.raises(UsageError) as refusal:
@@ -131,6 +150,21 @@ def test_a_launcher_given_nproc_is_run_as_it_is():
                     ["deepspeed", "--num_gpus={nproc}", "t.py"],
                     ["trl", "sft", "--num_processes", "{nproc}"]):
         check_launcher(launcher_of(command), command, [Split(1, 1), Split(2, 1)])
+
+
+def test_tune_run_s_own_options_are_torchrun_s_before_the_recipe():
+    """tune run passes torchrun's options (those before the recipe, a name or a path) to
+    torchrun; what follows the recipe is the recipe's, whatever it looks like."""
+    command = ["tune", "run", "--rdzv_backend", "c10d", "--standalone", "--nproc_per_node",
+               "{nproc}", "full_finetune_distributed", "--config", "c", "--nnodes", "2",
+               "--nproc_per_node", "2"]
+    head = launcher_of(command)
+    check_launcher(head, command, [Split(1, 1), Split(2, 1)])
+    assert adapted(head, command, Split(2, 1), gpus=0) == (command, {})
+    module = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node",
+              "{nproc}", "r", "--config", "c.yaml", "batch_size={batch}"]
+    assert config(*module).launched_by == "tune run"
+    assert config(*module[:4], *module[6:]).launched_by is None  # the recipe in its process
 
 
 def test_accelerate_on_a_machine_without_gpus_is_given_what_it_needs_for_several():
@@ -228,7 +262,8 @@ def test_help_explains_the_new_flags_and_the_arithmetic(capsys, monkeypatch):
         main(["--help"])
     text = capsys.readouterr().out
     for phrase in ("--launcher", "--torchrun-env", "{nproc*accum}", "{{ and }}",
-                   "k > 1 needs no {accum}", "torchrun", "accelerate launch", "logs/"):
+                   "k > 1 needs no {accum}", "torchrun", "accelerate launch", "tune run",
+                   "logs/"):
         assert phrase in text, phrase
 
 

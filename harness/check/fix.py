@@ -9,7 +9,7 @@ whole batch is the same combination of its pieces' losses.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,9 +63,12 @@ class Facts:
     tie: str = "k"
 
 
-def batchnorm_tensors(model: nn.Module) -> set[str]:
+def batchnorm_tensors(model: nn.Module,
+                      modules: Iterable[tuple[str, nn.Module]] | None = None) -> set[str]:
+    """The names of the batch norms' parameters and buffers; ``modules``: the model's
+    modules by name, where the caller names them otherwise than ``named_modules()``."""
     names = set()
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules() if modules is None else modules:
         if isinstance(module, NORM_MODULES):
             for name, _ in [*module.named_parameters(recurse=False),
                             *module.named_buffers(recurse=False)]:

@@ -11,8 +11,9 @@ harness/check/compare.py, shards.py); the launcher process judges the fits
 
 - ``splits.py``: the splits and the command's placeholders (names and arithmetic);
 - ``config.py``: the run's settings, refusing bad values;
-- ``launchers.py``: a launcher at the command's head (torchrun, accelerate launch, ...),
-  which runs once per split and starts the ranks itself;
+- ``launchers.py``: a launcher at the command's head (torchrun, accelerate launch, tune
+  run with torchrun's options, ...), which runs once per split and starts the ranks
+  itself;
 - ``processes.py``: one run of the command at a split, its processes watched and none
   left behind; ``failures.py``: the rank that failed first, or hung, in one line;
 - ``guard.py``: what watches every process of a split from inside (grad-check's death,

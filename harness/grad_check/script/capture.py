@@ -57,7 +57,7 @@ from harness.errors import USAGE_EXIT, first_sentence
 from harness.grad_check.script import ending, engines, points, samples, wrappers
 from harness.grad_check.script.graph import graph_dtypes
 from harness.grad_check.script.guard import failing_line
-from harness.grad_check.script.naming import owner, parameter_names, stripped
+from harness.grad_check.script.naming import named_modules, owner, parameter_names
 from harness.grad_check.script.sharded import reader_for
 from harness.grad_check.script.tracked import Tracked, Window
 
@@ -358,8 +358,9 @@ class Capture:
 
     def _learn_facts(self, model: nn.Module) -> None:
         """What a fix is read from besides the tensors (harness/check/fix.py: Facts)."""
-        self.facts["batchnorm"] |= {stripped(n) for n in batchnorm_tensors(model)}
-        self.facts["dropout"] |= {stripped(name) for name, module in model.named_modules()
+        modules = list(named_modules(model))  # named as the optimizer's tensors are
+        self.facts["batchnorm"] |= batchnorm_tensors(model, modules)
+        self.facts["dropout"] |= {name for name, module in modules
                                   if isinstance(module, nn.modules.dropout._DropoutNd)
                                   and module.p > 0 and module.training}
 

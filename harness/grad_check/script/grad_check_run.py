@@ -68,7 +68,8 @@ DESCRIPTION = textwrap.dedent("""\
     Trainer and DeepSpeed all see a distributed run); N = 1 runs one plain process
     (--torchrun-env: with torchrun's variables too). A COMMAND that begins with a
     launcher (torchrun, python -m torch.distributed.run, accelerate launch, deepspeed,
-    trl) runs once per split and starts the N ranks itself: give it {nproc}.
+    trl, tune run with torchrun's options before its recipe) runs once per split and
+    starts the N ranks itself: give it {nproc}.
     Each split is compared with the reference split (run twice: it must repeat itself).
 
     placeholders, substituted in COMMAND at each split:
@@ -150,7 +151,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "spawns its workers; the capture reaches them through the "
                              "environment), or auto (default): command where COMMAND begins "
                              "with torchrun, python -m torch.distributed.run, accelerate "
-                             "launch, deepspeed or trl, else grad-check")
+                             "launch, deepspeed, trl, or tune run given torchrun's options "
+                             "before its recipe (tune run RECIPE alone is one plain "
+                             "process), else grad-check")
     parser.add_argument("--torchrun-env", action="store_true",
                         help="give N = 1 torchrun's variables too (RANK=0, LOCAL_RANK=0, "
                              "WORLD_SIZE=1, MASTER_ADDR/MASTER_PORT of a store grad-check "

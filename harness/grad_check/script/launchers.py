@@ -1,8 +1,9 @@
 """Commands that start the split's ranks themselves: a launcher at the command's head.
 
-``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``, ``deepspeed``
-and ``trl <command>`` (which calls ``accelerate launch`` itself) each start N worker
-processes with torchrun's variables. Given grad-check's environment N times over, they
+``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``, ``deepspeed``,
+``trl <command>`` (which calls ``accelerate launch`` itself) and torchtune's ``tune run``
+given any of torchrun's options before its recipe (it runs torchrun inside) each start N
+worker processes with torchrun's variables. Given grad-check's environment N times over, they
 would start N x N workers, or, a CLI that joins the process group itself, two processes
 per rank. So such a command runs once per split, as it is (its count of processes given
 ``{nproc}``), without torchrun's variables; the capture reaches every worker it starts
@@ -18,6 +19,9 @@ torch elastic launcher, as it picks itself with N GPUs) and every run
 ``ACCELERATE_USE_CPU=1`` (its own variable for a run on CPUs). Its ``--cpu`` also means
 one plain process, on any machine: at N > 1 it runs as ``--multi_gpu`` with
 ``ACCELERATE_USE_CPU=1``, the N processes on CPUs that the command asks for.
+
+``tune run RECIPE`` without any option before the recipe runs the recipe in its own
+process, as ``python recipe.py`` would: no launcher, grad-check starts it as the ranks.
 
 A launcher behind ``env`` and its assignments (``env NAME=VALUE accelerate launch ...``)
 is the launcher: ``env`` passes the environment on, the capture's included.
@@ -61,6 +65,10 @@ class Launcher:
     machine_flags: tuple[str, ...] = ()
     #: It starts its workers through ``accelerate launch``.
     accelerate: bool = False
+    #: Its flags that take no value, where its own arguments end at the first word that is
+    #: no flag nor a flag's value (``tune run``'s recipe is a name, not a ``.py`` path);
+    #: None: they end at the first ``.py`` word.
+    switches: tuple[str, ...] | None = None
 
     @property
     def example(self) -> str:
@@ -72,6 +80,10 @@ TORCHRUN = dict(count_flags=("--nproc_per_node", "--nproc-per-node"),
 ACCELERATE = dict(count_flags=("--num_processes", "--num-processes"),
                   default_count="1 on a machine without GPUs, else one per GPU",
                   machine_flags=("--num_machines", "--num-machines"), accelerate=True)
+#: torchrun's flags that take no value: ``tune run`` passes torchrun's options on.
+TORCHRUN_SWITCHES = ("--standalone", "-m", "--module", "--no-python", "--no_python",
+                     "--run-path", "--run_path", "--virtual-local-rank",
+                     "--virtual_local_rank", "-h", "--help")
 DEEPSPEED = dict(count_flags=("--num_gpus", "--num-gpus", "--num_accelerators"),
                  default_count="one per GPU", machine_flags=("--num_nodes", "--num-nodes"))
 
@@ -124,19 +136,7 @@ def launcher_at_head(command: Sequence[str]) -> Launcher | None:
         return None
     program, rest = os.path.basename(command[0]), list(command[1:])
     if is_python(command[0]) and rest[:1] == ["-m"] and len(rest) > 1:
-        module, rest, at = rest[1], rest[2:], 3
-        if module in ("torch.distributed.run", "torch.distributed.launch"):
-            return Launcher(f"python -m {module}", at, **TORCHRUN)
-        if module == "accelerate.commands.launch":
-            return Launcher("accelerate launch", at, **ACCELERATE)
-        if module == "accelerate.commands.accelerate_cli" and rest[:1] == ["launch"]:
-            return Launcher("accelerate launch", at + 1, **ACCELERATE)
-        if module == "deepspeed.launcher.runner":
-            return Launcher("deepspeed", at, **DEEPSPEED)
-        if module in ("trl", "trl.cli", "trl.cli.main") and rest and \
-                rest[0] not in TRL_OTHER_COMMANDS:
-            return Launcher(f"trl {rest[0]}", at + 1, **ACCELERATE)
-        return None
+        return module_launcher(rest[1], command)
     if program == "torchrun":
         return Launcher("torchrun", 1, **TORCHRUN)
     if program == "accelerate" and rest[:1] == ["launch"]:
@@ -147,16 +147,58 @@ def launcher_at_head(command: Sequence[str]) -> Launcher | None:
         return Launcher("deepspeed", 1, **DEEPSPEED)
     if program == "trl" and rest and rest[0] not in TRL_OTHER_COMMANDS:
         return Launcher(f"trl {rest[0]}", 2, **ACCELERATE)
+    if program == "tune" and rest[:1] == ["run"]:
+        return tune_run(2, command)
     return None
+
+
+def module_launcher(module: str, command: Sequence[str]) -> Launcher | None:
+    """The launcher that ``python -m module`` (``command``'s head) is, if one is."""
+    rest, at = list(command[3:]), 3
+    if module in ("torch.distributed.run", "torch.distributed.launch"):
+        return Launcher(f"python -m {module}", at, **TORCHRUN)
+    if module == "accelerate.commands.launch":
+        return Launcher("accelerate launch", at, **ACCELERATE)
+    if module == "accelerate.commands.accelerate_cli" and rest[:1] == ["launch"]:
+        return Launcher("accelerate launch", at + 1, **ACCELERATE)
+    if module == "deepspeed.launcher.runner":
+        return Launcher("deepspeed", at, **DEEPSPEED)
+    if module in ("trl", "trl.cli", "trl.cli.main") and rest and \
+            rest[0] not in TRL_OTHER_COMMANDS:
+        return Launcher(f"trl {rest[0]}", at + 1, **ACCELERATE)
+    if module == "torchtune._cli.tune" and rest[:1] == ["run"]:
+        return tune_run(at + 1, command)
+    return None
+
+
+def tune_run(arguments_at: int, command: Sequence[str]) -> Launcher | None:
+    """torchtune's ``tune run [TORCHRUN-OPTIONS] RECIPE ...``: torchrun, run inside it,
+    where any option comes before the recipe (its own test: more words than the recipe and
+    its arguments); else the recipe in tune's own process, which is no launcher."""
+    launcher = Launcher("tune run", arguments_at, **TORCHRUN, switches=TORCHRUN_SWITCHES)
+    return launcher if own_arguments(launcher, command) else None
 
 
 def own_arguments(launcher: Launcher, command: Sequence[str]) -> list[str]:
     """The launcher's own arguments: those after its name and before the script it starts
-    (the first ``.py`` word); all of them where it names none (``trl sft``, a module)."""
+    (the first ``.py`` word, or the first word that is not a flag or its value where the
+    launcher knows its flags); all of them where it names none (``trl sft``, a module)."""
     arguments = list(command[launcher.arguments_at:])
+    if launcher.switches is not None:
+        return arguments[:first_positional(arguments, launcher.switches)]
     script = next((at for at, argument in enumerate(arguments) if argument.endswith(".py")),
                   len(arguments))
     return arguments[:script]
+
+
+def first_positional(arguments: Sequence[str], switches: Sequence[str]) -> int:
+    """Where the first word that is neither a flag nor a flag's value is in ``arguments``
+    (every flag but ``switches`` takes a value, in the next word unless given ``=``)."""
+    position = 0
+    while position < len(arguments) and arguments[position].startswith("-"):
+        flag = arguments[position]
+        position += 1 if "=" in flag or flag in switches else 2
+    return min(position, len(arguments))
 
 
 def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:

@@ -1,22 +1,90 @@
 """Names for what an optimizer holds: its parameters by the model they belong to, and the
-optimizer itself, the same at every split however the model is wrapped."""
+optimizer itself, the same at every split however the model, or any part of it, is
+wrapped.
+
+A wrapper holds the model it wraps under an attribute of its own (DDP's ``module``), which
+torch puts in every name under it; the wrapper is there at N > 1 and not at N = 1, or
+around the model at one split and around a part of it at another. The names here are
+found by walking the modules, leaving out an attribute only where the module holding it
+is an instance of a wrapper type that holds its model there (``WRAPPERS``): a user's own
+submodule called ``module`` keeps its name.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-#: Module attributes that wrappers put between a model and its parameters' names.
-WRAPPER_SEGMENTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A module type that holds the model it wraps under attributes of its own."""
+
+    #: The class as ``module.QualifiedName``, looked for among a module's classes (its
+    #: subclasses are wrappers too): the capture runs in the user's process and must not
+    #: import DeepSpeed or Lightning to ask ``isinstance``.
+    type_path: str
+    #: The attributes it holds the model under, none of them a segment of the model's names.
+    attributes: tuple[str, ...]
 
 
-def stripped(name: str) -> str:
-    for segment in WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
+WRAPPERS = (
+    Wrapper("torch.nn.parallel.distributed.DistributedDataParallel", ("module",)),
+    Wrapper("torch.nn.parallel.data_parallel.DataParallel", ("module",)),
+    Wrapper("torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+            ("_fsdp_wrapped_module",)),
+    Wrapper("torch._dynamo.eval_frame.OptimizedModule", ("_orig_mod",)),
+    Wrapper("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper",
+            ("_checkpoint_wrapped_module",)),
+    # Fabric holds the model twice: _forward_module (DDP around it at N > 1) and
+    # _original_module (the model itself).
+    Wrapper("lightning.fabric.wrappers._FabricModule", ("_forward_module", "_original_module")),
+    Wrapper("lightning_fabric.wrappers._FabricModule", ("_forward_module", "_original_module")),
+    Wrapper("deepspeed.runtime.engine.DeepSpeedEngine", ("module",)),
+)
+
+
+def wrapped_attributes(module: nn.Module) -> tuple[str, ...]:
+    """The attributes ``module`` holds a wrapped model under: none unless it is a wrapper."""
+    classes = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(module).__mro__}
+    return next((wrapper.attributes for wrapper in WRAPPERS if wrapper.type_path in classes),
+                ())
+
+
+def joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module of ``model`` once, as ``model.named_modules()`` lists them, but named
+    without the wrappers' own attributes: a wrapped model has its wrapper's name."""
+    yield from _walk(model, "", set())
+
+
+def _walk(module: nn.Module, prefix: str, seen: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    if id(module) in seen:  # a module held twice is named where it is met first, as torch does
+        return
+    seen.add(id(module))
+    yield prefix, module
+    own = wrapped_attributes(module)
+    for attribute, child in module._modules.items():
+        if child is not None:
+            yield from _walk(child, prefix if attribute in own else joined(prefix, attribute),
+                             seen)
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Every parameter of ``model`` once, named as ``named_modules`` names its module."""
+    seen: set[int] = set()
+    for prefix, module in named_modules(model):
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield joined(prefix, name), parameter
 
 
 def owner(parameters: list[nn.Parameter]) -> nn.Module | None:
@@ -77,7 +145,7 @@ def parameter_names(parameters: Sequence[nn.Parameter], model: nn.Module | None,
                     groups: Sequence[int]) -> list[str]:
     """Each parameter's name in ``model`` (``param_groups.G.I`` for one it does not hold;
     ``groups``: each parameter's group)."""
-    by_id = ({id(p): stripped(name) for name, p in model.named_parameters()}
+    by_id = ({id(p): name for name, p in named_parameters(model)}
              if model is not None else {})
     names, index = [], {}
     for parameter, group in zip(parameters, groups, strict=True):
