@@ -7,6 +7,7 @@ over to the next is tested too."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -108,13 +109,46 @@ def test_a_difference_of_one_rounding_is_not_buried(with_origin):
     assert sums[3] == pytest.approx(exact, rel=1e-12, abs=0)
 
 
-def test_a_residual_of_one_rounding_is_reported_as_computed_directly():
+def on_the_grid(tensor: torch.Tensor) -> list[int]:
+    """The elements of a float64 tensor of values >= 0.5 as exact integer multiples of
+    2**-53 (the spacing of float64 at 0.5)."""
+    assert float(tensor.min()) >= 0.5
+    return [int(x * 2.0**53) for x in tensor.tolist()]
+
+
+def test_a_residual_of_one_rounding_is_reported_as_computed_exactly():
+    # Elements near 1 one ulp apart: the least-squares scale is 1 + 0.15 ulp, which the
+    # sums (each rounded to ~1e-16 of 1.4e5) return as 1 or as a neighbour of 1 depending
+    # on their order of summation. At a scale other than 1, float64 cannot compute m - s r
+    # itself (s r rounds by as much as the difference), so the residual at the reported
+    # scale is computed here in integers, exactly, and rounded once at the end.
     reference = 1 + 0.5 * random(9, torch.float64).abs()
     measured = one_ulp_apart(reference, every=5)
-    names = ["t"]
-    result = compare([Pair("t", measured, reference)], names, None, CPU, rtol=1e-20)
-    direct = float((measured - result.scale * reference).norm() / measured.norm())
-    assert 0 < result.residual == pytest.approx(direct, rel=1e-6, abs=0)
+    result = compare([Pair("t", measured, reference)], ["t"], None, CPU, rtol=1e-20)
+    m, r = on_the_grid(measured), on_the_grid(reference)
+    num, den = result.scale.as_integer_ratio()   # s = num / den
+    left = sum((a * den - num * b) ** 2 for a, b in zip(m, r, strict=True))
+    mm = sum(a * a for a in m)
+    exact = math.sqrt(Fraction(left, den * den * mm))
+    # What the first pass computes (it stands on any CPU: its terms for s != 1, ~1e-31 of
+    # rr, are below CORRECTION_FLOOR): sqrt(dd + 2(1 - s) dr + (1 - s)^2 rr) / sqrt(mm),
+    # d = m - r and 1 - s exact (Sterbenz), from float64 sums of n products. Whatever the
+    # order of summation and with or without FMA, each sum is within gamma_n = n u /
+    # (1 - n u) of the sum of its terms' magnitudes (Higham, Accuracy and Stability of
+    # Numerical Algorithms, 3.1), and the scalar arithmetic after it adds at most 5 u of
+    # the three terms' magnitudes T. So residual^2 is within (gamma_n + 5 u) T / residual^2
+    # of itself, mm within gamma_n, and the square roots, the division and the rounding of
+    # `exact` add 3 u: about 1e-11 here, while a reported residual from another scale or
+    # other tensors is off by a percent or more (the plain float64 m - s r is off by 2%).
+    d = [a - b for a, b in zip(m, r, strict=True)]
+    dd, dr, rr = (sum(x * y for x, y in zip(p, q, strict=True))
+                  for p, q in ((d, d), (d, r), (r, r)))
+    off = den - num   # (1 - s) den
+    terms = dd * den * den + abs(2 * off * dr * den) + off * off * rr
+    n, u = measured.numel(), 2.0**-53
+    gamma = n * u / (1 - n * u)
+    bound = (gamma + 5 * u) * float(Fraction(terms, left)) / 2 + gamma / 2 + 3 * u
+    assert 0 < result.residual == pytest.approx(exact, rel=bound, abs=0)
     assert result.verdict is Equivalence.DIFFERS   # against a tolerance below it
 
 
