@@ -654,7 +654,7 @@ def test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code(
 def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(capsys,
                                                                                tmp_path):
     """Two checks into one --out would mix their logs and overwrite each other's rows."""
-    from harness.grad_check.script.grad_check_run import out_lock
+    from harness.grad_check.script.lock import LOCK_NAME, out_lock
 
     out = tmp_path / "out"
     ready_read, ready_write = os.pipe()
@@ -678,7 +678,8 @@ def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(c
         os.write(done_write, b"1")
         os.waitpid(holder, 0)
     with out_lock(out):  # free again once its holder ended
-        pass
+        assert (out / LOCK_NAME).exists()
+    assert not (out / LOCK_NAME).exists()  # --out holds the rows and logs alone
 
 
 def test_other_values_for_the_references_dataset_items_are_an_augmentation_not_the_sampler(

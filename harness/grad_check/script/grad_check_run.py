@@ -13,12 +13,10 @@ finished are written, atomically.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import os
 import sys
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,16 +206,23 @@ def main(argv: Sequence[str] | None = None, starter=None) -> int:
 
 
 def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
+    """The check, its --out held for it alone (another check's is refused: bad input)."""
+    from harness.grad_check.script.lock import out_lock
+
+    prog = prog or program_name()
+    try:
+        with out_lock(config.out):
+            return checked(config, starter, prog)
+    except UsageError as error:
+        return refuse(error, 0, prog)
+
+
+def checked(config: ScriptConfig, starter, prog: str) -> int:
     from harness.grad_check.script.matrix import Interrupted, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
     from harness.grad_check.script.slurm import srun_starter
     from harness.launcher import say_if_oversubscribed
 
-    prog = prog or program_name()
-    try:
-        lock = out_lock(config.out)
-    except UsageError as error:
-        return refuse(error, 0, prog)
     if not config.gpus and srun_starter() is None:
         say_if_oversubscribed(config.most_ranks, prog)
     launch = CommandLauncher(steps=config.steps, keep_going=config.keep_going,
@@ -228,12 +233,11 @@ def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
     say = (lambda line: None) if config.quiet else (
         lambda line: print(f"{prog}: {line}", flush=True))
     check = ScriptCheck(config, launch, say)
-    with lock:
-        try:
-            return ended(config, check, prog)
-        except Interrupted as interrupted:
-            return ended_early(config, check.finished, prog, interrupted.line,
-                               interrupted.exit_code)
+    try:
+        return ended(config, check, prog)
+    except Interrupted as interrupted:
+        return ended_early(config, check.finished, prog, interrupted.line,
+                           interrupted.exit_code)
 
 
 def ended(config: ScriptConfig, check, prog: str) -> int:
@@ -278,40 +282,6 @@ def write_rows(config: ScriptConfig, rows: list[dict[str, Any]]) -> Path:
     path = config.out / CSV_NAME
     write_csv_atomic(path, rows, COLUMN_NAMES)
     return path
-
-
-#: The lock a running check holds in its --out (harness/grad_check/script/config.py).
-LOCK_NAME = ".grad-check-run.lock"
-
-
-@contextlib.contextmanager
-def _held(handle) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        handle.close()  # closing it releases the lock
-
-
-def out_lock(out: Path) -> contextlib.AbstractContextManager[None]:
-    """``--out`` for this run alone: a second grad-check run into the same folder while
-    this one runs is refused (two runs would mix their logs and overwrite each other's
-    script.csv). A POSIX lock: released when this process ends however it ends, and not
-    held by the processes it forks."""
-    out.mkdir(parents=True, exist_ok=True)
-    handle = (out / LOCK_NAME).open("a+")
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip()
-        handle.close()
-        raise UsageError(f"--out {str(out)!r} is in use by another grad-check run"
-                         f"{f' (pid {holder})' if holder else ''}; allowed: another --out, or "
-                         "this one once that run has ended") from None
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return _held(handle)
 
 
 #: The console table: which split, then the check's own columns; the optimizer where the
