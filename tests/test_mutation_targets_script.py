@@ -221,3 +221,17 @@ def test_each_batch_a_data_loader_hands_the_script_is_known_by_its_dataset_indic
     handed = [batch[0].long().tolist() for batch in loader]  # each value is its index
     assert sorted(sum(handed, [])) == list(range(10)) and handed[0] != [0, 1, 2, 3]
     assert [indices for _, indices in seen.window.batches] == handed
+
+
+def test_indices_drawn_from_a_subset_are_the_items_of_the_dataset_under_it():
+    """A script that gives each rank Subset(data, its share) draws 0..n-1 on every rank:
+    the items are told by the dataset's own indices."""
+    from torch.utils.data import Subset, TensorDataset
+
+    from harness.grad_check.script.wrappers import underlying
+
+    data = TensorDataset(torch.arange(10.0))
+    share = Subset(Subset(data, [9, 8, 7, 6, 5]), [4, 0])
+    assert underlying(share, [0, 1]) == [5, 9]
+    assert underlying(share, 1) == 9
+    assert underlying(data, [3]) == [3]

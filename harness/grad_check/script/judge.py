@@ -285,10 +285,10 @@ class SplitJudge:
             gradient = judged[0].comparison if judged else None
             if comparison.verdict is Equivalence.MATCHES and measured.ranks_agree is not False:
                 return None
+            if measured.ranks_agree is False:  # before a clip every micro-step, which
+                return self.ranks_fix(optimizer, step, measured.point)  # leaves ranks alike
             if (why := self.repeated_clip_fix(optimizer, step)) is not None:
                 return why
-            if measured.ranks_agree is False:
-                return self.ranks_fix(optimizer, step, measured.point)
             if (why := self.data_fix(optimizer, step)) is not None:
                 return why
             if self.measured.dropout:

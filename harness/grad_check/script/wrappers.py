@@ -80,12 +80,25 @@ def wrap_data_loading(capture: Capture) -> None:
         batch = give(iterator)
         drawn = iterator.__dict__.get("_grad_check_drawn")
         if drawn:
-            capture.loaded(drawn.popleft())
+            capture.loaded(underlying(iterator._dataset, drawn.popleft()))
         return batch
 
     for name, function, original in (("_next_index", _next_index, draw),
                                      ("_reset", _reset, reset), ("__next__", __next__, give)):
         setattr(kind, name, functools.wraps(original)(function))
+
+
+def underlying(dataset, indices):
+    """The sampler's indices as the items of the dataset under any ``Subset``s (a script
+    that gives each rank ``Subset(data, its share)`` draws 0..n-1 on every rank)."""
+    from torch.utils.data import Subset
+
+    while isinstance(dataset, Subset) and isinstance(indices, (list, tuple, int)):
+        share = dataset.indices
+        indices = (share[indices] if isinstance(indices, int)
+                    else [share[index] for index in indices])
+        dataset = dataset.dataset
+    return indices
 
 
 def wrap_clipping(capture: Capture) -> None:
