@@ -41,6 +41,7 @@ from harness.grad_check.script.splits import (
     substituted,
 )
 from harness.launcher import Stopped
+from harness.tolerances import FLOAT32_ROUNDING
 from harness.verdicts import Equivalence
 
 SCRIPT = str(Path(__file__).resolve().parent / "script_program.py")
@@ -753,11 +754,16 @@ def test_a_float32_residual_above_its_rounding_is_never_a_match(tmp_path, model,
     the model is float64 and only the loss casts, that cast's rounding is all a run can
     show, so the row differs; where the model is float32, a run in float64 would tell,
     so the row says so as its status, with no verdict."""
-    [grad, _] = rows_of(tmp_path, Split(1, 2), grads=off_by(relative),
-                        dtypes=(model, "torch.float32"), model_dtypes=(model,))[:2]
+    [grad, update] = rows_of(tmp_path, Split(1, 2), grads=off_by(relative),
+                             dtypes=(model, "torch.float32"), model_dtypes=(model,))[:2]
     assert (grad["precision"], grad["verdict"], grad["status"]) == ("float32", verdict,
                                                                     status)
     assert ("run once in float64" in grad["fix"]) is (status == "unresolved")
+    # SGD's update carries the gradient's difference undamped: it reads as its gradient,
+    # though within the update's own bound (FLOAT32_ROUNDING["params"], Adam's).
+    assert update["residual"] < FLOAT32_ROUNDING["params"]
+    assert (update["verdict"], update["status"]) == (verdict, status)
+    assert ("follows from that gradient" in update["fix"]) is (verdict != "matches")
 
 
 def test_the_types_a_backward_computes_in_are_read_from_its_graph():

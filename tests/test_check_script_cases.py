@@ -89,6 +89,8 @@ def test_a_float64_model_whose_loss_casts_is_judged_at_that_casts_rounding(runs)
     assert grad["precision"] == "float32" and grad["verdict"] == "differs"
     assert FLOAT32_ROUNDING["grad"] < grad["residual"] < check_tolerance(torch.float32)
     assert "run once in float64" not in grad["fix"]
+    update = runs["count-before-shift"].row("1x2", point="params")  # SGD: carried undamped
+    assert update["verdict"] == "differs" and "follows from that gradient" in update["fix"]
 
 
 def test_a_clip_every_micro_step_is_named_and_is_no_disagreement_of_the_ranks(runs):

@@ -30,7 +30,7 @@ from harness.check.precision import (
     unresolved_below,
 )
 from harness.columns import Column
-from harness.tolerances import dtype_name
+from harness.tolerances import FLOAT32_ROUNDING, dtype_name
 from harness.verdicts import Equivalence, Status, skipped
 
 #: A point as a sentence names it.
@@ -144,6 +144,9 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
         if fix is None:
             fix = suggest(measured.point, measured.comparison, facts)
         status = Status.OK
+        if say_unresolved and carries_gradient_difference(measured, gradient):
+            judged.append(carried_update(step, measured, precision, gradient))
+            continue
         if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
             fix = unresolved_below(precision, rtol, measured.comparison.residual,
                                    measured.point)
@@ -174,6 +177,40 @@ def beyond_its_precision(measured: Compared, precision: torch.dtype,
             and measured.ranks_agree is not False
             and gradient is not None and gradient.status == Status.OK
             and gradient.verdict == Equivalence.MATCHES)
+
+
+def carries_gradient_difference(measured: Compared, gradient: Judged | None) -> bool:
+    """An update within its own bound (``FLOAT32_ROUNDING["params"]``, which holds what an
+    adaptive optimizer can magnify float32's rounding to) right after a gradient of the
+    same step known not to be the big batch's (``differs``, or ``unresolved`` above its
+    rounding), and itself off by more than a gradient's rounding: the gradient's difference
+    passed into the step undamped (SGD's update is the gradient times the lr), so the
+    update is not known to match either. An update that an optimizer damped below the
+    gradient's rounding is measured to match and keeps its verdict."""
+    return (measured.point == "params" and gradient is not None
+            and measured.comparison.verdict is Equivalence.MATCHES
+            and measured.comparison.residual > FLOAT32_ROUNDING["grad"]
+            and (gradient.status == Status.UNRESOLVED
+                 or (gradient.status == Status.OK
+                     and gradient.verdict == Equivalence.DIFFERS)))
+
+
+def carried_update(step: int, measured: Compared, precision: torch.dtype,
+                   gradient: Judged) -> Judged:
+    """The update of :func:`carries_gradient_difference`: it reads as its gradient does
+    (``differs``, or ``unresolved``), the gradient named as the cause."""
+    comparison = measured.comparison
+    fix = (f"the update is off by {comparison.residual:.3g}, as the step's gradient is "
+           f"({gradient.residual:.3g}): it follows from that gradient, whose cause is this "
+           "step's cause; the update's own bound, which holds what an adaptive optimizer "
+           "can make of rounding, does not make it a match")
+    bound = FLOAT32_ROUNDING["grad"]  # judged at what a gradient's rounding leaves
+    if gradient.status == Status.UNRESOLVED:
+        return Judged(step, measured.point, comparison, precision, fix, Status.UNRESOLVED,
+                      ranks_agree=measured.ranks_agree, own=measured.own, rtol=bound)
+    return Judged(step, measured.point, replace(comparison, verdict=Equivalence.DIFFERS),
+                  precision, fix, ranks_agree=measured.ranks_agree, own=measured.own,
+                  rtol=bound)
 
 
 def unresolved_update(step: int, measured: Compared, precision: torch.dtype,
