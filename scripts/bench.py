@@ -450,10 +450,10 @@ SHARDED_WIDTH = 4096
 def bench_script_memory(scratch: Path) -> dict[str, dict[str, float]]:
     """Per sharded script: the capture's extra tensor memory per rank at 2x1 (its kept
     gradient and the peak of its comparing, the worst rank), over its gradient shard."""
-    from harness.grad_check.script.points import MEMORY_VARIABLE
     from harness.grad_check.script.processes import CommandLauncher
     from harness.grad_check.script.records import Captured
     from harness.grad_check.script.splits import Split, substituted
+    from harness.grad_check.script.wire import MEMORY_VARIABLE
 
     launch = CommandLauncher(steps=1, keep_going=False, timeout=600, global_batch=16)
     results = {}

@@ -24,7 +24,7 @@ from harness.check.outcome import exit_code
 from harness.check.precision import tolerance
 from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import capture, factors, naming, samples
+from harness.grad_check.script import capture, factors, naming, samples, wire
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.files import partial_file, summary_file, tensors_file
@@ -828,7 +828,7 @@ def test_n_above_1_gets_torchruns_variables_and_n_1_none(tmp_path, monkeypatch):
         assert ranked[name] == value, name
     for environment in (plain, ranked):
         assert environment["PYTHONPATH"].split(":")[0].endswith("script/startup")
-        assert environment[capture.FOLDER_VARIABLE] == str(tmp_path)
+        assert environment[wire.FOLDER_VARIABLE] == str(tmp_path)
 
 
 def test_a_fix_is_said_once_per_split_and_step_in_the_table(tmp_path):

@@ -12,12 +12,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import capture, guard
+from harness.grad_check.script import guard, wire
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import (
     Failure,
@@ -267,17 +268,31 @@ def test_help_explains_the_new_flags_and_the_arithmetic(capsys, monkeypatch):
         assert phrase in text, phrase
 
 
+def test_rank_settings_travel_through_the_environment_and_refuse_bad_values(tmp_path):
+    """What grad-check tells a split's processes is read back as it was written; a value
+    no split can have is refused by name, not read as a default."""
+    told = wire.RankSettings(tmp_path, 3, True, 12.5, 41, "977", 40, 2, "2x2", 4,
+                             tmp_path / "reference", "torchrun")
+    assert wire.RankSettings.from_environment(told.environment()) == told
+    plain = replace(told, keep_going=False, micro_batch=None, against=None, launcher=None)
+    assert wire.RankSettings.from_environment(plain.environment()) == plain
+    assert wire.RankSettings.from_environment({"PATH": "/bin"}) is None
+    for bad in ({wire.STEPS_VARIABLE: "0"}, {wire.NPROC_VARIABLE: "two"},
+                {wire.TIMEOUT_VARIABLE: "-1"}):
+        with pytest.raises(wire.BadSettings, match=str(tmp_path)):
+            wire.RankSettings.from_environment({**told.environment(), **bad})
+
+
 def test_a_launcher_gets_no_torchrun_variables_and_its_workers_are_told_n(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     launch = CommandLauncher(steps=2, keep_going=False, timeout=60, launcher="torchrun")
     environment = launch.environment(None, 2, 0, tmp_path, "run", "2x1",
                                      {"ACCELERATE_USE_CPU": "1"})
     assert "RANK" not in environment and "WORLD_SIZE" not in environment
-    assert environment[guard.LAUNCHER_VARIABLE] == "command"
-    assert environment[guard.NPROC_VARIABLE] == "2"
-    assert environment[guard.PID_VARIABLE] == str(os.getpid())
+    assert environment[wire.LAUNCHER_VARIABLE] == "command"
+    assert environment[wire.NPROC_VARIABLE] == "2"
+    assert environment[wire.PID_VARIABLE] == str(os.getpid())
     assert environment["ACCELERATE_USE_CPU"] == "1"
-    assert guard.FOLDER_VARIABLE == capture.FOLDER_VARIABLE  # the guard's own copy
     alone = CommandLauncher(steps=2, keep_going=False, timeout=60, torchrun_env=True)
     one = alone.environment(0, 1, 29500, tmp_path, "run", "1x1")
     assert (one["RANK"], one["WORLD_SIZE"], one["MASTER_PORT"]) == ("0", "1", "29500")
@@ -361,10 +376,16 @@ def test_a_worker_of_a_launcher_is_named_from_its_line_or_the_launchers_summary(
         "torchrun torchrun: error: unrecognized arguments: --nproc"
 
 
+def a_guard(folder: Path, environment: dict[str, str]) -> guard.Guard:
+    """The guard a process of a split in ``folder`` installs, given ``environment``."""
+    full = {wire.FOLDER_VARIABLE: str(folder), **environment}
+    return guard.Guard(wire.RankSettings.from_environment(full), full)
+
+
 def write_progress(folder: Path, rank: int, steps: int, forwards: int, ago: float,
                    waiting: str | None = None) -> None:
     """Rank ``rank``'s progress as its guard writes it, last changed ``ago`` seconds ago."""
-    the_guard = guard.Guard(folder, {"RANK": str(rank)})
+    the_guard = a_guard(folder, {"RANK": str(rank)})
     the_guard.steps, the_guard.forwards, the_guard.waiting = steps, forwards, waiting
     the_guard.write_progress()
     at = time.time() - ago
@@ -427,7 +448,7 @@ def test_the_hung_ranks_idle_time_is_since_the_newest_move_of_any_of_them(tmp_pa
 
 def test_a_guard_says_at_once_that_its_rank_waits_in_the_exchange_and_then_that_it_left(
         tmp_path):
-    the_guard = guard.Guard(tmp_path, {"RANK": "1"})
+    the_guard = a_guard(tmp_path, {"RANK": "1"})
     the_guard.forwards = 3
     with the_guard.waits_in_exchange("step 0's gradient comparison"):
         found = progress(tmp_path, 1)
@@ -451,13 +472,13 @@ def test_a_launcher_that_started_other_ranks_than_the_split_needs_is_named(tmp_p
 def guard_in_child(tmp_path: Path, work, **environment: str) -> tuple[int, dict | None]:
     """``work(guard)`` in a forked child whose environment is a split's: its exit code and
     the ``fatal`` it left (None if none)."""
-    variables = {guard.FOLDER_VARIABLE: str(tmp_path), guard.NPROC_VARIABLE: "2",
-                 guard.SPLIT_VARIABLE: "2x1", "RANK": "0", **environment}
+    variables = {wire.FOLDER_VARIABLE: str(tmp_path), wire.NPROC_VARIABLE: "2",
+                 wire.SPLIT_VARIABLE: "2x1", "RANK": "0", **environment}
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            work(guard.Guard(tmp_path, variables))
+            work(a_guard(tmp_path, variables))
         except BaseException:  # noqa: BLE001 -- the exit code says it
             code = 99
         os._exit(code)
@@ -470,7 +491,7 @@ def guard_in_child(tmp_path: Path, work, **environment: str) -> tuple[int, dict 
 def test_a_second_live_process_claiming_a_rank_ends_the_split_naming_both(tmp_path):
     (tmp_path / guard.CLAIMS).mkdir()
     (tmp_path / guard.CLAIMS / "rank0").write_text(json.dumps({
-        "pid": os.getpid(), "start": guard.process_start(os.getpid()),
+        "pid": os.getpid(), "start": wire.process_start(os.getpid()),
         "command": "trl sft --model_name_or_path m"}))
     code, fatal = guard_in_child(tmp_path, lambda it: it.claim(-1))
     assert code == 1
@@ -492,8 +513,8 @@ def test_a_claim_its_process_left_behind_is_taken_over(tmp_path):
 
 def test_a_launcher_that_started_another_world_size_ends_the_split(tmp_path):
     code, fatal = guard_in_child(tmp_path, lambda it: it.check_world_size(), WORLD_SIZE="1",
-                                 **{guard.LAUNCHER_VARIABLE: "command",
-                                    guard.LAUNCHER_NAME_VARIABLE: "torchrun"})
+                                 **{wire.LAUNCHER_VARIABLE: "command",
+                                    wire.LAUNCHER_NAME_VARIABLE: "torchrun"})
     assert code == 2
     assert fatal["line"].startswith("torchrun started 1 rank(s) (WORLD_SIZE=1) at split 2x1, "
                                     "which needs 2")
@@ -505,9 +526,9 @@ def test_what_a_split_left_running_is_killed_after_it(tmp_path):
     left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             start_new_session=True)
     try:
-        (tmp_path / guard.PROCESSES).mkdir()
-        (tmp_path / guard.PROCESSES / str(left.pid)).write_text(json.dumps({
-            "pid": left.pid, "start": guard.process_start(left.pid), "pgid": left.pid,
+        (tmp_path / wire.PROCESSES).mkdir()
+        (tmp_path / wire.PROCESSES / str(left.pid)).write_text(json.dumps({
+            "pid": left.pid, "start": wire.process_start(left.pid), "pgid": left.pid,
             "rank": 0, "command": "worker"}))
         sweep(tmp_path)
         assert left.wait(timeout=10) == -9

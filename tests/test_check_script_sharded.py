@@ -173,9 +173,9 @@ def _memory_runs(folder: Path, width: int) -> None:
     """In a forked child: FSDP1's 1x1 reference, then 2x1 measuring its memory."""
     import os
 
-    from harness.grad_check.script.points import MEMORY_VARIABLE
     from harness.grad_check.script.processes import CommandLauncher
     from harness.grad_check.script.splits import Split, substituted
+    from harness.grad_check.script.wire import MEMORY_VARIABLE
     from tests.script_runs import forked_python, rank_forker
 
     code = 1

@@ -235,3 +235,38 @@ def test_indices_drawn_from_a_subset_are_the_items_of_the_dataset_under_it():
     assert underlying(share, [0, 1]) == [5, 9]
     assert underlying(share, 1) == 9
     assert underlying(data, [3]) == [3]
+
+
+# ---------------------------------------------------------------- the labels a loss counts
+def test_the_labels_a_loss_counts_are_the_window_s_counts_where_the_model_takes_none(
+        monkeypatch, tmp_path):
+    """A loop that hands its labels to the loss, not the model (torchtune's and LitGPT's
+    chunked cross-entropies): each micro-step counts the labels its losses averaged (not
+    ``ignore_index``, chunks summed), once per micro-step however many forwards it took,
+    not the input's tokens (8 per micro-step here)."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from harness.grad_check.script import wrappers
+
+    for name in wrappers.LOSSES:  # restored after the test
+        monkeypatch.setattr(F, name, getattr(F, name))
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(11, 4).double(), nn.Linear(4, 11).double()
+    model = nn.Sequential(embed, head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    wrappers.wrap_losses(seen)
+    for kept in (3, 5):  # labels counted in each micro-step, of 8 input tokens
+        tokens = torch.randint(0, 11, (2, 4))
+        labels = torch.full((2, 4), -100).masked_scatter(
+            torch.arange(8).reshape(2, 4) < kept, torch.randint(0, 11, (2, 4)))
+        for module in (model, model):  # two forwards: the second's loss is the step's
+            seen.saw_module(module, (tokens,), {}, logits := module(tokens))
+        for chunk in (0, 1):  # a chunked loss: one call per row
+            F.cross_entropy(logits[chunk], labels[chunk], reduction="sum").backward(
+                retain_graph=True)
+        seen.saw_module(model, (tokens,), {}, model(tokens))  # no loss: counts nothing
+    with torch.no_grad():
+        F.cross_entropy(model(tokens)[0], labels[0])  # an evaluation's loss: nothing
+    seen.before_step(optimizer, (optimizer,), {})
+    assert seen.tracked[0].record["counts"] == [3, 5]

@@ -129,7 +129,7 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
     ``matches`` at a precision coarser than float32 says what its tolerance cannot resolve
     (for a front-end that runs no twin without autocast). ``rank_zero_only``: the front-end
     compared rank 0's tensors alone, so ranks that disagree are the row's verdict."""
-    facts.rtol = rtol = tolerance(precision)
+    facts.rtol = tolerance(precision)
     judged: list[Judged] = []
     for measured in compared:
         if measured.comparison.nothing:
@@ -139,27 +139,34 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
         gradient = next((row for row in judged if row.point == "grad"), None)
         if say_unresolved and beyond_its_precision(measured, precision, gradient):
             judged.append(unresolved_update(step, measured, precision, gradient))
-            continue
-        fix = cause(measured, facts, judged)
-        if fix is None:
-            fix = suggest(measured.point, measured.comparison, facts)
-        status = Status.OK
-        if say_unresolved and carries_gradient_difference(measured, gradient):
+        elif say_unresolved and carries_gradient_difference(measured, gradient):
             judged.append(carried_update(step, measured, precision, gradient))
-            continue
-        if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
-            fix = unresolved_below(precision, rtol, measured.comparison.residual,
-                                   measured.point)
-            if above_float32_rounding(precision, measured.comparison.residual, measured.point):
-                status = Status.UNRESOLVED  # never a match above the rounding of what ran
-        judged.append(Judged(step, measured.point, measured.comparison, precision, fix, status,
-                             ranks_agree=measured.ranks_agree, own=measured.own,
-                             ranks_differ=rank_zero_only and measured.ranks_agree is False,
-                             rtol=measured.rtol))
+        else:
+            judged.append(judged_by_cause(step, measured, precision, facts,
+                                          cause(measured, facts, judged), say_unresolved,
+                                          rank_zero_only))
         if (step == 0 and measured.point == "grad"
                 and measured.comparison.verdict is Equivalence.SCALED):
             facts.gradient_scale = measured.comparison.scale
     return judged
+
+
+def judged_by_cause(step: int, measured: Compared, precision: torch.dtype, facts: Facts,
+                    fix: str | None, say_unresolved: bool, rank_zero_only: bool) -> Judged:
+    """A row whose fix is the front-end's cause, else the engine's (None: no cause of the
+    front-end's own); a match left open by its precision says what it leaves open."""
+    if fix is None:
+        fix = suggest(measured.point, measured.comparison, facts)
+    status = Status.OK
+    residual = measured.comparison.residual
+    if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
+        fix = unresolved_below(precision, facts.rtol, residual, measured.point)
+        if above_float32_rounding(precision, residual, measured.point):
+            status = Status.UNRESOLVED  # never a match above the rounding of what ran
+    return Judged(step, measured.point, measured.comparison, precision, fix, status,
+                  ranks_agree=measured.ranks_agree, own=measured.own,
+                  ranks_differ=rank_zero_only and measured.ranks_agree is False,
+                  rtol=measured.rtol)
 
 
 def beyond_its_precision(measured: Compared, precision: torch.dtype,

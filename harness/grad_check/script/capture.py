@@ -60,17 +60,8 @@ from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import named_modules, owner, parameter_names
 from harness.grad_check.script.sharded import reader_for
 from harness.grad_check.script.tracked import Tracked, Window
+from harness.grad_check.script.wire import RankSettings
 
-#: The folder a run's captures go to; the capture is installed only where it is set.
-FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
-#: Optimizer steps to capture (S).
-STEPS_VARIABLE = "GRAD_CHECK_STEPS"
-#: "1": let the script run to its end after step S.
-KEEP_GOING_VARIABLE = "GRAD_CHECK_KEEP_GOING"
-#: Seconds a rank waits at step S for the other ranks' summaries.
-TIMEOUT_VARIABLE = "GRAD_CHECK_TIMEOUT"
-#: The split's micro-batch b, where the samples' axis is found by its size.
-MICRO_BATCH_VARIABLE = "GRAD_CHECK_MICRO_BATCH"
 #: The training frameworks a fix may name in their own terms, by the module that shows
 #: the script uses them.
 FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerate": "accelerate",
@@ -139,6 +130,7 @@ class Capture:
         wrappers.wrap_backward(self)
         wrappers.wrap_clipping(self)
         wrappers.wrap_data_loading(self)
+        wrappers.wrap_losses(self)
         engines.wrap_engine(self)
         original_hook = sys.excepthook
 
@@ -271,6 +263,7 @@ class Capture:
             return
         if torch.is_grad_enabled() and samples.trains(module) and self.backward_depth == 0:
             self.saw_forward(module, args, kwargs)
+        self.window.forward_ended()
         if isinstance(output, torch.Tensor) and samples.readable(output):
             self.window.produced(output)
 
@@ -286,6 +279,15 @@ class Capture:
             return
         self.window.forwarded(held, samples.samples_of(first, kwargs, self.micro_batch),
                               samples.labelled_count(kwargs))
+
+    @never_raising
+    def saw_loss_targets(self, target: Any, ignored: int) -> None:
+        """A training loss's targets: the labels it counts (those not ``ignored``)."""
+        if (self.recording and torch.is_grad_enabled() and not self.backward_depth
+                and not torch.compiler.is_compiling()):
+            count = samples.counted_targets(target, ignored)
+            if count is not None:
+                self.window.loss_counted(count, inside_forward=self.forward_depth > 0)
 
     @never_raising
     def saw_backward(self, tensors) -> None:
@@ -424,20 +426,13 @@ def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:
                      if getattr(p, "requires_grad", False))
 
 
-def install_from_environment() -> Capture | None:
-    """The capture this process's environment asks for (None where it asks for none)."""
+def install(settings: RankSettings) -> Capture:
+    """The capture that ``settings`` ask for, installed once in this process."""
     global INSTALLED
-    folder = os.environ.get(FOLDER_VARIABLE)
-    if not folder or INSTALLED is not None:
-        return INSTALLED
-    micro_batch = os.environ.get(MICRO_BATCH_VARIABLE)
-    against = os.environ.get(points.REFERENCE_VARIABLE)
-    INSTALLED = Capture(Path(folder), int(os.environ.get(STEPS_VARIABLE, "2")),
-                        os.environ.get(KEEP_GOING_VARIABLE) == "1",
-                        float(os.environ.get(TIMEOUT_VARIABLE, "300")),
-                        int(micro_batch) if micro_batch else None,
-                        Path(against) if against else None)
-    INSTALLED.install()
+    if INSTALLED is None:
+        INSTALLED = Capture(settings.folder, settings.steps, settings.keep_going,
+                            settings.timeout, settings.micro_batch, settings.against)
+        INSTALLED.install()
     return INSTALLED
 
 

@@ -38,26 +38,12 @@ import sysconfig
 import threading
 import time
 import traceback as tracebacks
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-#: The split's folder (the capture's own variable: harness/grad_check/script/capture.py).
-FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
-#: grad-check's process: its pid, its start time (``/proc``, '' where unknown) and its
-#: process group, which the guard never signals.
-PID_VARIABLE = "GRAD_CHECK_PID"
-PID_START_VARIABLE = "GRAD_CHECK_PID_START"
-PGID_VARIABLE = "GRAD_CHECK_PGID"
-#: N: the split's ranks.
-NPROC_VARIABLE = "GRAD_CHECK_NPROC"
-#: The split's label (``2x1``), for the lines.
-SPLIT_VARIABLE = "GRAD_CHECK_SPLIT"
-#: "command": the command starts the split's ranks itself (a launcher at its head); the
-#: process grad-check started is then its launcher, not a rank.
-LAUNCHER_VARIABLE = "GRAD_CHECK_LAUNCHER"
-#: The launcher's name as the messages say it (``torchrun``).
-LAUNCHER_NAME_VARIABLE = "GRAD_CHECK_LAUNCHER_NAME"
+from harness.grad_check.script.wire import PROCESSES, RankSettings, alive, process_start
+
 #: Seconds between looks at grad-check where no pidfd is to be had, and between writes
 #: of the rank's progress.
 WATCH_S = 0.2
@@ -66,30 +52,7 @@ GONE_EXIT = 128 + signal.SIGKILL
 #: Exit code of a rank that found a split the check cannot run as given (bad input).
 USAGE_EXIT = 2
 #: The folders the guard writes in the split's folder.
-PROCESSES, PROGRESS, CLAIMS, FATAL = "processes", "progress", "claims", "fatal"
-
-
-def process_start(pid: int) -> str:
-    """When ``pid`` started (clock ticks since boot, from ``/proc``; '' where unknown):
-    with the pid, it names one process, not whichever reuses the number later."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    return ""
-
-
-def alive(pid: int, start: str) -> bool:
-    """Whether process ``pid`` that started at ``start`` still runs (a zombie does not)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return fields[0] not in "ZX" and (not start or fields[19] == start)
+PROGRESS, CLAIMS, FATAL = "progress", "claims", "fatal"
 
 
 def command_line(pid: int) -> str:
@@ -166,15 +129,13 @@ def failing_line(error: BaseException, traceback) -> str:
 class Guard:
     """The guard of one process of a split (see the module's docstring)."""
 
-    def __init__(self, folder: Path, environment: dict[str, str]) -> None:
-        self.folder = folder
-        self.grad_check = int(environment.get(PID_VARIABLE) or 0)
-        self.grad_check_start = environment.get(PID_START_VARIABLE, "")
-        self.grad_check_group = int(environment.get(PGID_VARIABLE) or 0)
-        self.nproc = int(environment.get(NPROC_VARIABLE) or 1)
-        self.split = environment.get(SPLIT_VARIABLE, "")
-        self.launched_by_command = environment.get(LAUNCHER_VARIABLE) == "command"
-        self.launcher_name = environment.get(LAUNCHER_NAME_VARIABLE, "the launcher")
+    def __init__(self, settings: RankSettings, environment: Mapping[str, str]) -> None:
+        self.folder = settings.folder
+        self.grad_check, self.grad_check_start = settings.pid, settings.pid_start
+        self.grad_check_group = settings.pgid
+        self.nproc, self.split = settings.nproc, settings.split
+        self.launched_by_command = settings.launched_by_command
+        self.launcher_name = settings.launcher or "the launcher"
         self.rank = int(environment.get("RANK") or 0)
         self.world_size = environment.get("WORLD_SIZE")
         #: The process grad-check started, where the command starts the ranks itself.
@@ -369,17 +330,17 @@ def install_from_environment() -> Any:
     """The guard this process's environment asks for, and in a rank the capture (returned;
     None in the launcher grad-check started, and where no capture is asked for)."""
     global INSTALLED
-    folder = os.environ.get(FOLDER_VARIABLE)
-    if not folder or INSTALLED is not None:
+    settings = RankSettings.from_environment(os.environ)
+    if settings is None or INSTALLED is not None:
         return None
-    INSTALLED = Guard(Path(folder), dict(os.environ))
+    INSTALLED = Guard(settings, dict(os.environ))
     INSTALLED.start()
     if INSTALLED.is_launcher:
         return None
     INSTALLED.check_world_size()
-    from harness.grad_check.script import capture
+    from harness.grad_check.script import capture  # a rank's alone: it loads torch
 
-    installed = capture.install_from_environment()
+    installed = capture.install(settings)
     INSTALLED.watch_training()
     return installed
 

@@ -5,7 +5,7 @@ shard: no rank ever holds a whole model it did not hold already.
 The reference's first run writes every point to disk once, in its own types: each rank
 the pieces it holds into one tensor file per optimizer, step and point
 (harness/check/shards.py), rank 0 its index. Every other run (the reference's second,
-then each split) is told that run's folder (:data:`REFERENCE_VARIABLE`) and compares each
+then each split) is told that run's folder (wire.py :data:`REFERENCE_VARIABLE`) and compares each
 point as it reads it: each rank its own pieces against the matching slices of the
 reference's file (parameters as updates from the reference's parameters before the
 step), with the engine's ``compare`` over the ranks' process group, which sums every
@@ -34,13 +34,8 @@ from harness.check.memory import peak_tensor_bytes
 from harness.check.shards import Piece
 from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.guard import waiting_in_exchange
+from harness.grad_check.script.wire import MEMORY_VARIABLE
 
-#: The reference's first run's folder, where a run compares instead of writing.
-REFERENCE_VARIABLE = "GRAD_CHECK_REFERENCE"
-#: "1": each compared point also records the tensor memory its work held at its peak
-#: beyond what the process held before (harness/check/memory.py) and its pieces' bytes
-#: (scripts/bench.py measures the capture's extra memory per rank with it).
-MEMORY_VARIABLE = "GRAD_CHECK_MEMORY"
 #: (name, shape, dtype, present) of each whole tensor (harness/check/shards.py entries).
 Spec = tuple[str, Sequence[int], torch.dtype, bool]
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from harness.grad_check.script import capture, guard
 from harness.grad_check.script.failures import (
     Failure,
     fatal,
@@ -50,8 +49,14 @@ from harness.grad_check.script.failures import (
     launched_failure,
     missing_ranks,
 )
-from harness.grad_check.script.points import REFERENCE_VARIABLE
 from harness.grad_check.script.splits import Split
+from harness.grad_check.script.wire import (
+    PROCESSES,
+    SETTINGS_VARIABLES,
+    RankSettings,
+    alive,
+    grad_check_process,
+)
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S
 
@@ -134,11 +139,12 @@ class CommandLauncher:
         (launchers.adapted's); ``against``: the reference's capture it is compared with
         (None: this is the reference, its capture written: points.py)."""
         folder.mkdir(parents=True, exist_ok=True)
-        if self.capture and self.global_batch:  # each capture cuts samples along b's axis
-            variables = {**(variables or {}), capture.MICRO_BATCH_VARIABLE: str(
-                split.micro_batch(self.global_batch))}
-        if self.capture and against is not None:  # what each rank compares its shards with
-            variables = {**(variables or {}), REFERENCE_VARIABLE: str(against)}
+        if self.capture:
+            # b: each capture cuts samples along its axis; against: what each rank
+            # compares its shards with.
+            micro_batch = split.micro_batch(self.global_batch) if self.global_batch else None
+            variables = {**(variables or {}), **self.settings(
+                folder, split.world_size, split.label, micro_batch, against).environment()}
         logs = logs or folder
         logs.mkdir(parents=True, exist_ok=True)
         n = split.world_size
@@ -177,8 +183,10 @@ class CommandLauncher:
         """What process ``rank`` gets (None: the command's own launcher, which gets no
         torchrun variables: it gives its workers theirs)."""
         inherited = {name: value for name, value in os.environ.items()
-                     if name not in TORCHRUN_VARIABLES}
-        inherited.update(variables or {})
+                     if name not in TORCHRUN_VARIABLES and name not in SETTINGS_VARIABLES}
+        if self.capture:
+            inherited.update(self.settings(folder, world_size, split).environment())
+        inherited.update(variables or {})  # run()'s own settings (b, the reference) too
         if rank is not None and (world_size > 1 or self.torchrun_env):
             inherited.update(rank_environment(str(folder), world_size, port))
             inherited.update({
@@ -193,23 +201,18 @@ class CommandLauncher:
         paths = [part for part in os.environ.get("PYTHONPATH", "").split(os.pathsep) if part]
         if self.capture:
             paths.insert(0, str(STARTUP))
-            inherited.update({capture.FOLDER_VARIABLE: str(folder),
-                              capture.STEPS_VARIABLE: str(self.steps),
-                              capture.KEEP_GOING_VARIABLE: "1" if self.keep_going else "0",
-                              capture.TIMEOUT_VARIABLE: str(self.timeout),
-                              guard.PID_VARIABLE: str(os.getpid()),
-                              guard.PID_START_VARIABLE: guard.process_start(os.getpid()),
-                              guard.PGID_VARIABLE: str(os.getpgrp()),
-                              guard.NPROC_VARIABLE: str(world_size),
-                              guard.SPLIT_VARIABLE: split})
-            if self.launcher is not None:
-                inherited.update({guard.LAUNCHER_VARIABLE: "command",
-                                  guard.LAUNCHER_NAME_VARIABLE: self.launcher})
         if paths:
             inherited["PYTHONPATH"] = os.pathsep.join(paths)
         else:
             inherited.pop("PYTHONPATH", None)
         return inherited
+
+    def settings(self, folder: Path, world_size: int, split: str,
+                 micro_batch: int | None = None, against: Path | None = None) -> RankSettings:
+        """What every process of the split is told (wire.py)."""
+        pid, pid_start, pgid = grad_check_process()
+        return RankSettings(folder, self.steps, self.keep_going, self.timeout, pid, pid_start,
+                            pgid, world_size, split, micro_batch, against, self.launcher)
 
     def watch(self, processes: list[Process], folder: Path, logs: Path, nproc: int,
               deadline: float, started_at: float) -> Failure | None:
@@ -280,11 +283,11 @@ def sweep(folder: Path) -> None:
     """Every process of the run that registered itself in ``folder`` (guard.py) and still
     runs, killed, with the process group it leads: what a launcher's SIGKILL left of its
     workers, in sessions of their own."""
-    for path in sorted((folder / guard.PROCESSES).glob("[0-9]*")):
+    for path in sorted((folder / PROCESSES).glob("[0-9]*")):
         with contextlib.suppress(OSError, ValueError, KeyError):
             entry = json.loads(path.read_text())
             pid, group = int(entry["pid"]), int(entry["pgid"])
-            if pid == os.getpid() or not guard.alive(pid, entry["start"]):
+            if pid == os.getpid() or not alive(pid, entry["start"]):
                 continue
             if group == pid and group != os.getpgrp():
                 with contextlib.suppress(OSError):

@@ -153,8 +153,13 @@ def samples_of(first: torch.Tensor, kwargs: dict, micro_batch: int | None) -> li
 
 def labelled_count(kwargs: dict) -> int | None:
     """The tokens a call's integer ``labels`` count (those not ``ignore_index``)."""
-    labels = kwargs.get("labels")
-    if (isinstance(labels, torch.Tensor) and not labels.is_floating_point()
-            and readable(labels)):
-        return int((labels != IGNORE_INDEX).sum())
+    return counted_targets(kwargs.get("labels"), IGNORE_INDEX)
+
+
+def counted_targets(targets: Any, ignored: int) -> int | None:
+    """How many of integer ``targets`` are not ``ignored`` (None: not integer targets the
+    capture can read; class probabilities count no labels)."""
+    if (isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+            and readable(targets)):
+        return int((targets != ignored).sum())
     return None

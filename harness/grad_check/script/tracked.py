@@ -42,6 +42,14 @@ class Forward:
     held: frozenset[int]
     samples: list[list[str]]
     count: int | None
+    #: The labels the losses computed from this forward counted (None: no loss counted).
+    loss_count: int | None = None
+
+    @property
+    def labels(self) -> int | None:
+        """The labels this forward's loss averaged: the model's ``labels`` where it took
+        them, else what the losses computed from its output counted."""
+        return self.count if self.count is not None else self.loss_count
 
 
 @dataclass
@@ -85,9 +93,25 @@ class Window:
             self.held_by[module] = held
         return held
 
+    #: Labels counted by losses inside the outermost forward in progress (a model that
+    #: computes its loss itself), not yet given to that forward's record.
+    counted_inside: int | None = None
+
     def forwarded(self, held: frozenset[int], fed: list[list[str]], count: int | None) -> None:
-        self.events[self.forwards] = Forward(held, fed, count)
+        self.events[self.forwards] = Forward(held, fed, count, self.counted_inside)
         self.forwards += 1
+
+    def loss_counted(self, count: int, inside_forward: bool) -> None:
+        """A loss counted ``count`` labels: inside a forward, that forward's; after it, the
+        last forward's (a loss computed from its output)."""
+        if inside_forward:
+            self.counted_inside = (self.counted_inside or 0) + count
+        elif self.forwards - 1 in self.events:
+            event = self.events[self.forwards - 1]
+            event.loss_count = (event.loss_count or 0) + count
+
+    def forward_ended(self) -> None:
+        self.counted_inside = None
 
     def loaded(self, indices: Any) -> None:
         """A batch's dataset indices (a sampler that yields one index: a batch of one;
@@ -159,7 +183,7 @@ class Tracked:
                        "samples": [sample for event in fed for sample in event.samples],
                        "forwards": len(fed),
                        "per_forward": [len(event.samples) for event in fed],
-                       "counts": [event.count for event in fed if event.count is not None],
+                       "counts": [event.labels for event in fed if event.labels is not None],
                        "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key),
                        "clip_calls": window.clip_calls(self.key),
                        "indices": window.indices_since(self.since)}

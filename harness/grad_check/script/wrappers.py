@@ -54,6 +54,31 @@ def wrap_backward(capture: Capture) -> None:
         setattr(torch.autograd, name, functools.wraps(original)(during))
 
 
+#: The losses whose integer targets say how many labels a loss averaged, with the position
+#: of their ``ignore_index`` (torch.nn.functional's signatures; nn.CrossEntropyLoss and
+#: NLLLoss call them).
+LOSSES = {"cross_entropy": 4, "nll_loss": 4}
+
+
+def wrap_losses(capture: Capture) -> None:
+    """The labels each loss counts, where a script hands them to the loss rather than to
+    the model (torchtune's and LitGPT's chunked cross-entropies, a loop's own loss): what
+    a window of micro-batches of different token counts weighs by."""
+    import torch.nn.functional as F  # noqa: N812
+
+    for name, position in LOSSES.items():
+        original = getattr(F, name)
+
+        def counting(*args, _original=original, _position=position, **kwargs):
+            target = args[1] if len(args) > 1 else kwargs.get("target")
+            ignored = (args[_position] if len(args) > _position
+                       else kwargs.get("ignore_index", -100))
+            capture.saw_loss_targets(target, ignored)
+            return _original(*args, **kwargs)
+
+        setattr(F, name, functools.wraps(original)(counting))
+
+
 def wrap_data_loading(capture: Capture) -> None:
     """The dataset indices of each batch a DataLoader hands the script, in the order it
     hands them: the sampler's draw, told apart from what loading made of it (a random

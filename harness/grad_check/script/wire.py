@@ -1,0 +1,163 @@
+"""The contract between ``grad-check run`` and the processes it starts: what each process
+of a split is told, through its environment, and how it names itself to grad-check.
+
+The launcher's side (processes.py) writes a :class:`RankSettings` into each process's
+environment; the rank's side (guard.py, capture.py) reads it back. Both import this
+module and nothing of each other, and it imports no torch: a launcher at the command's
+head (torchrun, ``tune run``) reads it before any rank has loaded torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The split's folder; the guard and the capture are installed only where it is set.
+FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
+#: Optimizer steps to capture (S).
+STEPS_VARIABLE = "GRAD_CHECK_STEPS"
+#: "1": let the script run to its end after step S.
+KEEP_GOING_VARIABLE = "GRAD_CHECK_KEEP_GOING"
+#: Seconds a rank waits at step S for the other ranks' summaries.
+TIMEOUT_VARIABLE = "GRAD_CHECK_TIMEOUT"
+#: The split's micro-batch b, where the samples' axis is found by its size.
+MICRO_BATCH_VARIABLE = "GRAD_CHECK_MICRO_BATCH"
+#: The reference's first run's folder, where a run compares instead of writing.
+REFERENCE_VARIABLE = "GRAD_CHECK_REFERENCE"
+#: grad-check's process: its pid, its start time (``/proc``, '' where unknown) and its
+#: process group, which the guard never signals.
+PID_VARIABLE = "GRAD_CHECK_PID"
+PID_START_VARIABLE = "GRAD_CHECK_PID_START"
+PGID_VARIABLE = "GRAD_CHECK_PGID"
+#: N: the split's ranks.
+NPROC_VARIABLE = "GRAD_CHECK_NPROC"
+#: The split's label (``2x1``), for the lines.
+SPLIT_VARIABLE = "GRAD_CHECK_SPLIT"
+#: "command": the command starts the split's ranks itself (a launcher at its head); the
+#: process grad-check started is then its launcher, not a rank.
+LAUNCHER_VARIABLE = "GRAD_CHECK_LAUNCHER"
+#: The launcher's name as the messages say it (``torchrun``).
+LAUNCHER_NAME_VARIABLE = "GRAD_CHECK_LAUNCHER_NAME"
+#: "1": each compared point also records the tensor memory its work held at its peak
+#: beyond what the process held before (harness/check/memory.py) and its pieces' bytes
+#: (scripts/bench.py measures the capture's extra memory per rank with it).
+MEMORY_VARIABLE = "GRAD_CHECK_MEMORY"
+
+#: What :class:`RankSettings` is carried in: a process inherits none of them from
+#: grad-check's own environment (a check run inside another's split).
+SETTINGS_VARIABLES = (FOLDER_VARIABLE, STEPS_VARIABLE, KEEP_GOING_VARIABLE, TIMEOUT_VARIABLE,
+                      MICRO_BATCH_VARIABLE, REFERENCE_VARIABLE, PID_VARIABLE,
+                      PID_START_VARIABLE, PGID_VARIABLE, NPROC_VARIABLE, SPLIT_VARIABLE,
+                      LAUNCHER_VARIABLE, LAUNCHER_NAME_VARIABLE)
+
+#: The folder, in the split's, where every process of the split registers itself.
+PROCESSES = "processes"
+
+
+class BadSettings(ValueError):
+    """An environment that names a split's folder but not a usable split."""
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What grad-check tells every process of one split."""
+
+    folder: Path
+    steps: int
+    keep_going: bool
+    timeout: float
+    #: grad-check's own process, which the guard watches and never signals.
+    pid: int
+    pid_start: str
+    pgid: int
+    nproc: int
+    split: str = ""
+    micro_batch: int | None = None
+    #: The reference's capture compared with (None: this run is the reference).
+    against: Path | None = None
+    #: The launcher at the command's head that starts the ranks (None: grad-check does).
+    launcher: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("steps", self.steps, 1), ("nproc", self.nproc, 1),
+                                   ("micro_batch", self.micro_batch or 1, 1)):
+            if value < least:
+                raise BadSettings(f"{name} {value}: allowed: an integer from {least}")
+        if not self.timeout > 0:
+            raise BadSettings(f"timeout {self.timeout}: allowed: seconds above 0")
+
+    def environment(self) -> dict[str, str]:
+        """The variables that carry these settings to a process."""
+        variables = {FOLDER_VARIABLE: str(self.folder), STEPS_VARIABLE: str(self.steps),
+                     KEEP_GOING_VARIABLE: "1" if self.keep_going else "0",
+                     TIMEOUT_VARIABLE: str(self.timeout), PID_VARIABLE: str(self.pid),
+                     PID_START_VARIABLE: self.pid_start, PGID_VARIABLE: str(self.pgid),
+                     NPROC_VARIABLE: str(self.nproc), SPLIT_VARIABLE: self.split}
+        if self.micro_batch is not None:
+            variables[MICRO_BATCH_VARIABLE] = str(self.micro_batch)
+        if self.against is not None:
+            variables[REFERENCE_VARIABLE] = str(self.against)
+        if self.launcher is not None:
+            variables.update({LAUNCHER_VARIABLE: "command",
+                              LAUNCHER_NAME_VARIABLE: self.launcher})
+        return variables
+
+    @classmethod
+    def from_environment(cls, environment: Mapping[str, str]) -> RankSettings | None:
+        """The settings ``environment`` carries (None where it names no split's folder)."""
+        folder = environment.get(FOLDER_VARIABLE)
+        if not folder:
+            return None
+        try:
+            micro_batch = environment.get(MICRO_BATCH_VARIABLE)
+            against = environment.get(REFERENCE_VARIABLE)
+            launched = environment.get(LAUNCHER_VARIABLE) == "command"
+            return cls(Path(folder), int(environment.get(STEPS_VARIABLE, "2")),
+                       environment.get(KEEP_GOING_VARIABLE) == "1",
+                       float(environment.get(TIMEOUT_VARIABLE, "300")),
+                       int(environment.get(PID_VARIABLE) or 0),
+                       environment.get(PID_START_VARIABLE, ""),
+                       int(environment.get(PGID_VARIABLE) or 0),
+                       int(environment.get(NPROC_VARIABLE) or 1),
+                       environment.get(SPLIT_VARIABLE, ""),
+                       int(micro_batch) if micro_batch else None,
+                       Path(against) if against else None,
+                       environment.get(LAUNCHER_NAME_VARIABLE, "the launcher")
+                       if launched else None)
+        except ValueError as error:
+            raise BadSettings(f"{FOLDER_VARIABLE}={folder}: {error}") from None
+
+    @property
+    def launched_by_command(self) -> bool:
+        return self.launcher is not None
+
+
+def process_start(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, from ``/proc``; '' where unknown):
+    with the pid, it names one process, not whichever reuses the number later."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return ""
+
+
+def alive(pid: int, start: str) -> bool:
+    """Whether process ``pid`` that started at ``start`` still runs (a zombie does not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return fields[0] not in "ZX" and (not start or fields[19] == start)
+
+
+def grad_check_process() -> tuple[int, str, int]:
+    """This process (grad-check's) as its ranks know it: pid, start time, process group."""
+    return os.getpid(), process_start(os.getpid()), os.getpgrp()
