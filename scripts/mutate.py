@@ -294,6 +294,11 @@ MUTATIONS = (
              '"counts": [event.count for event in fed if event.count is not None],',
              ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_counts_are_the_"
               "window_s_counts_where_the_model_takes_none",)),
+    Mutation("lightning-sampler-at-n-1", "harness/grad_check/script/explain.py",
+             'if "lightning" in frameworks and len(ours) > 1:',
+             'if "lightning" in frameworks:',
+             ("tests/test_check_script.py::test_other_samples_under_lightning_at_n_above_1_name_"
+              "its_distributed_sampler",)),
 )
 
 

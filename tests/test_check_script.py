@@ -418,6 +418,19 @@ def test_other_samples_explain_a_gradient_that_differs(tmp_path):
     assert exit_code(rows, "differs", "check.py run", case_label) == 1
 
 
+def test_other_samples_under_lightning_at_n_above_1_name_its_distributed_sampler(tmp_path):
+    """Lightning's Trainer puts a shuffling DistributedSampler under every training loader
+    at N > 1 and keeps the loader's own at N = 1: only use_distributed_sampler=False and a
+    sampler of the script's own at every N give both the same global batch. At N = 1 the
+    Trainer replaced nothing: the sampler itself is the cause."""
+    def fix(split: Split) -> str:
+        return rows_of(tmp_path / split.label, split, grads=different, frameworks=("lightning",),
+                       samples=("s0", "s9", *EIGHT[2:]))[0]["fix"]
+
+    assert "Trainer(use_distributed_sampler=False)" in fix(Split(2, 1))
+    assert "use_distributed_sampler" not in fix(Split(1, 2))
+
+
 def test_ranks_that_all_fed_the_same_samples_are_named_unsharded(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1), samples=("s0", "s1"))
     twice = written_capture(tmp_path / "twice", Split(2, 1), samples=("s0", "s0"),

@@ -54,9 +54,10 @@ def same_samples(ours: Sequence[Sample], theirs: Sequence[Sample]) -> bool:
 
 
 def samples_fix(step: int, ours: Sequence[Sequence[Sample]], theirs: Sequence[Sample],
-                global_batch: int) -> str:
+                global_batch: int, frameworks: frozenset[str] = frozenset()) -> str:
     """Why the step's samples differ from the reference's, by the pattern they show;
-    ``ours``: each rank's samples."""
+    ``ours``: each rank's samples; ``frameworks``: those the script imported, where one
+    draws the samples itself."""
     fed = sum(len(rank) for rank in ours)
     if fed != len(theirs):
         return count_fix(step, fed, len(theirs), global_batch)
@@ -71,6 +72,8 @@ def samples_fix(step: int, ours: Sequence[Sequence[Sample]], theirs: Sequence[Sa
     if any(count > 1 for count in together.values()) and not any(
             count > 1 for count in reference.values()):
         return repeated_fix(step, extra, missing)
+    if "lightning" in frameworks and len(ours) > 1:
+        return lightning_sampler_fix(step, extra, missing, len(theirs))
     return sampler_fix(step, extra, missing, len(theirs))
 
 
@@ -141,6 +144,20 @@ def sampler_fix(step: int, extra: int, missing: int, total: int) -> str:
             "step the same G samples at every split, e.g. a seeded DataLoader(shuffle=True, "
             "generator=torch.Generator().manual_seed(0)) or DistributedSampler(shuffle=True, "
             "seed=0), over a dataset whose length N divides")
+
+
+def lightning_sampler_fix(step: int, extra: int, missing: int, total: int) -> str:
+    """Lightning's Trainer at N > 1 puts a DistributedSampler with shuffle=True under every
+    training DataLoader (trainer/connectors/data_connector.py ``_process_dataloader``: a
+    training loader counts as shuffled whatever its own sampler), and at N = 1 keeps the
+    loader's own sampler: no setting of the loader gives both the same global batch."""
+    return (f"step {step} fed {extra} sample(s) the reference's step did not and left out "
+            f"{missing} of its {total}: at N > 1 Lightning's Trainer replaces the training "
+            "DataLoader's sampler with a DistributedSampler that shuffles (even a sequential "
+            "one), while at N = 1 it keeps the loader's own; pass "
+            "Trainer(use_distributed_sampler=False) and give the loader a sampler that "
+            "draws the same global batch at every N: your own DistributedSampler(dataset, "
+            "num_replicas=N, rank=RANK, shuffle=True, seed=0) at every N, N = 1 included")
 
 
 def partial_window_fix(step: int, fed: int, global_batch: int, forwards: Sequence[int],

@@ -326,7 +326,8 @@ class SplitJudge:
             drawn = self.measured.indices(optimizer, step)
             if explain.drawn_alike(drawn, self.reference.indices(optimizer, step)):
                 return explain.augmentation_fix(step, len(drawn))
-            return explain.samples_fix(step, ours, theirs, self.global_batch)
+            return explain.samples_fix(step, ours, theirs, self.global_batch,
+                                       frozenset(self.measured.frameworks))
         forwards = self.measured.forwards(optimizer, step)
         split = self.measured.run.split
         short = any(0 < count < split.accum_steps for count in forwards)
