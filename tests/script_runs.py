@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grad_check.script import capture, guard
+from harness.grad_check.script import capture, guard, installed
 from harness.grad_check.script.processes import start_subprocess
 from tests.launch import ForkedChild, exit_code_of
 
@@ -191,7 +191,7 @@ def _become_the_script(script: str, args: list[str], environment: dict[str, str]
         torch.set_num_threads(int(environment.get("OMP_NUM_THREADS", "1")))
         capture.INSTALLED = None  # the parent's, if it had one, is not this rank's
         guard.INSTALLED = None
-        guard.install_from_environment()
+        installed.install_from_environment()
         if script == "-m":
             sys.argv = [args[0], *args[1:]]
             sys.path[0] = os.getcwd()

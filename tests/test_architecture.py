@@ -5,7 +5,8 @@ names, strategies are asked rather than named, and no module or function grows p
 reader takes in at once.
 
 Read from the source (ast), so a lazy import inside a function counts as much as one at
-the top of a module.
+the top of a module (between files, an annotation's import under TYPE_CHECKING, which never
+runs, is left out).
 """
 
 from __future__ import annotations
@@ -143,6 +144,50 @@ def test_an_import_cycle_is_found_whatever_its_length():
 
 def test_harness_top_level_packages_and_modules_import_one_another_one_way():
     assert import_cycles(import_graph()) == []
+
+
+def module_file(module: str, name: str = "") -> Path | None:
+    """The file of harness that ``from module import name`` (or ``import module``) runs: a
+    submodule called ``name``, else the module itself (None outside harness)."""
+    base = ROOT / module.replace(".", "/")
+    candidates = [base / f"{name}.py", base / name / "__init__.py"] if name else []
+    candidates += [base.with_suffix(".py"), base / "__init__.py"]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def typing_only(path: Path) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:``, which never run: an annotation's import."""
+    return {id(inner) for node in nodes(path)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)}
+
+
+@functools.cache
+def file_graph() -> dict[str, frozenset[str]]:
+    """Each file of harness -> the files of harness its imports run, at the top or inside a
+    function alike (an annotation's, under TYPE_CHECKING, left out: it never runs)."""
+    graph = {}
+    for path in modules():
+        skipped, found = typing_only(path), set()
+        for node in nodes(path):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness"):
+                found |= {module_file(node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {module_file(alias.name) for alias in node.names
+                          if alias.name.startswith("harness")}
+        graph[str(path.relative_to(ROOT))] = frozenset(
+            str(target.relative_to(ROOT)) for target in found - {None, path})
+    return graph
+
+
+def test_no_file_of_harness_is_in_an_import_cycle():
+    """Packages import one another one way; so do files, within a package too (a rank's
+    guard and its capture, the check's command line and its --frameworks front-end)."""
+    assert "harness/grad_check/script/guard.py" in file_graph()[
+        "harness/grad_check/script/installed.py"]
+    assert import_cycles(file_graph()) == []
 
 
 #: The check's front-ends (harness/grad_check/): the Setup matrix and its API,

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness.check.load import validated_setups
@@ -27,6 +27,7 @@ from harness.errors import (
     refuse,
 )
 from harness.grad_check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
+from harness.grad_check.console import notices
 from harness.grad_check.schema import case_label
 from harness.options import (
     CommandParser,
@@ -124,16 +125,6 @@ def _splits(config: CheckConfig, world_sizes: tuple[int, ...]) -> list[tuple[int
     return [(n, k) for n in world_sizes for k in config.accum_steps]
 
 
-def notices(shown: bool) -> Callable[[str], None]:
-    """Where the check's notices go (what is loaded, what is cast): the console, or
-    nowhere (``--quiet``, and every rank but the one that speaks)."""
-    def say(line: str) -> None:
-        if shown:
-            print(f"{PROG}: {line}", flush=True)
-
-    return say
-
-
 def _launch_from_environment() -> Launch:
     if not under_torchrun():
         raise UsageError("check.py needs --nproc N or torchrun to start its ranks; run e.g. "
@@ -167,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   config.drop_last, config.torch_dtype,
                                   batches_too=not launched_by_harness(), piece_too=False,
                                   say=notices(leader and not config.quiet
-                                              and not launched_by_harness()))
+                                              and not launched_by_harness(), PROG))
     except UsageError as error:
         return refuse(error, 0 if leader else 1, PROG)
     except KeyboardInterrupt:
@@ -185,7 +176,7 @@ def _launch(config: CheckConfig, nproc_flag: str, argv: list[str]) -> int:
     placement = choose_placement("auto", "auto", planned)
     for target, setup in validated_setups(config.targets, _splits(config, world_sizes),
                                           config.drop_last, config.torch_dtype,
-                                          say=notices(not config.quiet)):
+                                          say=notices(not config.quiet, PROG)):
         check_step_device(setup, target, placement.device)
     from harness.launcher import launch_ranks
 

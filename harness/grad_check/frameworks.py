@@ -35,7 +35,7 @@ from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
 from harness.frameworks.columns import NAMES, case_label, judged_verdict
 from harness.frameworks.registry import DEFAULT, Framework, Setting
-from harness.grad_check.cli import notices
+from harness.grad_check.console import notices
 from harness.options import (
     check_out_folder,
     parse_float,
@@ -144,7 +144,8 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
         speaks = leader and not args.quiet and not launched_by_harness()
         # Each setup's model, batches and one piece are checked here, before any rank starts.
         setups = validated_setups(args.targets, [(world_size, k) for k in accum_steps],
-                                  args.drop_last, DTYPES[args.dtype], say=notices(speaks))
+                                  args.drop_last, DTYPES[args.dtype],
+                                  say=notices(speaks, prog))
         for target, setup in setups:
             check_trainable(setup, target, chosen, world_size, accum_steps)
         if args.nproc is not None:

@@ -1,7 +1,7 @@
 """What ``grad-check run`` watches inside every process of a split, beside the capture.
 
-``startup/sitecustomize.py`` calls :func:`install_from_environment` in each Python
-process the command starts (the ranks, a launcher at the command's head and the workers
+``startup/sitecustomize.py`` installs it (installed.py) in each Python process the
+command starts (the ranks, a launcher at the command's head and the workers
 it starts, a DataLoader's spawned workers), wherever ``GRAD_CHECK_CAPTURE`` names the
 split's folder. In each it:
 
@@ -326,23 +326,13 @@ def twice_line(rank: int, first: dict, second: dict, launched_by_command: bool,
             f"{named(second)}: {what}")
 
 
-def install_from_environment() -> Any:
-    """The guard this process's environment asks for, and in a rank the capture (returned;
-    None in the launcher grad-check started, and where no capture is asked for)."""
+def install(settings: RankSettings, environment: Mapping[str, str]) -> Guard:
+    """This process's guard, started once (installed.py installs it)."""
     global INSTALLED
-    settings = RankSettings.from_environment(os.environ)
-    if settings is None or INSTALLED is not None:
-        return None
-    INSTALLED = Guard(settings, dict(os.environ))
-    INSTALLED.start()
-    if INSTALLED.is_launcher:
-        return None
-    INSTALLED.check_world_size()
-    from harness.grad_check.script import capture  # a rank's alone: it loads torch
-
-    installed = capture.install(settings)
-    INSTALLED.watch_training()
-    return installed
+    if INSTALLED is None:
+        INSTALLED = Guard(settings, environment)
+        INSTALLED.start()
+    return INSTALLED
 
 
 def waiting_in_exchange(where: str) -> contextlib.AbstractContextManager[None]:

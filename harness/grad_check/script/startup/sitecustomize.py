@@ -2,12 +2,12 @@
 
 ``grad-check run`` puts this folder first on the PYTHONPATH of the processes it starts,
 so Python imports this module at start-up (``site``), before the script. Where the
-environment names a capture folder, it loads harness/grad_check/script/guard.py from the
-harness next to it, which watches the process for grad-check and, in a rank, installs the
-capture (capture.py); elsewhere it does nothing. The harness's folder is on the path only
-while the capture loads: its ``examples`` and ``tests`` packages must not shadow the
-user's. A ``sitecustomize`` this one shadows (a distribution's, a virtual environment's)
-runs too, first.
+environment names a capture folder, it loads harness/grad_check/script/installed.py from
+the harness next to it, which installs the guard (guard.py: it watches the process for
+grad-check) and, in a rank, the capture (capture.py); elsewhere it does nothing. The
+harness's folder is on the path only while the capture loads: its ``examples`` and
+``tests`` packages must not shadow the user's. A ``sitecustomize`` this one shadows (a
+distribution's, a virtual environment's) runs too, first.
 """
 
 import importlib.machinery
@@ -34,7 +34,7 @@ def _install_the_capture() -> None:
         return
     sys.path.insert(0, _ROOT)
     try:
-        from harness.grad_check.script.guard import install_from_environment
+        from harness.grad_check.script.installed import install_from_environment
 
         install_from_environment()
     except Exception as error:  # noqa: BLE001 -- a run without its capture is no check
