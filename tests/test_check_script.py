@@ -301,7 +301,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
     """A capture as a run of ``split`` leaves it: SGD at ``lr`` on ``grads(step)``, two
     steps; every rank fed ``samples`` (split among them) and counted ``counts``; rank r's
     gradient digests are ``fingerprints[r]``; the script imported ``frameworks``
-    (capture.py FRAMEWORK_MODULES). Without ``against`` it is the reference's
+    (wire.py FRAMEWORK_MODULES). Without ``against`` it is the reference's
     first run, which writes its tensors; else compared with that run, as a rank does."""
     folder.mkdir(parents=True)
     points = Points(folder, against.run.folder if against else None, 0)

@@ -16,7 +16,8 @@ wrapped functions it sees:
   the ranks' sums combined (points.py); ranks holding whole copies write digests of them;
 - every training forward (samples.py: an outermost call of a module with parameters,
   autograd on, in training mode, on data, not recomputed in a backward): a fingerprint of
-  each sample it fed and the tokens its ``labels`` count;
+  each sample it fed and the labels counted (the model's ``labels``, else those its loss's
+  integer targets count: wrappers.py ``wrap_losses``);
 - the floating types that ran: parameters, gradients, losses, and every operation in the
   graph behind each loss (graph.py: autocast entered inside ``forward``, a layer cast by
   hand).
@@ -37,7 +38,7 @@ import functools
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +53,14 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from harness.check.fix import batchnorm_tensors
 from harness.errors import USAGE_EXIT, first_sentence
-from harness.grad_check.script import ending, engines, points, samples, wrappers
+from harness.grad_check.script import ending, engines, naming, points, samples, wire, wrappers
 from harness.grad_check.script.graph import graph_dtypes
 from harness.grad_check.script.guard import failing_line
-from harness.grad_check.script.naming import named_modules, owner, parameter_names
+from harness.grad_check.script.naming import owner, parameter_names
 from harness.grad_check.script.sharded import reader_for
-from harness.grad_check.script.tracked import Tracked, Window
+from harness.grad_check.script.tracked import Tracked, Window, identity_of
 from harness.grad_check.script.wire import RankSettings
-
-#: The training frameworks a fix may name in their own terms, by the module that shows
-#: the script uses them.
-FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerate": "accelerate",
-                     "lightning": "lightning", "deepspeed": "deepspeed"}
 
 
 class Refused(Exception):
@@ -141,6 +136,44 @@ class Capture:
         sys.excepthook = excepthook
         atexit.register(self.write_summary)
 
+    # ------------------------------------------------------------------ events
+    # What the wrapped functions of torch and of the frameworks (wrappers.py, engines.py)
+    # tell the capture; nothing else of the capture is theirs to touch.
+    def on_construct(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer was constructed: its first window starts at the next forward."""
+        with contextlib.suppress(TypeError):  # an object that cannot be weakly held
+            self.constructed[optimizer] = self.window.forwards
+
+    @contextlib.contextmanager
+    def on_backward(self, tensors: Any) -> Iterator[None]:
+        """A backward of ``tensors`` runs inside: a forward in it recomputes (activation
+        checkpointing) rather than feeds new samples."""
+        self.saw_backward(tensors)
+        self.backward_depth += 1
+        try:
+            yield
+        finally:
+            self.backward_depth -= 1
+
+    @contextlib.contextmanager
+    def on_clip(self, text: str, held: list[nn.Parameter]) -> Iterator[None]:
+        """A clip of ``held`` runs inside; the outermost (clip_grad_norm_ calls
+        clip_grads_with_norm_) keeps the window's gradient first, and again where a clip
+        of the same window came before (wrappers.py ``clipping``)."""
+        outermost = not self.window.clipping
+        if outermost:
+            self.before_editing(held, again=self.window.clip_calls({id(p) for p in held}) > 0)
+            self.window.clipped(text, held)
+        self.window.clipping = True
+        try:
+            yield
+        finally:
+            self.window.clipping = not outermost
+
+    def could_not(self, what: str) -> None:
+        """Something the capture could not read or wrap: the summary says so."""
+        self.unknown.add(what)
+
     @never_raising
     def before_editing(self, parameters: Iterable[nn.Parameter], again: bool = False) -> None:
         """Keep each gradient as it is now, where this window has not kept it yet (``again``:
@@ -178,23 +211,8 @@ class Capture:
         tracked = self._tracked(optimizer, key)
         if tracked.steps >= self.steps:  # captured already: the script goes on (--keep-going)
             return None
-        # args[0] is the optimizer itself, args[1] a positional closure.
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self.read_gradients(tracked, optimizer)
-            return None
-        called = []
-
-        def closure_then_gradients():
-            loss = closure()
-            if not called:  # an optimizer that calls it again (LBFGS) moved on from there
-                called.append(True)
-                self.read_gradients(tracked, optimizer)
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_gradients}
-        return (args[0], closure_then_gradients, *args[2:]), kwargs
+        return wrappers.reading_after_closure(
+            args, kwargs, functools.partial(self.read_gradients, tracked, optimizer))
 
     @never_raising
     def read_gradients(self, tracked: Tracked, optimizer: torch.optim.Optimizer,
@@ -226,7 +244,7 @@ class Capture:
         self.step_depth -= 1
         if self.step_depth > 0 or not self.recording:
             return
-        tracked = self._by_key(identity_of(optimizer))
+        tracked = self.tracked_by(identity_of(optimizer))
         if tracked is not None:
             self.finish_step(tracked)
 
@@ -303,13 +321,13 @@ class Capture:
         self.dtypes |= graph_dtypes(roots)
 
     # ------------------------------------------------------------------ optimizers
-    def _by_key(self, key: frozenset[int]) -> Tracked | None:
+    def tracked_by(self, key: frozenset[int]) -> Tracked | None:
         return next((tracked for tracked in self.tracked if tracked.key == key), None)
 
     def _tracked(self, optimizer: torch.optim.Optimizer, key: frozenset[int]) -> Tracked:
         """The optimizer's identity, named and its initial parameters kept at its first
         step (an optimizer re-created over the same parameters is the same one)."""
-        tracked = self._by_key(key)
+        tracked = self.tracked_by(key)
         if tracked is not None:
             return tracked
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
@@ -318,23 +336,24 @@ class Capture:
         names = parameter_names(parameters, model, groups)
         if any(n.startswith("param_groups.") for n in names) and engines.engine_alive():
             raise Refused(engines.OUTSIDE_THE_ENGINE)
-        return self._track(type(optimizer).__name__, key, parameters,
+        return self.track(type(optimizer).__name__, key, parameters,
                            reader_for(optimizer, parameters, names), model,
                            self.constructed.get(optimizer, 0))
 
-    def _track(self, kind: str, key: frozenset[int], parameters: list[nn.Parameter],
+    def track(self, kind: str, key: frozenset[int], parameters: list[nn.Parameter],
                reader: Any, model: nn.Module | None, since: int) -> Tracked:
         """A new optimizer, its initial parameters written (by the reference's first run)."""
         tracked = Tracked(len(self.tracked), kind, key, parameters, reader, since)
         self.tracked.append(tracked)
         if model is not None:
-            self._learn_facts(model)
+            for name, found in naming.model_facts(model).items():
+                self.facts[name] |= found
         specs, pieces, _ = tracked.read(parameters, "initial", self.rank)
         self.points.done(tracked.index, 0, "initial", specs, pieces, tracked.sharded)
         return tracked
 
     # ------------------------------------------------------------------ DeepSpeed
-    def engine_step(self, engine: Any, step: Callable[[], Any]) -> Any:
+    def on_engine_step(self, engine: Any, step: Callable[[], Any]) -> Any:
         """DeepSpeed's boundary step (engines.py): one step of one optimizer, the engine's
         model read before and after it; the torch optimizer stepped inside it is inner."""
         self.step_depth += 1
@@ -358,14 +377,6 @@ class Capture:
     def after_engine_step(self, done: engines.EngineStep) -> None:
         engines.after_step(self, done)
 
-    def _learn_facts(self, model: nn.Module) -> None:
-        """What a fix is read from besides the tensors (harness/check/fix.py: Facts)."""
-        modules = list(named_modules(model))  # named as the optimizer's tensors are
-        self.facts["batchnorm"] |= batchnorm_tensors(model, modules)
-        self.facts["dropout"] |= {name for name, module in modules
-                                  if isinstance(module, nn.modules.dropout._DropoutNd)
-                                  and module.p > 0 and module.training}
-
     def oldest_window(self) -> int:
         """The first forward any optimizer's next step may still count."""
         starts = [tracked.since for tracked in self.tracked]
@@ -388,7 +399,7 @@ class Capture:
     # ------------------------------------------------------------------ the end
     def summary(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size,
-                "frameworks": sorted(name for name, module in FRAMEWORK_MODULES.items()
+                "frameworks": sorted(name for name, module in wire.FRAMEWORK_MODULES.items()
                                      if module in sys.modules),
                 "optimizers": [tracked.summary() for tracked in self.tracked],
                 "records": self.records, "dtypes": sorted(self.dtypes),
@@ -418,12 +429,6 @@ class Capture:
         self.exit(USAGE_EXIT)
 
     exit = staticmethod(ending.exit_now)
-
-
-def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:
-    """An optimizer is known by the trainable parameters it holds."""
-    return frozenset(id(p) for group in optimizer.param_groups for p in group["params"]
-                     if getattr(p, "requires_grad", False))
 
 
 def install(settings: RankSettings) -> Capture:

@@ -107,14 +107,14 @@ def fragments(name: str, p: nn.Parameter, point: str, rank: int) -> list[Piece]:
 
 
 def wrap_engine(capture: Capture) -> None:
-    """The engine's boundary step through ``capture.engine_step``, once DeepSpeed loads."""
+    """The engine's boundary step through ``capture.on_engine_step``, once DeepSpeed loads."""
     def patch(module: ModuleType) -> None:
         kind = module.DeepSpeedEngine
         original = getattr(kind, BOUNDARY_STEP)
 
         @functools.wraps(original)
         def boundary_step(engine, *args, **kwargs):
-            return capture.engine_step(engine, lambda: original(engine, *args, **kwargs))
+            return capture.on_engine_step(engine, lambda: original(engine, *args, **kwargs))
 
         setattr(kind, BOUNDARY_STEP, boundary_step)
 
@@ -186,12 +186,12 @@ def before_step(capture: Capture, engine: Any) -> Tracked:
     model = engine_model(engine)
     parameters = [p for p in model.parameters() if p.requires_grad]
     key = frozenset(id(p) for p in parameters)
-    tracked = capture._by_key(key)
+    tracked = capture.tracked_by(key)
     if tracked is None:
         names = parameter_names(parameters, model, [0] * len(parameters))
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         sharded = any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for p in parameters)
-        tracked = capture._track(engine_kind(engine), key, parameters,
+        tracked = capture.track(engine_kind(engine), key, parameters,
                                  Engine(names, engine_sharding(engine), sharded), model,
                                  capture.constructed.get(inner, 0))
     if tracked.steps < capture.steps:

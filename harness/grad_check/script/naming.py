@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from harness.check.fix import batchnorm_tensors
+
 
 @dataclass(frozen=True)
 class Wrapper:
@@ -161,3 +163,14 @@ def optimizer_label(kind: str, names: Sequence[str], others: Sequence[Sequence[s
         return kind
     prefix = os.path.commonprefix([name.split(".") for name in names])
     return f"{kind}({'.'.join(prefix) or names[0]})"
+
+
+def model_facts(model: nn.Module) -> dict[str, set[str]]:
+    """What a fix is read from besides the tensors (harness/check/fix.py: Facts), named as
+    the optimizer's tensors are: the tensors of BatchNorm layers, the dropout layers that
+    train."""
+    modules = list(named_modules(model))
+    return {"batchnorm": batchnorm_tensors(model, modules),
+            "dropout": {name for name, module in modules
+                        if isinstance(module, nn.modules.dropout._DropoutNd)
+                        and module.p > 0 and module.training}}

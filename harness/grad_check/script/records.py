@@ -191,7 +191,7 @@ class Captured:
 
     @property
     def frameworks(self) -> set[str]:
-        """The training frameworks the script imported (capture.py FRAMEWORK_MODULES)."""
+        """The training frameworks the script imported (wire.py FRAMEWORK_MODULES)."""
         return set(self.first.get("frameworks", []))
 
     @property

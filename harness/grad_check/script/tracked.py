@@ -34,6 +34,12 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> list[float]:
     return rates
 
 
+def identity_of(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """An optimizer is known by the trainable parameters it holds."""
+    return frozenset(id(p) for group in optimizer.param_groups for p in group["params"]
+                     if getattr(p, "requires_grad", False))
+
+
 @dataclass
 class Forward:
     """One training forward: the parameters its module holds, the samples it fed and the

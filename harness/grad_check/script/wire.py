@@ -46,6 +46,11 @@ LAUNCHER_NAME_VARIABLE = "GRAD_CHECK_LAUNCHER_NAME"
 #: (scripts/bench.py measures the capture's extra memory per rank with it).
 MEMORY_VARIABLE = "GRAD_CHECK_MEMORY"
 
+#: The training frameworks a fix may name in their own terms (a rank's summary lists those
+#: the script imported), by the module that shows the script uses them.
+FRAMEWORK_MODULES = {"trainer": "transformers.trainer", "trl": "trl", "accelerate": "accelerate",
+                     "lightning": "lightning", "deepspeed": "deepspeed"}
+
 #: What :class:`RankSettings` is carried in: a process inherits none of them from
 #: grad-check's own environment (a check run inside another's split).
 SETTINGS_VARIABLES = (FOLDER_VARIABLE, STEPS_VARIABLE, KEEP_GOING_VARIABLE, TIMEOUT_VARIABLE,

@@ -30,10 +30,32 @@ def wrap_construction(capture: Capture) -> None:
     @functools.wraps(original)
     def __init__(optimizer, *args, **kwargs):
         original(optimizer, *args, **kwargs)
-        with contextlib.suppress(TypeError):  # an object that cannot be weakly held
-            capture.constructed[optimizer] = capture.window.forwards
+        capture.on_construct(optimizer)
 
     torch.optim.Optimizer.__init__ = __init__
+
+
+def reading_after_closure(args: tuple, kwargs: dict,
+                          read: Callable[[], None]) -> tuple[tuple, dict] | None:
+    """A step's arguments, with its closure (Lightning passes one that runs the last
+    micro-step's backward and the clipping) made to ``read`` the gradients once it has
+    run; None, after reading them now, where the step is given none."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: self
+    if closure is None:
+        read()
+        return None
+    called = []
+
+    def closure_then_gradients():
+        loss = closure()
+        if not called:  # an optimizer that calls it again (LBFGS) moved on from there
+            called.append(True)
+            read()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_gradients}
+    return (args[0], closure_then_gradients, *args[2:]), kwargs
 
 
 def wrap_backward(capture: Capture) -> None:
@@ -43,13 +65,9 @@ def wrap_backward(capture: Capture) -> None:
         original = getattr(torch.autograd, name)
 
         def during(*args, _original=original, **kwargs):
-            capture.saw_backward(args[0] if args else kwargs.get("tensors",
-                                                                 kwargs.get("outputs")))
-            capture.backward_depth += 1
-            try:
+            with capture.on_backward(args[0] if args else kwargs.get(
+                    "tensors", kwargs.get("outputs"))):
                 return _original(*args, **kwargs)
-            finally:
-                capture.backward_depth -= 1
 
         setattr(torch.autograd, name, functools.wraps(original)(during))
 
@@ -200,7 +218,7 @@ def after_import(capture: Capture, name: str, patch: Callable[[ModuleType], None
         try:
             patch(module)
         except Exception as error:  # noqa: BLE001 -- the user's import must go on
-            capture.unknown.add(f"wrapping {name}: {type(error).__name__}: {error}")
+            capture.could_not(f"wrapping {name}: {type(error).__name__}: {error}")
 
     if name in sys.modules:
         guarded(sys.modules[name])
@@ -215,16 +233,8 @@ def clipping(capture: Capture, name: str, original, parameters, *args, **kwargs)
     the one before the window's last clip, which every rank holds alike once DDP has
     reduced the last micro-step, not micro-step 0's local partial one."""
     held = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    outermost = not capture.window.clipping
-    if outermost:
-        again = capture.window.clip_calls({id(p) for p in held}) > 0
-        capture.before_editing(held, again)
-        capture.window.clipped(clip_text(name, args, kwargs), held)
-    capture.window.clipping = True
-    try:
+    with capture.on_clip(clip_text(name, args, kwargs), held):
         return original(held, *args, **kwargs)
-    finally:
-        capture.window.clipping = not outermost
 
 
 def clip_text(name: str, args: tuple, kwargs: dict) -> str:
