@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from harness.verdicts import Equivalence, Status
+from harness.verdicts import FIT_VERDICTS, Equivalence, Status
 
 
 @dataclass(frozen=True)
@@ -81,16 +81,12 @@ class Table:
 
 
 #: The values of a verdict against the big batch, as a fit gives them
-#: (:class:`harness.verdicts.Equivalence`).
-EQUIVALENCES = ", ".join(f"`{value}`" for value in (Equivalence.MATCHES, Equivalence.SCALED,
-                                                    Equivalence.DIFFERS))
+#: (:data:`harness.verdicts.FIT_VERDICTS`).
+EQUIVALENCES = ", ".join(f"`{value}`" for value in FIT_VERDICTS)
 
 WORLD_SIZE = Column("world_size", "ranks", "N: ranks the global batch is split across")
 ACCUM_STEPS = Column("accum_steps", "micro-steps", "k: micro-steps per optimizer step")
 
-#: The values of a row's status (:class:`harness.verdicts.Status`; ``skipped`` is written
-#: ``skipped: why``).
-STATUSES = ", ".join(f"`{value}`" for value in Status)
 
 # The columns every row the check judges has (``grad-check``'s check.csv, ``--frameworks``'
 # and the frameworks study's rows, ``grad-check run``'s script.csv), each filled from the
@@ -105,10 +101,9 @@ POINT = Column("point", "`grad`, `params`",
                "(the parameters after the step, as updates from where the reference started "
                "it)", judged=lambda j: j.point)
 #: A verdict against the single-process big-batch step, and the fit it is read from.
-VERDICT = Column("verdict", EQUIVALENCES,
-                 "against the single-process big-batch step: the same, a pure multiple s of "
-                 "it, or no multiple; empty where the row could not be judged",
-                 judged=lambda j: j.verdict)
+VERDICT = Column("verdict", Equivalence.words(),
+                 "against the single-process big-batch step, empty where the row could not be "
+                 f"judged: {Equivalence.described()}", judged=lambda j: j.verdict)
 SCALE = Column("scale", "ratio",
                "s in `measured ~ s * reference` (least squares over every tensor)",
                judged=lambda j: j.scale)
@@ -129,8 +124,11 @@ PRECISION = Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
                    "row's tolerance is that precision's", judged=lambda j: j.precision_name)
 FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches",
              judged=lambda j: j.fix)
-STATUS = Column("status", STATUSES, "`ok` where the row was judged; else why not",
+STATUS = Column("status", Status.words(), Status.described(),
                 judged=lambda j: str(j.status))
+#: Judged columns whose values a CSV may not describe in its own words: each value's
+#: meaning is declared once, in harness/verdicts.py.
+DECLARED_ONCE = ("verdict", "status")
 ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
                "else empty", judged=lambda j: j.error)
 JUDGED: tuple[Column, ...] = (STEP, POINT, VERDICT, SCALE, RESIDUAL, WORST_TENSORS, RANKS_AGREE,
@@ -153,6 +151,10 @@ def judged_columns(**docs: str | tuple[str, str]) -> tuple[Column, ...]:
     unknown = set(docs) - set(names(JUDGED))
     if unknown:
         raise ValueError(f"no judged column is called {', '.join(sorted(unknown))}")
+    redeclared = set(docs) & set(DECLARED_ONCE)
+    if redeclared:
+        raise ValueError(f"{', '.join(sorted(redeclared))}: each value's meaning is declared "
+                         "once, in harness/verdicts.py")
     described = []
     for column in JUDGED:
         doc = docs.get(column.name)

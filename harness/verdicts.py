@@ -22,17 +22,42 @@ class Reduction(StrEnum):
     OTHER = "other"
 
 
-class Equivalence(StrEnum):
+class Worded(StrEnum):
+    """A word of a CSV column declared with its meaning, once: ``Member = "word", "meaning"``.
+    The schemas, and docs/results.md from them, say what each word means from here."""
+
+    meaning: str
+
+    def __new__(cls, word: str, meaning: str = "") -> Worded:
+        member = str.__new__(cls, word)
+        member._value_ = word
+        member.meaning = meaning
+        return member
+
+    @classmethod
+    def described(cls) -> str:
+        """Every word with its meaning, as a schema's column says them."""
+        return "; ".join(f"`{member}`: {member.meaning}" for member in cls)
+
+    @classmethod
+    def words(cls) -> str:
+        return ", ".join(f"`{member}`" for member in cls)
+
+
+class Equivalence(Worded):
     """How a measured gradient (or update) relates to its big-batch reference."""
 
-    MATCHES = "matches"
-    #: A pure multiple of the reference, the multiple not 1.
-    SCALED = "scaled"
-    #: No multiple of the reference explains it.
-    DIFFERS = "differs"
-    #: The ranks ended the step holding different tensors, where only rank 0's were
-    #: compared with the reference: whatever rank 0's say, the others' differ.
-    RANKS_DIFFER = "ranks differ"
+    MATCHES = "matches", "the big batch's step, within the row's tolerance"
+    SCALED = "scaled", "a pure multiple `scale` of the big batch's step, the multiple not 1"
+    DIFFERS = "differs", "no multiple of the big batch's step explains it"
+    RANKS_DIFFER = "ranks differ", (
+        "the ranks ended the step holding different tensors where only rank 0's were compared "
+        "with the big batch (`grad-check run`): whatever rank 0's say, the others' differ")
+
+
+#: The verdicts a scale fit alone gives (harness/fit.py); ``ranks differ`` is the check's,
+#: where the ranks disagree.
+FIT_VERDICTS = (Equivalence.MATCHES, Equivalence.SCALED, Equivalence.DIFFERS)
 
 
 #: The ``--fail-on`` levels under which a row with each verdict fails a check (a verdict
@@ -44,26 +69,24 @@ FAILS_UNDER: dict[Equivalence, frozenset[str]] = {
 }
 
 
-class Status(StrEnum):
+class Status(Worded):
     """Whether a row of the check was judged, and where not, why."""
 
-    OK = "ok"
-    #: The case or split failed: the row's ``error`` says how.
-    ERROR = "error"
-    #: Not run here: written ``skipped: why``.
-    SKIPPED = "skipped"
-    #: The gradient was all zero in the case and in the reference: nothing was compared.
-    NO_GRADIENT = "no gradient"
-    #: The step moved no parameter in the case or in the reference, at a learning rate
-    #: other than 0: nothing was compared.
-    NO_UPDATE = "no update"
-    #: Measured, and beyond the reach of its precision: a float32 step within float32's
-    #: tolerance but above its rounding (only a run in float64 can tell); or an update
-    #: below float32 off by more than the tolerance after a gradient that matched it, at
-    #: scale 1 (an adaptive optimizer magnifies the gradient's rounding in its step, which
-    #: such a run cannot tell from a difference of the optimizer's own; a run in float32
-    #: can). Neither a match nor a failure: the row says which run resolves it.
-    UNRESOLVED = "unresolved"
+    OK = "ok", "measured and judged: the verdict says how it compares"
+    ERROR = "error", "the case or split failed: `error` says how"
+    SKIPPED = "skipped", ("not run here, written `skipped: why` (e.g. an update at learning "
+                          "rate 0, a case that needs more devices)")
+    NO_GRADIENT = "no gradient", ("the gradient was all zero in the case and in the big "
+                                  "batch alike: nothing was compared")
+    NO_UPDATE = "no update", ("the step moved no parameter in the case or in the big batch, "
+                              "at a learning rate other than 0: nothing was compared")
+    UNRESOLVED = "unresolved", (
+        "measured, and beyond the reach of its precision (the verdict is left empty): a "
+        "float32 step within float32's tolerance but above its rounding (a run in float64 "
+        "tells), an update that carries such a gradient's difference, or an update below "
+        "float32 off at scale 1 after a gradient that matched (an adaptive optimizer "
+        "magnifies the gradient's rounding; a run in float32 tells); neither a match nor a "
+        "failure")
 
 
 #: Statuses that fail a check's exit code whatever ``--fail-on`` says: nothing was checked.

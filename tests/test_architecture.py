@@ -247,6 +247,26 @@ def test_verdicts_and_statuses_are_spelled_by_their_enums():
     assert spelled == []
 
 
+def test_each_verdict_and_status_is_declared_once_with_its_meaning():
+    """Every judged CSV's ``verdict`` and ``status`` columns are the shared ones, whose
+    meanings come from harness/verdicts.py; a schema that describes them in its own words is
+    refused (they drifted apart when each front-end did)."""
+    from harness import columns
+    from harness.frameworks.columns import COLUMNS as FRAMEWORKS
+    from harness.grad_check.schema import COLUMNS as CHECK
+    from harness.grad_check.script.schema import COLUMNS as SCRIPT
+    from harness.verdicts import Equivalence, Status
+
+    assert all(member.meaning for member in (*Equivalence, *Status))
+    for schema in (CHECK, SCRIPT, FRAMEWORKS):
+        by_name = {column.name: column for column in schema}
+        assert by_name["status"] == columns.STATUS and by_name["verdict"] == columns.VERDICT
+    for member in Status:
+        assert f"`{member}`: {member.meaning}" in columns.STATUS.doc
+    with pytest.raises(ValueError, match="declared once"):
+        columns.judged_columns(status="`ok`, or `error`")
+
+
 @functools.cache
 def definitions() -> dict[str, list[str]]:
     """Every name a module of harness defines (a function, a class, an assignment) -> the

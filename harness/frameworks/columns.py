@@ -32,15 +32,10 @@ COLUMNS = (
         point="what is compared: the gradient the optimizer was handed, read in its `step` "
               "right before the update; or the update it made, θ_after − θ_before, read "
               "right after",
-        verdict="against the plain big batch (one process, one backward on the whole global "
-                "batch, the setup's step: a plain PyTorch loop): `matches` (`scale` 1, "
-                "`residual` within the tolerance of `precision`), `scaled` (another pure "
-                "multiple) or `differs`",
         ranks_agree="whether every rank's optimizer was handed the same tensors "
                     "(`rank_spread` within the row's tolerance)",
         fix="what to change for the plain big-batch step, read from the two comparisons "
             "and what the framework was seen to do; empty when it matches",
-        status="`ok`, or `error`",
         error="the exception the framework raised for this setting (status `error`), or the "
               "steps it took where one per window was expected, else empty"),
     shared.AUTOCAST_RESIDUAL,

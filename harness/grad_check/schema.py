@@ -31,7 +31,6 @@ COLUMNS: tuple[Column, ...] = (
                     "(`params`), as DDP promises; where they differ, each rank's own tensors "
                     "were compared. Empty for `local` and `fsdp`, whose ranks are not meant "
                     "to, and for `buffers`",
-        status="`ok`, `skipped: why`, or `error`",
         error="the exception of a case that failed (`Type: first sentence`), or where its "
               "loss or gradient first held a NaN or an infinity"),
     shared.AUTOCAST_RESIDUAL,

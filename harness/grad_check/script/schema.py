@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from harness import columns as shared
 from harness.columns import Column
-from harness.verdicts import Equivalence, Status
 
 COLUMNS: tuple[Column, ...] = (
     Column("split", "`NxK`", "N ranks x k micro-steps per optimizer step"),
@@ -33,10 +32,6 @@ COLUMNS: tuple[Column, ...] = (
               "its accumulation boundary before its own clip, else as the optimizer receives "
               "it), or the parameters after the step (DeepSpeed's fp32 master copy), as "
               "updates from where the reference started the step",
-        verdict=("against the reference split's step: the same, a pure multiple s of it, or "
-                 "no multiple; `ranks differ` where the split's ranks ended the step holding "
-                 "different tensors (rank 0's are the ones compared); empty where the row "
-                 "could not be judged", shared.EQUIVALENCES + f", `{Equivalence.RANKS_DIFFER}`"),
         ranks_agree="whether every rank held the same tensors at that point (sampled "
                     "fingerprints); empty at N = 1",
         precision="the lowest floating type the reference's and the split's runs used "
@@ -44,15 +39,6 @@ COLUMNS: tuple[Column, ...] = (
                   "a loss: autocast, a layer cast by hand): the row's tolerance is that "
                   "type's; a float64 model whose loss alone casts to float32 is judged at "
                   "what that cast can round to (`FLOAT32_ROUNDING`)",
-        status=f"`ok`; `{Status.NO_GRADIENT}` or `{Status.NO_UPDATE}` where the gradient (the "
-               "update) was all zero in the split and in the reference, so that nothing was "
-               f"compared; `{Status.UNRESOLVED}` where the run's precision cannot tell a "
-               "difference from its rounding (the verdict is left empty): a float32 step "
-               "within float32's tolerance but above its rounding (a run in float64 can "
-               "tell), or an update below float32 off at scale 1 after a gradient that "
-               "matched (an adaptive optimizer magnifies the gradient's rounding; a run in "
-               "float32 can tell); `skipped: why` for an update at learning rate 0; or "
-               "`error`",
         error="why the split's run gave no capture of the step: the failing rank and its "
               "line (`rank 1: Type: first sentence`), else empty"),
     Column("clip", "text",
