@@ -739,8 +739,8 @@ def test_a_float32_match_has_no_fix_and_a_bfloat16_one_says_what_it_leaves_open(
     grad = torch.ones(3, dtype=torch.float64)
     matching = compare([Pair("w", grad, grad)], ["w"], None, torch.device("cpu"), 1e-3)
     for dtype, said in ((torch.float32, False), (torch.bfloat16, True)):
-        [row] = judge_step(0, [Compared("grad", matching)], dtype,
-                           Facts(world_size=1, accum_steps=2), say_unresolved=True)
+        [row], _ = judge_step(0, [Compared("grad", matching)], dtype,
+                              Facts(world_size=1, accum_steps=2), say_unresolved=True)
         assert row.verdict == "matches" and bool(row.fix) is said, dtype
 
 
@@ -942,7 +942,7 @@ def test_a_bfloat16_update_off_after_a_matching_gradient_is_unresolved_not_diffe
                     Compared("params", Comparison(ScaleFit(update_scale, 0.068), update, {}),
                              ranks_agree)]
         return judge_step(1, compared, dtype, Facts(world_size=2, accum_steps=1),
-                          say_unresolved=True, rank_zero_only=True)
+                          say_unresolved=True, rank_zero_only=True).rows
 
     _, update = step()
     assert (update.status, update.verdict) == ("unresolved", "")

@@ -6,15 +6,17 @@ scale asks for, what the judge carries from one step to the next, which statuses
 a check. (``grad-check run``'s own rules: tests/test_mutation_targets_script.py.)
 """
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from harness.check.batches import piece
 from harness.check.compare import Comparison
 from harness.check.fix import Facts, scale_fix
-from harness.check.judge import Compared, judge_step
+from harness.check.judge import Compared, Memory, judge_step
 from harness.check.outcome import FAIL_ON, exit_code, failing_cases
-from harness.check.precision import unresolved_below
+from harness.check.precision import tolerance, unresolved_below
 from harness.check.setup import Setup
 from harness.check.step import WholeStep, not_finite
 from harness.fit import ScaleFit
@@ -91,16 +93,18 @@ def test_only_step_0s_scaled_gradient_is_the_cause_later_rows_follow_from():
          Compared("params", comparison(Equivalence.DIFFERS, 1.3, 0.2))],
         [Compared("grad", MATCHES), Compared("params", comparison(Equivalence.DIFFERS, 1.1, 0.1))],
     ]
-    rows = [row for step, compared in enumerate(steps)
-            for row in judge_step(step, compared, torch.float64, facts)]
-    assert facts.gradient_scale is None
+    rows, memory = [], Memory()
+    for step, compared in enumerate(steps):
+        judged, memory = judge_step(step, compared, torch.float64, facts, memory)
+        rows += judged
+    assert memory.gradient_scale is None
     assert not any("step 0" in row.fix for row in rows), [row.fix for row in rows]
-    assert rows[2].fix == scale_fix("grad", 2.0, facts)  # its own scale's fix, and no more
-    # Scaled at step 0, the same memory names it on a later row it alone does not explain.
-    facts = Facts(world_size=2, accum_steps=2)
-    judge_step(0, steps[1], torch.float64, facts)
-    [_, update] = judge_step(1, steps[2], torch.float64, facts)
-    assert facts.gradient_scale == 2.0 and update.fix.startswith("step 0's gradient is scaled")
+    rtol = tolerance(torch.float64)  # its own scale's fix, and no more
+    assert rows[2].fix == scale_fix("grad", 2.0, replace(facts, rtol=rtol))
+    # Scaled at step 0, the memory returned names it on a later row it alone does not explain.
+    _, memory = judge_step(0, steps[1], torch.float64, facts)
+    [_, update], _ = judge_step(1, steps[2], torch.float64, facts, memory)
+    assert memory.gradient_scale == 2.0 and update.fix.startswith("step 0's gradient is scaled")
 
 
 def test_an_update_off_after_a_scaled_gradient_differs_even_in_bfloat16():
@@ -108,9 +112,10 @@ def test_an_update_off_after_a_scaled_gradient_differs_even_in_bfloat16():
     rounding magnified by Adam and a real difference look alike. After a gradient twice the
     reference's, the update is off because the gradient is: it differs, and fails."""
     facts = Facts(world_size=2, accum_steps=1)
-    grad, update = judge_step(0, [Compared("grad", comparison(Equivalence.SCALED, 2.0, 1e-3)),
-                                  Compared("params", comparison(Equivalence.DIFFERS, 1.0, 0.06))],
-                              torch.bfloat16, facts, say_unresolved=True)
+    [grad, update], _ = judge_step(
+        0, [Compared("grad", comparison(Equivalence.SCALED, 2.0, 1e-3)),
+            Compared("params", comparison(Equivalence.DIFFERS, 1.0, 0.06))],
+        torch.bfloat16, facts, say_unresolved=True)
     assert grad.verdict == "scaled"
     assert (update.status, update.verdict) == (Status.OK, "differs")
     rows = [{"step": 0, "point": row.point, "status": row.status, "verdict": row.verdict,
@@ -125,7 +130,7 @@ def test_an_update_that_moved_nothing_is_skipped_only_where_every_group_had_lear
     zero = Compared("params", comparison(Equivalence.MATCHES, nothing=True))
     for rates, skipped in (((0.0, 0.0), True), ((0.0, 1e-3), False), ((1e-3,), False)):
         facts = Facts(world_size=1, accum_steps=2, learning_rates=rates)
-        [row] = judge_step(0, [zero], torch.float64, facts)
+        [row], _ = judge_step(0, [zero], torch.float64, facts)
         assert row.status.startswith(Status.SKIPPED) is skipped, rates
         assert (row.status == Status.NO_UPDATE) is not skipped, rates
 

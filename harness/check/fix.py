@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -24,9 +24,12 @@ from harness.verdicts import Combination, Equivalence
 NORM_MODULES = (nn.modules.batchnorm._BatchNorm,)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Facts:
-    """What a fix is decided from, besides the comparison itself."""
+    """What a fix is decided from, besides the comparison itself: the case's constants and
+    the step's inputs, as the front-end measured them (a new one per step, ``replace``),
+    and, per point, what the judge adds (``rtol``, ``ranks_agree``, ``gradient_scale``
+    from its :class:`~harness.check.judge.Memory`). Nothing changes it once made."""
 
     world_size: int
     accum_steps: int
@@ -35,7 +38,7 @@ class Facts:
     reduces_in_buckets: bool = False
     find_unused: str = "pass find_unused_parameters=True to DDP (Setup.ddp_options)"
     #: Parameter and buffer names that belong to BatchNorm modules.
-    batchnorm: set[str] = field(default_factory=set)
+    batchnorm: frozenset[str] = frozenset()
     #: Parameters without gradient in the reference.
     unused: tuple[str, ...] = ()
     #: DDP was told to look for unused parameters.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -118,24 +118,40 @@ def no_cause(_compared: Compared, _facts: Facts, _judged: Sequence[Judged]) -> s
     return None
 
 
-def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, facts: Facts,
-               cause: Cause = no_cause, say_unresolved: bool = False,
-               rank_zero_only: bool = False) -> list[Judged]:
-    """The rows of one step, in the order of ``compared``.
+@dataclass(frozen=True)
+class Memory:
+    """What the judge carries from one step of a case to the next: the scale of a step-0
+    gradient that is a pure multiple other than 1, which every later row it does not
+    explain by itself names as its cause."""
 
-    ``facts`` is the case's, carried from step to step: a scaled step-0 gradient is kept in
-    it, and every later row it does not explain by itself says so. A point where both sides
-    were all zero compared nothing, and says so instead of a verdict. ``say_unresolved``: a
-    ``matches`` at a precision coarser than float32 says what its tolerance cannot resolve
-    (for a front-end that runs no twin without autocast). ``rank_zero_only``: the front-end
-    compared rank 0's tensors alone, so ranks that disagree are the row's verdict."""
-    facts.rtol = tolerance(precision)
+    gradient_scale: float | None = None
+
+
+class JudgedStep(NamedTuple):
+    """A step's rows, and the memory the case's next step is judged with."""
+
+    rows: list[Judged]
+    memory: Memory
+
+
+def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, facts: Facts,
+               memory: Memory = Memory(), cause: Cause = no_cause, say_unresolved: bool = False,
+               rank_zero_only: bool = False) -> JudgedStep:
+    """The rows of one step, in the order of ``compared``, and the memory the next step of
+    the case is judged with (``memory``: the one this step's judgement returned before).
+
+    A point where both sides were all zero compared nothing, and says so instead of a
+    verdict. ``say_unresolved``: a ``matches`` at a precision coarser than float32 says what
+    its tolerance cannot resolve (for a front-end that runs no twin without autocast).
+    ``rank_zero_only``: the front-end compared rank 0's tensors alone, so ranks that
+    disagree are the row's verdict."""
+    facts = replace(facts, rtol=tolerance(precision), gradient_scale=memory.gradient_scale)
     judged: list[Judged] = []
     for measured in compared:
         if measured.comparison.nothing:
             judged.append(nothing_compared(step, measured, precision, facts))
             continue
-        facts.ranks_agree = measured.ranks_agree
+        facts = replace(facts, ranks_agree=measured.ranks_agree)
         gradient = next((row for row in judged if row.point == "grad"), None)
         if say_unresolved and beyond_its_precision(measured, precision, gradient):
             judged.append(unresolved_update(step, measured, precision, gradient))
@@ -147,8 +163,9 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
                                           rank_zero_only))
         if (step == 0 and measured.point == "grad"
                 and measured.comparison.verdict is Equivalence.SCALED):
-            facts.gradient_scale = measured.comparison.scale
-    return judged
+            memory = Memory(gradient_scale=measured.comparison.scale)
+            facts = replace(facts, gradient_scale=memory.gradient_scale)  # its update's too
+    return JudgedStep(judged, memory)
 
 
 def judged_by_cause(step: int, measured: Compared, precision: torch.dtype, facts: Facts,

@@ -36,6 +36,7 @@ from harness.check.judge import (
     Cause,
     Compared,
     Judged,
+    Memory,
     at_full_precision,
     judge_step,
     judged_row,
@@ -241,21 +242,23 @@ class FrameworkJudge:
         """Every step's rows, judged by the engine; the framework's own causes first."""
         facts = Facts(world_size=self.job.world_size, accum_steps=self.job.accum_steps,
                       reduces_in_buckets=self.framework.reduces_in_buckets,
-                      find_unused=self.framework.find_unused, batchnorm=self.batchnorm,
+                      find_unused=self.framework.find_unused, batchnorm=frozenset(self.batchnorm),
                       unused=self.plain[0].unused, loss_combination=self.loss_combination)
         judged: list[Judged] = []
+        memory = Memory()
         for step in range(self.job.setup.steps):
             precision = case_precision(self.job.dtype, self.job.setup,
                                        [self.plain[step].loss_dtype,
                                         *self.captures[0].loss_dtypes])
             rtol = tolerance(precision)
-            facts.learning_rates = self.plain[step].lrs
             recipes = {point: self._compare(step, point, self.recipe[step], rtol)
                        for point in POINTS}
             compared = [self._compared(step, point, rtol, recipes[point], identity)
                         for point in POINTS]
-            judged += judge_step(step, compared, precision, facts,
-                                 cause=self._cause(step, recipes))
+            rows, memory = judge_step(step, compared, precision,
+                                      replace(facts, learning_rates=self.plain[step].lrs),
+                                      memory, cause=self._cause(step, recipes))
+            judged += rows
         return judged
 
     def _compared(self, step: int, point: str, rtol: float, recipe: Comparison,

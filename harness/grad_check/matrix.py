@@ -28,6 +28,8 @@ from harness.check.judge import (
     Cause,
     Compared,
     Judged,
+    JudgedStep,
+    Memory,
     at_full_precision,
     judge_step,
     judged_row,
@@ -242,33 +244,36 @@ class SetupCheck:
                                            case.world_size, self.device, group)
         facts = self._facts(case, model, reference)
         measured: list[Judged] = []
+        memory = Memory()
         for step, ref in enumerate(reference):
             window = window_of(self.setup, step, used, self.dtype, self.device)
-            measured += self._measure_step(case, model, step, ref, window, facts, group)
+            rows, memory = self._measure_step(case, model, step, ref, window, facts, memory,
+                                              group)
+            measured += rows
         return measured
 
     def _measure_step(self, case: MatrixCase, model: CaseModel, step: int, ref: ReferenceStep,
-                      window: Any, facts: Facts, group: dist.ProcessGroup | None
-                      ) -> list[Judged]:
+                      window: Any, facts: Facts, memory: Memory,
+                      group: dist.ProcessGroup | None) -> JudgedStep:
         """One optimizer step of the case: its window's micro-steps, then each point
         compared and judged at the precision the step ran in."""
         samples = batches.sample_count(window, f"batch({step})")
-        facts.loss_combination = self._loss_combination(window, samples, case)
+        combination = self._loss_combination(window, samples, case)
         model.backward_window(window, samples, case.accum_steps)
         self._refuse_not_finite(model, step, case, group)
         if self._scaler_skipped(model, group) or ref.skipped:
-            return self._skipped_step(model, step, ref.skipped)
+            return JudgedStep(self._skipped_step(model, step, ref.skipped), memory)
         precision = case_precision(self.dtype, self.setup,
                                    [ref.loss_dtype, *model.whole.loss_dtypes])
         rtol = tolerance(precision)
-        facts.learning_rates = ref.lrs
         grads = compare(model.grad_pairs(ref), model.param_names, group, self.device, rtol)
         compared = [Compared("grad", grads, model.ranks_agree("grad"))]
         self.baseline.before_optimizer_step()
         model.step()
         compared += self._compare_after_step(model, ref, group, rtol)
-        return judge_step(step, compared, precision, facts,
-                          cause=self._cause(model.whole.edits_in_forward))
+        return judge_step(step, compared, precision,
+                          replace(facts, loss_combination=combination, learning_rates=ref.lrs),
+                          memory, cause=self._cause(model.whole.edits_in_forward))
 
     def _scaler_skipped(self, model: CaseModel, group: dist.ProcessGroup | None) -> bool:
         """Whether the case's GradScaler skips this step on any rank (all skip together:
@@ -324,7 +329,8 @@ class SetupCheck:
 
     def _facts(self, case: MatrixCase, model: CaseModel, reference: list[ReferenceStep]) -> Facts:
         return Facts(world_size=case.world_size, reduces_in_buckets=model.reduces_in_buckets,
-                     accum_steps=case.accum_steps, batchnorm=batchnorm_tensors(model.inner),
+                     accum_steps=case.accum_steps,
+                     batchnorm=frozenset(batchnorm_tensors(model.inner)),
                      unused=reference[0].unused,
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)

@@ -19,14 +19,22 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from harness.check.compare import Comparison
 from harness.check.fix import Facts, named_value, suggest, window_count_fix
-from harness.check.judge import WHAT, Compared, Judged, judge_step, judged_row
+from harness.check.judge import (
+    WHAT,
+    Compared,
+    Judged,
+    JudgedStep,
+    Memory,
+    judge_step,
+    judged_row,
+)
 from harness.check.precision import lowest, tolerance
 from harness.check.shards import comparison_of
 from harness.columns import POINTS
@@ -226,14 +234,16 @@ class SplitJudge:
     def optimizer_judged(self, optimizer: int) -> list[Judged]:
         split = self.measured.run.split
         facts = Facts(world_size=split.world_size, accum_steps=split.accum_steps,
-                      batchnorm=self.measured.batchnorm)
+                      batchnorm=frozenset(self.measured.batchnorm))
         wanted = self.reference.steps(optimizer)
         taken = (self.measured.steps(optimizer)
                  if optimizer < len(self.measured.optimizers) else 0)
         judged: list[Judged] = []
+        memory = Memory()
         for step in range(min(wanted, taken)):
             try:
-                judged += self.step_judged(optimizer, step, facts)
+                rows, memory = self.step_judged(optimizer, step, facts, memory)
+                judged += rows
             except Unmatched as unmatched_:
                 return judged + self.errors(optimizer, step, str(unmatched_))
         if taken < wanted:
@@ -252,12 +262,13 @@ class SplitJudge:
                 f"{self.reference.label(optimizer)}; the reference took "
                 f"{self.reference.steps(optimizer)}")
 
-    def step_judged(self, optimizer: int, step: int, facts: Facts) -> list[Judged]:
+    def step_judged(self, optimizer: int, step: int, facts: Facts,
+                    memory: Memory) -> JudgedStep:
         dtype = precision(self.measured, self.reference)
         rtol = tolerance(dtype)
-        facts.piece_counts = self.measured.counts(optimizer, step)
-        facts.tie = factors.step_tie(self.ties, self.reference.label(optimizer), step)
-        facts.learning_rates = tuple(self.reference.learning_rates(optimizer, step))
+        facts = replace(facts, piece_counts=self.measured.counts(optimizer, step),
+                        tie=factors.step_tie(self.ties, self.reference.label(optimizer), step),
+                        learning_rates=tuple(self.reference.learning_rates(optimizer, step)))
         own = self.own_cells(optimizer, step)
         points = []
         for point in POINTS:
@@ -268,7 +279,7 @@ class SplitJudge:
                 self.measured.ranks_agree(optimizer, step, point),
                 {**own, "reference_noise": self.reference_noise.get((optimizer, step, point),
                                                                    math.nan)}, cast))
-        return judge_step(step, points, dtype, facts, cause=self.cause(optimizer, step),
+        return judge_step(step, points, dtype, facts, memory, cause=self.cause(optimizer, step),
                           say_unresolved=True, rank_zero_only=True)
 
     def own_cells(self, optimizer: int, step: int) -> dict[str, Any]:
