@@ -31,7 +31,12 @@ from harness.grad_check.script.files import partial_file, summary_file, tensors_
 from harness.grad_check.script.grad_check_run import main, render
 from harness.grad_check.script.judge import SplitJudge, check_deterministic
 from harness.grad_check.script.points import Points
-from harness.grad_check.script.processes import CommandLauncher, Failure, Run, first_failure
+from harness.grad_check.script.processes import (
+    CommandLauncher,
+    SplitFailure,
+    SplitRun,
+    first_failure,
+)
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
 from harness.grad_check.script.splits import (
@@ -331,7 +336,7 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
                     "model_dtypes": list(model_dtypes),
                     "dropout": [], "frameworks": list(frameworks)},
                    summary_file(folder, rank))
-    return Captured.read(Run(split, ("python", "t.py"), folder, 0.0, None))
+    return Captured.read(SplitRun(split, ("python", "t.py"), folder, 0.0, None))
 
 
 def rows_of(tmp_path: Path, split: Split, **made) -> list[dict]:
@@ -608,8 +613,8 @@ def test_a_rank_that_died_after_step_0_is_judged_on_step_0_and_fails_at_step_1(t
         kept["records"] = kept["records"][:1]
         torch.save(kept, partial_file(measured.run.folder, rank))
         summary_file(measured.run.folder, rank).unlink()
-    crashed = Failure(1, -11, "killed by signal 11 (SIGSEGV)")
-    run = Run(Split(2, 1), ("python", "t.py"), measured.run.folder, 0.0, crashed)
+    crashed = SplitFailure(1, -11, "killed by signal 11 (SIGSEGV)")
+    run = SplitRun(Split(2, 1), ("python", "t.py"), measured.run.folder, 0.0, crashed)
     rows = SplitJudge(Captured.read(run), reference, {}, 8).rows()
     assert [(row["step"], row["point"], row["status"]) for row in rows] == [
         (0, "grad", "ok"), (0, "params", "ok"), (1, "grad", "error"), (1, "params", "error")]
@@ -621,7 +626,7 @@ def test_a_summary_written_at_step_s_is_read_before_what_the_rank_kept_on_the_wa
     from harness.grad_check.script import ending
 
     ending.keep_partial({"records": [0]}, tmp_path, 0)
-    run = Run(Split(1, 1), ("python", "t.py"), tmp_path, 0.0, None)
+    run = SplitRun(Split(1, 1), ("python", "t.py"), tmp_path, 0.0, None)
     assert Captured.read(run).first == {"records": [0]}
     # Between the summary's rename and the partial's removal both are there.
     torch.save({"records": [0, 1]}, summary_file(tmp_path, 0))
@@ -637,11 +642,11 @@ class ScriptedLauncher:
     def __init__(self, raising: BaseException | None = None, **_) -> None:
         self.raising = raising
 
-    def run(self, split, command, folder, logs=None, variables=None, against=None) -> Run:
+    def run(self, split, command, folder, logs=None, variables=None, against=None) -> SplitRun:
         if self.raising is not None:
             raise self.raising
         folder.mkdir(parents=True, exist_ok=True)
-        return Run(split, tuple(command), folder, 0.0, None, logs)
+        return SplitRun(split, tuple(command), folder, 0.0, None, logs)
 
 
 @pytest.mark.parametrize(("raising", "code", "line"), [
@@ -798,8 +803,8 @@ def test_a_split_that_stopped_early_says_why_in_its_rows(tmp_path):
     reference = written_capture(tmp_path / "reference", Split(1, 1))
     folder = tmp_path / "failed"
     folder.mkdir()
-    failed = Captured.read(Run(Split(2, 1), ("python", "t.py"), folder, 0.0,
-                               Failure(1, 1, "RuntimeError: rank 1 lost its data shard")))
+    failed = Captured.read(SplitRun(Split(2, 1), ("python", "t.py"), folder, 0.0,
+                               SplitFailure(1, 1, "RuntimeError: rank 1 lost its data shard")))
     rows = SplitJudge(failed, reference, {}, 8).rows()
     assert [(row["step"], row["point"], row["status"]) for row in rows] == [
         (0, "grad", "error"), (0, "params", "error")]
@@ -1013,12 +1018,12 @@ class ScaledLauncher:
     def __init__(self, scale_of, **_) -> None:
         self.scale_of = scale_of
 
-    def run(self, split, command, folder, logs=None, variables=None, against=None) -> Run:
+    def run(self, split, command, folder, logs=None, variables=None, against=None) -> SplitRun:
         scale = 1.0 if split == Split(1, 1) else self.scale_of(split)  # 1x1: the reference
         reference = SimpleNamespace(run=SimpleNamespace(folder=against)) if against else None
         written_capture(folder, split, against=reference,
                         grads=lambda s: {n: scale * t for n, t in gradients(s).items()})
-        return Run(split, tuple(command), folder, 0.0, None, logs)
+        return SplitRun(split, tuple(command), folder, 0.0, None, logs)
 
 
 def checked_rows(monkeypatch, tmp_path: Path, splits: str, scale_of) -> dict:
@@ -1080,7 +1085,7 @@ def test_an_lr_scaled_with_n_is_named_n_from_the_updates_where_every_gradient_ma
                 else None
             lr = 0.1 if split == Split(1, 1) else 0.1 * split.world_size
             written_capture(folder, split, against=reference, lr=lr)
-            return Run(split, tuple(command), folder, 0.0, None, logs)
+            return SplitRun(split, tuple(command), folder, 0.0, None, logs)
 
     monkeypatch.setattr(processes, "CommandLauncher", lambda **kwargs: LrTimesN(None))
     config = ScriptConfig(command=tuple(COMMAND), global_batch=8,

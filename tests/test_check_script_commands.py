@@ -21,7 +21,7 @@ from harness.errors import UsageError, error_file
 from harness.grad_check.script import guard, wire
 from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import (
-    Failure,
+    SplitFailure,
     first_failure,
     hang,
     launched_failure,
@@ -538,21 +538,22 @@ def test_what_a_split_left_running_is_killed_after_it(tmp_path):
 
 
 def test_failure_str_names_the_rank_unless_the_line_does():
-    assert str(Failure(1, 1, "RuntimeError: x")) == "rank 1: RuntimeError: x"
-    assert str(Failure(1, None, "rank 1 hung: no progress", (1,))) == "rank 1 hung: no progress"
-    assert str(Failure(None, 2, "torchrun: error")) == "torchrun: error"
+    assert str(SplitFailure(1, 1, "RuntimeError: x")) == "rank 1: RuntimeError: x"
+    assert str(SplitFailure(1, None, "rank 1 hung: no progress", (1,))) == \
+        "rank 1 hung: no progress"
+    assert str(SplitFailure(None, 2, "torchrun: error")) == "torchrun: error"
 
 
 def test_a_plain_process_that_wanted_torchruns_variables_is_told_the_flag():
     """torch's env:// and DeepSpeed's init_distributed (which, without RANK and the rest,
     looks for MPI: the Trainer's --deepspeed at N = 1) both name --torchrun-env."""
-    from harness.grad_check.script.failures import Failure
+    from harness.grad_check.script.failures import SplitFailure
     from harness.grad_check.script.processes import needs_torchrun_hint
 
     for line in ("ValueError: Error initializing torch.distributed using env:// rendezvous: "
                  "environment variable RANK expected, but not set",
                  "ModuleNotFoundError: No module named 'mpi4py' (at train.py:9)"):
-        assert needs_torchrun_hint(Failure(0, 1, line)).line.endswith(
+        assert needs_torchrun_hint(SplitFailure(0, 1, line)).line.endswith(
             "--torchrun-env gives it torchrun's variables")
-    other = Failure(0, 1, "RuntimeError: boom")
+    other = SplitFailure(0, 1, "RuntimeError: boom")
     assert needs_torchrun_hint(other) is other

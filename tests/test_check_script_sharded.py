@@ -204,7 +204,7 @@ def test_a_rank_holds_its_shard_and_a_bounded_buffer_beyond_the_run(tmp_path):
     import multiprocessing as mp
 
     from harness.check.compare import CHUNK
-    from harness.grad_check.script.processes import Run
+    from harness.grad_check.script.processes import SplitRun
     from harness.grad_check.script.records import Captured
     from harness.grad_check.script.splits import Split
 
@@ -213,7 +213,7 @@ def test_a_rank_holds_its_shard_and_a_bounded_buffer_beyond_the_run(tmp_path):
     child.start()
     child.join(240)
     assert child.exitcode == 0
-    summaries = Captured.read(Run(Split(2, 1), (), tmp_path / "split", 0.0, None)).summaries
+    summaries = Captured.read(SplitRun(Split(2, 1), (), tmp_path / "split", 0.0, None)).summaries
     # Float64 chunks of m, r, o and their differences; then the sums, a few hundred bytes.
     bound = 8 * CHUNK * 8 + 2**16
     for summary in summaries:

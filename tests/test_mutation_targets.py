@@ -8,6 +8,7 @@ a check. (``grad-check run``'s own rules: tests/test_mutation_targets_script.py.
 
 from dataclasses import replace
 
+import pytest
 import torch
 from torch import nn
 
@@ -154,3 +155,26 @@ def test_float32_rounds_an_update_coarser_than_its_gradient():
     assert unresolved_below(torch.float32, rtol, 5e-5, "params") == ""
     assert unresolved_below(torch.float32, rtol, 5e-6, "grad") == ""
     assert "above its rounding" in unresolved_below(torch.float32, rtol, 5e-4, "params")
+
+
+def test_every_front_end_ends_on_one_path_from_its_rows_to_its_exit_code(tmp_path, capsys):
+    """finish(): the rows written atomically where the run did not write them itself, the
+    table and where the rows went unless quiet, and the exit code, 0 where the launcher
+    judges the CSV instead; a --fail-on level that does not exist is refused."""
+    from harness.check.outcome import Judging, finish, rows_of
+
+    rows = [{"case": "a", "step": 0, "point": "grad", "verdict": "scaled", "status": "ok",
+             "error": ""}]
+    judging = Judging("scaled", "prog", lambda row: row["case"])
+    path = tmp_path / "out.csv"
+    assert finish(rows, path, list(rows[0]), judging, "TABLE") == 1
+    out, err = capsys.readouterr()
+    assert out == f"TABLE\nprog: 1 rows -> {path}\n" and "a: step 0 grad scaled" in err
+    assert rows_of(path)[0]["verdict"] == "scaled"
+    path.unlink()
+    assert finish(rows, path, list(rows[0]), judging, None, written=True,
+                  judged_elsewhere=True) == 0
+    assert not path.exists() and capsys.readouterr() == ("", "")
+    assert finish(rows, path, list(rows[0]), replace(judging, fail_on="differs"), None) == 0
+    with pytest.raises(ValueError, match="--fail-on sometimes"):
+        Judging("sometimes", "prog", str)

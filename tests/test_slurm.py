@@ -264,10 +264,10 @@ def test_check_run_sbatch_outside_a_job_is_one_line(tmp_path):
     (2, 1, [(0, 0, 2, 1), (0, 1, 2, 1)]),
 ])
 def test_a_splits_ranks_fill_the_fewest_nodes_in_blocks(world_size, nodes, expected):
-    from harness.grad_check.script.slurm import Placement, placement
+    from harness.grad_check.script.slurm import NodePlacement, placement
 
     assert [placement(rank, world_size, nodes) for rank in range(world_size)] == [
-        Placement(*where) for where in expected]
+        NodePlacement(*where) for where in expected]
 
 
 def test_each_rank_is_an_srun_step_on_its_node_with_its_node_local_variables(tmp_path):

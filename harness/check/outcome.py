@@ -1,5 +1,6 @@
-"""The exit code of a check, for CI: 1 when a row fails ``--fail-on``, with one line per
-failing case saying which and why; 0 otherwise.
+"""The end of every front-end's run, one path (:func:`finish`): its rows to their CSV,
+the console table and where the rows went, then the exit code, for CI: 1 when a row fails
+``--fail-on``, with one line per failing case saying which and why; 0 otherwise.
 
 Rows are read as the CSVs hold them (strings), so the launcher can judge the file the
 ranks wrote and a rank can judge the rows it holds the same way. A front-end says how
@@ -12,6 +13,7 @@ from __future__ import annotations
 import csv
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,8 @@ def exit_code(rows: Sequence[Row], fail_on: str, prog: str, case_of: Callable[[R
     if unresolved:
         print(f"{prog}: {unresolved} row(s) {Status.UNRESOLVED}: measured, but their "
               "precision cannot tell rounding from a difference (their fix says why): run "
-              "once in float32 to resolve them", file=sys.stderr, flush=True)
+              "once at the higher precision their fix names to resolve them", file=sys.stderr,
+              flush=True)
     failing = failing_cases(rows, fail_on, case_of, verdict_of)
     if not failing:
         return 0
@@ -70,6 +73,41 @@ def exit_code(rows: Sequence[Row], fail_on: str, prog: str, case_of: Callable[[R
     lines.append(f"{prog}: {len(failing)} case(s) fail --fail-on {fail_on}: exit code 1")
     print("\n".join(lines), file=sys.stderr, flush=True)
     return 1
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How a front-end's rows decide its exit code: the ``--fail-on`` level, the program
+    that speaks, how a row names its case, and which verdict of a row is judged."""
+
+    fail_on: str
+    prog: str
+    case_of: Callable[[Row], str]
+    verdict_of: Callable[[Row], str] = row_verdict
+
+    def __post_init__(self) -> None:
+        if self.fail_on not in FAIL_ON:
+            raise ValueError(f"--fail-on {self.fail_on}: allowed: {', '.join(FAIL_ON)}")
+
+    def exit_code(self, rows: Sequence[Row]) -> int:
+        return exit_code(rows, self.fail_on, self.prog, self.case_of, self.verdict_of)
+
+
+def finish(rows: Sequence[Row], path: Path, columns: Sequence[str], judging: Judging,
+           table: str | None, written: bool = False, judged_elsewhere: bool = False,
+           where_else: str = "") -> int:
+    """A front-end's rows to its exit code: written to ``path`` atomically (unless the run
+    wrote them as it went: ``written``), ``table`` and where the rows went on the console
+    (None: quiet; ``where_else``: what else the run left, said after the path), then the
+    exit code (0 where another process, the launcher, judges the CSV)."""
+    if not written:
+        from harness.results import write_csv_atomic
+
+        write_csv_atomic(path, list(rows), columns)
+    if table is not None:
+        print(table, flush=True)
+        print(f"{judging.prog}: {len(rows)} rows -> {path}{where_else}", flush=True)
+    return 0 if judged_elsewhere else judging.exit_code(rows)
 
 
 def rows_of(path: Path) -> list[dict[str, str]]:

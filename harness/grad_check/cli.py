@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.check.load import validated_setups
-from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, exit_code, rows_of
+from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, Judging, exit_code, finish, rows_of
 from harness.check.setup import Setup
 from harness.check.step import check_step_device
 from harness.config import add_dtype_flag, add_timeout_flag
@@ -217,15 +217,14 @@ def _run(config: CheckConfig, setups: list[tuple[str, Setup]], launch: Launch,
             record_error(launch.rank, f"{type(error).__name__}: {error}")
             return 1
         raise
-    if launch.is_leader and not config.quiet:
-        from harness.check.table import render
-        from harness.grad_check.schema import CELLS
+    if not launch.is_leader:
+        return 0
+    from harness.check.table import render
+    from harness.grad_check.schema import CELLS, COLUMN_NAMES
 
-        for _, setup in setups:
-            print(f"\n{setup.name}:\n" + render([row for row in run.rows
-                                                   if row["setup"] == setup.name], setup.steps,
-                                                  CELLS))
-        print(f"{PROG}: {len(run.rows)} rows -> {config.out / CSV_NAME}", flush=True)
-    if launch.is_leader and not launched_by_harness():  # else the launcher judges the CSV
-        return exit_code(run.rows, config.fail_on, PROG, case_label)
-    return 0
+    shown = None if config.quiet else "\n".join(
+        f"\n{setup.name}:\n" + render([row for row in run.rows if row["setup"] == setup.name],
+                                        setup.steps, CELLS) for _, setup in setups)
+    return finish(run.rows, config.out / CSV_NAME, COLUMN_NAMES,
+                  Judging(config.fail_on, PROG, case_label), shown, written=True,
+                  judged_elsewhere=launched_by_harness())  # there, the launcher judges it

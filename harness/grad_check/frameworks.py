@@ -28,7 +28,7 @@ from typing import Any
 
 from harness.check import batches
 from harness.check.load import validated_setups
-from harness.check.outcome import exit_code, rows_of
+from harness.check.outcome import Judging, exit_code, finish, rows_of
 from harness.check.setup import Setup
 from harness.check.table import N_AND_K, POINT, STEP, VERDICT_CELLS, Cell, fix_cell, render
 from harness.config import DTYPES
@@ -166,8 +166,6 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
 def _run(run: FrameworksRun, prog: str) -> int:
     import torch.distributed as dist
 
-    from harness.results import write_csv_atomic
-
     # The frameworks here train on the CPU over gloo, whatever the machine holds.
     if not dist.is_initialized():  # tests initialise it themselves, through a FileStore
         dist.init_process_group("gloo", timeout=timedelta(seconds=run.timeout))
@@ -183,15 +181,12 @@ def _run(run: FrameworksRun, prog: str) -> int:
         dist.destroy_process_group()
     if rank != 0:
         return 0
-    write_csv_atomic(run.out / CSV_NAME, rows, COLUMN_NAMES)
-    if not run.quiet:
-        for _, setup in run.setups:
-            print(f"\n{setup.name}:\n" + table([r for r in rows if r["setup"] == setup.name],
-                                               setup.steps))
-        print(f"{prog}: {len(rows)} rows -> {run.out / CSV_NAME}")
-    if launched_by_harness():  # the launcher judges the CSV
-        return 0
-    return exit_code(rows, run.fail_on, prog, case_label, judged_verdict)
+    shown = None if run.quiet else "\n".join(
+        f"\n{setup.name}:\n" + table([r for r in rows if r["setup"] == setup.name], setup.steps)
+        for _, setup in run.setups)
+    return finish(rows, run.out / CSV_NAME, COLUMN_NAMES,
+                  Judging(run.fail_on, prog, case_label, judged_verdict), shown,
+                  judged_elsewhere=launched_by_harness())  # there, the launcher judges it
 
 
 def _measured_rows(run: FrameworksRun) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ def lost_a_peer(line: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Failure:
+class SplitFailure:
     """The rank that failed first (None: the run as a whole), its exit code and its line;
     ``hung``: the ranks named as hung (their line says so itself)."""
 
@@ -88,7 +88,7 @@ def line_time(folder: Path, rank: int) -> float | None:
 
 
 def first_failure(codes: list[int | None], ended: dict[int, float], folder: Path,
-                  logs: Path | None = None) -> Failure:
+                  logs: Path | None = None) -> SplitFailure:
     """Among ranks started by grad-check: the first that failed for a reason of its own
     (its line, else its exit code, dated by when its end was seen: ``ended``, wall
     time), else the first victim."""
@@ -102,11 +102,11 @@ def first_failure(codes: list[int | None], ended: dict[int, float], folder: Path
         when = line_time(folder, rank) if line else ended.get(rank)
         candidates.append((not own, float("inf") if when is None else when, rank, line))
     _, _, rank, line = min(candidates)
-    return Failure(rank, codes[rank], line or log_line(logs / f"rank{rank}.log", codes[rank]))
+    return SplitFailure(rank, codes[rank], line or log_line(logs / f"rank{rank}.log", codes[rank]))
 
 
 def launched_failure(folder: Path, log: Path, nproc: int, code: int | None,
-                     launcher: str) -> Failure:
+                     launcher: str) -> SplitFailure:
     """Under a launcher in the command (exit code ``code``, output in ``log``): the first
     of its workers that failed by itself, else the one its summary names, else a victim,
     else the launcher itself."""
@@ -115,16 +115,16 @@ def launched_failure(folder: Path, log: Path, nproc: int, code: int | None,
     own = [rank for rank, line in lines.items() if not lost_a_peer(line)]
     if own:
         rank = min(own, key=lambda r: line_time(folder, r) or float("inf"))
-        return Failure(rank, 1, lines[rank])
+        return SplitFailure(rank, 1, lines[rank])
     output = read(log)
     named = summary_of(output)
     if named is not None:
         rank, exitcode = named
-        return Failure(rank, exitcode, lines.get(rank) or exit_line(output, exitcode))
+        return SplitFailure(rank, exitcode, lines.get(rank) or exit_line(output, exitcode))
     if lines:
         rank = min(lines, key=lambda r: line_time(folder, r) or float("inf"))
-        return Failure(rank, 1, lines[rank])
-    return Failure(None, code, f"{launcher} {log_line(log, code)}"
+        return SplitFailure(rank, 1, lines[rank])
+    return SplitFailure(None, code, f"{launcher} {log_line(log, code)}"
                    if code is not None and code > 0 else f"{launcher} was {describe_exit(code)}"
                    if code is not None else f"{launcher} stopped")
 
@@ -176,17 +176,17 @@ def log_line(log: Path, code: int | None) -> str:
     return ended
 
 
-def fatal(folder: Path) -> Failure | None:
+def fatal(folder: Path) -> SplitFailure | None:
     """A failure that ends the split at once (guard.py: a rank claimed twice, a launcher
     that started another number of ranks)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
         found = json.loads((folder / guard.FATAL).read_text())
-        return Failure(int(found["rank"]), int(found["exitcode"]), str(found["line"]))
+        return SplitFailure(int(found["rank"]), int(found["exitcode"]), str(found["line"]))
     return None
 
 
 @dataclass(frozen=True)
-class Progress:
+class RankProgress:
     """A rank's progress as it last wrote it (harness/grad_check/script/guard.py)."""
 
     steps: int
@@ -214,11 +214,11 @@ class Progress:
 NOWHERE = (-1, -1, False)
 
 
-def progress(folder: Path, rank: int) -> Progress | None:
+def progress(folder: Path, rank: int) -> RankProgress | None:
     path = folder / guard.PROGRESS / f"rank{rank}"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         found = json.loads(path.read_text())
-        return Progress(int(found["steps"]), int(found["forwards"]), path.stat().st_mtime,
+        return RankProgress(int(found["steps"]), int(found["forwards"]), path.stat().st_mtime,
                         found.get("waiting"))
     return None
 
@@ -229,7 +229,7 @@ def recent_s(timeout: float) -> float:
     return max(1.0, timeout / 10)
 
 
-def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
+def hang(folder: Path, nproc: int, timeout: float, started: float) -> SplitFailure:
     """The split ran past ``--timeout``: the ranks furthest behind hung (``started``: wall
     time of the split's start, the last progress of a rank that never wrote any)."""
     now = time.time()
@@ -250,14 +250,14 @@ def hang(folder: Path, nproc: int, timeout: float, started: float) -> Failure:
         where = where.replace(" its ", " their ")
     stopped = f"--timeout {timeout:g} s stopped the split"
     if idle < recent_s(timeout):
-        return Failure(hung[0], None, f"{who} still making progress when {stopped} ({where}, "
+        return SplitFailure(hung[0], None, f"{who} still making progress when {stopped} ({where}, "
                        f"{idle:.1f} s before): the script trains longer than --timeout "
                        "allows; raise --timeout", hung)
-    return Failure(hung[0], None, f"{who} hung: no progress for {idle:.0f} s {where} "
+    return SplitFailure(hung[0], None, f"{who} hung: no progress for {idle:.0f} s {where} "
                    f"({stopped}; {why_hung(seen, hung, nproc)})", hung)
 
 
-def why_hung(seen: dict[int, Progress | None], hung: tuple[int, ...], nproc: int) -> str:
+def why_hung(seen: dict[int, RankProgress | None], hung: tuple[int, ...], nproc: int) -> str:
     """What the hung ranks' peers were doing: further on, waiting for them; or nothing
     else, where every rank is as far."""
     if len(hung) == len(seen) and nproc > 1:
@@ -270,7 +270,7 @@ def why_hung(seen: dict[int, Progress | None], hung: tuple[int, ...], nproc: int
     return f"{others}: waiting for {'them' if len(hung) > 1 else 'it'}"
 
 
-def missing_ranks(folder: Path, nproc: int, launcher: str, split: str) -> Failure | None:
+def missing_ranks(folder: Path, nproc: int, launcher: str, split: str) -> SplitFailure | None:
     """Under a launcher: every one of the split's N ranks must have stepped (its summary,
     ``rank<R>.pt``: capture.py's ``summary_file``), and no other."""
     wrote = sorted(int(match[1]) for path in folder.glob("rank*.pt")
@@ -278,7 +278,7 @@ def missing_ranks(folder: Path, nproc: int, launcher: str, split: str) -> Failur
     if not wrote or wrote == list(range(nproc)):
         return None
     ranks = ", ".join(map(str, wrote))
-    return Failure(None, USAGE_EXIT, f"{launcher} started {len(wrote)} rank(s) that stepped "
+    return SplitFailure(None, USAGE_EXIT, f"{launcher} started {len(wrote)} rank(s) that stepped "
                    f"(rank {ranks}) at split {split}, which needs {nproc}; allowed: a launcher "
                    "given {nproc} as its number of processes, that starts them all "
                    "(e.g. torchrun --nproc_per_node={nproc})")

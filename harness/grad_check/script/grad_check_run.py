@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.check.outcome import FAIL_ON, exit_code
+from harness.check.outcome import FAIL_ON, Judging, finish
 from harness.check.table import (
     N_AND_K,
     POINT,
@@ -257,12 +257,10 @@ def ended(config: ScriptConfig, check, prog: str) -> int:
         raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
     except Stopped:
         raise Interrupted(STOPPED_EXIT, "stopped by SIGTERM") from None
-    path = write_rows(config, rows)
-    if not config.quiet:
-        print(render(rows), flush=True)
-        print(f"{prog}: {len(rows)} rows -> {path}; every run's output in "
-              f"{config.out / LOGS}", flush=True)
-    return exit_code(rows, config.fail_on, prog, case_label)
+    return finish(rows, config.out / CSV_NAME, COLUMN_NAMES,
+                  Judging(config.fail_on, prog, case_label),
+                  None if config.quiet else render(rows),
+                  where_else=f"; every run's output in {config.out / LOGS}")
 
 
 def ended_early(config: ScriptConfig, rows: list[dict[str, Any]], prog: str, line: str,

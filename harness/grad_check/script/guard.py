@@ -42,6 +42,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.errors import USAGE_EXIT
 from harness.grad_check.script.wire import PROCESSES, RankSettings, alive, process_start
 
 #: Seconds between looks at grad-check where no pidfd is to be had, and between writes
@@ -49,8 +50,6 @@ from harness.grad_check.script.wire import PROCESSES, RankSettings, alive, proce
 WATCH_S = 0.2
 #: Exit code of a process whose grad-check is gone (nobody reads it).
 GONE_EXIT = 128 + signal.SIGKILL
-#: Exit code of a rank that found a split the check cannot run as given (bad input).
-USAGE_EXIT = 2
 #: The folders the guard writes in the split's folder.
 PROGRESS, CLAIMS, FATAL = "progress", "claims", "fatal"
 

@@ -23,9 +23,9 @@ from harness.errors import INTERRUPTED_EXIT
 from harness.failure import STOPPED_EXIT
 from harness.grad_check.script import factors
 from harness.grad_check.script.config import LOGS, ScriptConfig
-from harness.grad_check.script.failures import Failure, ReferenceUnusable
+from harness.grad_check.script.failures import ReferenceUnusable, SplitFailure
 from harness.grad_check.script.judge import Noise, SplitJudge, check_deterministic
-from harness.grad_check.script.processes import CommandLauncher, Run
+from harness.grad_check.script.processes import CommandLauncher, SplitRun
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.splits import Split
 from harness.launcher import Stopped
@@ -105,8 +105,8 @@ class ScriptCheck:
 
     def stopped_run(self, split: Split, scratch: Path, interrupted: Interrupted) -> Captured:
         """What a split stopped by Ctrl-C or SIGTERM left: its ranks' finished steps."""
-        stopped = Run(split, tuple(self.config.command_of(split)), scratch / split.label,
-                      math.nan, Failure(None, interrupted.exit_code, interrupted.line),
+        stopped = SplitRun(split, tuple(self.config.command_of(split)), scratch / split.label,
+                      math.nan, SplitFailure(None, interrupted.exit_code, interrupted.line),
                       self.logs / split.label)
         return Captured.read(stopped)
 

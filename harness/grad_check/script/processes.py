@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.grad_check.script.failures import (
-    Failure,
+    SplitFailure,
     fatal,
     first_failure,
     hang,
@@ -60,7 +60,8 @@ from harness.grad_check.script.wire import (
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S
 
-__all__ = ["STARTUP", "CommandLauncher", "Failure", "Run", "first_failure", "start_subprocess"]
+__all__ = ["STARTUP", "CommandLauncher", "SplitFailure", "SplitRun", "first_failure",
+           "start_subprocess"]
 
 #: The startup hook's folder: first on every rank's PYTHONPATH.
 STARTUP = Path(__file__).resolve().parent / "startup"
@@ -101,14 +102,14 @@ def start_subprocess(command: list[str], environment: dict[str, str], log: Path)
 
 
 @dataclass(frozen=True)
-class Run:
+class SplitRun:
     """One run of the command at one split: where its capture is, how it ended."""
 
     split: Split
     command: tuple[str, ...]
     folder: Path
     seconds: float
-    failure: Failure | None
+    failure: SplitFailure | None
     #: Where its processes' output is (``rank<R>.log``, ``launcher.log``).
     logs: Path | None = None
 
@@ -133,7 +134,7 @@ class CommandLauncher:
 
     def run(self, split: Split, command: Sequence[str], folder: Path,
             logs: Path | None = None, variables: dict[str, str] | None = None,
-            against: Path | None = None) -> Run:
+            against: Path | None = None) -> SplitRun:
         """Run ``command`` at ``split``, its capture into ``folder``, its output into
         ``logs`` (default: ``folder``); ``variables``: what its processes get besides
         (launchers.adapted's); ``against``: the reference's capture it is compared with
@@ -175,7 +176,7 @@ class CommandLauncher:
             failure = missing_ranks(folder, n, self.launcher, split.label)
         if failure is not None and n == 1 and self.launcher is None and not self.torchrun_env:
             failure = needs_torchrun_hint(failure)
-        return Run(split, tuple(command), folder, time.monotonic() - start, failure, logs)
+        return SplitRun(split, tuple(command), folder, time.monotonic() - start, failure, logs)
 
     def environment(self, rank: int | None, world_size: int, port: int, folder: Path,
                     run_id: str, split: str = "",
@@ -215,7 +216,7 @@ class CommandLauncher:
                             pgid, world_size, split, micro_batch, against, self.launcher)
 
     def watch(self, processes: list[Process], folder: Path, logs: Path, nproc: int,
-              deadline: float, started_at: float) -> Failure | None:
+              deadline: float, started_at: float) -> SplitFailure | None:
         """Wait for every process; the first failure (the others then stopped), or None."""
         ended: dict[int, float] = {}
         settle_until = None
@@ -257,7 +258,7 @@ _NEEDS_TORCHRUN = re.compile(r"environment variable (RANK|WORLD_SIZE|MASTER_ADDR
                              r"No module named 'mpi4py'")
 
 
-def needs_torchrun_hint(failure: Failure) -> Failure:
+def needs_torchrun_hint(failure: SplitFailure) -> SplitFailure:
     """A plain process at N = 1 that wanted torchrun's variables: the flag that gives them."""
     if not _NEEDS_TORCHRUN.search(failure.line):
         return failure

@@ -13,7 +13,7 @@ import torch
 from harness.grad_check.script.explain import padding_of, tokens
 from harness.grad_check.script.files import partial_file, summary_file
 from harness.grad_check.script.naming import optimizer_label
-from harness.grad_check.script.processes import Run
+from harness.grad_check.script.processes import SplitRun
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,11 @@ class Captured:
     """What one run of the command left: its ranks' summaries (a rank that never stepped
     an optimizer has none)."""
 
-    run: Run
+    run: SplitRun
     summaries: tuple[dict[str, Any] | None, ...]
 
     @classmethod
-    def read(cls, run: Run) -> Captured:
+    def read(cls, run: SplitRun) -> Captured:
         """Each rank's summary, else what it kept up to its last finished step (a rank that
         crashed, hung or was stopped later: harness/grad_check/script/ending.py)."""
         summaries = []

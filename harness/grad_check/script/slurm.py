@@ -30,20 +30,20 @@ HOST_VARIABLE = "GRAD_CHECK_SRUN_HOST"
 
 
 @dataclass(frozen=True)
-class Placement:
+class NodePlacement:
     node: int
     local_rank: int
     local_world_size: int
     nodes: int
 
 
-def placement(rank: int, world_size: int, nodes: int) -> Placement:
+def placement(rank: int, world_size: int, nodes: int) -> NodePlacement:
     """Where rank ``rank`` of ``world_size`` runs among ``nodes`` nodes: blocks of
     consecutive ranks, as many per node as the fewest nodes that hold them evenly."""
     per_node = math.ceil(world_size / min(world_size, nodes))
     used = math.ceil(world_size / per_node)
     node = rank // per_node
-    return Placement(node, rank % per_node, min(per_node, world_size - node * per_node), used)
+    return NodePlacement(node, rank % per_node, min(per_node, world_size - node * per_node), used)
 
 
 @dataclass(frozen=True)
