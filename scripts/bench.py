@@ -475,14 +475,14 @@ def bench_script_memory(scratch: Path) -> dict[str, dict[str, float]]:
     return results
 
 
-def ranks_memory(summary: dict) -> dict[str, float]:
-    """One rank's step 0: its kept gradient, its comparing's peak, its shard, in MiB."""
-    record = summary["records"][0]
-    compared = record["compared"]
-    shard = compared["grad"]["memory"]["pieces"]
-    work = max(compared[point]["memory"]["work"] for point in ("grad", "params"))
-    return {"shard": shard / 2**20, "kept": record["kept_bytes"] / 2**20,
-            "work": work / 2**20, "ratio": (record["kept_bytes"] + work) / shard}
+def ranks_memory(summary) -> dict[str, float]:
+    """One rank's step 0 (a wire.RankSummary): its kept gradient, its comparing's peak, its
+    shard, in MiB."""
+    record = summary.records[0]
+    shard = record.compared["grad"].memory["pieces"]
+    work = max(record.compared[point].memory["work"] for point in ("grad", "params"))
+    return {"shard": shard / 2**20, "kept": record.kept_bytes / 2**20,
+            "work": work / 2**20, "ratio": (record.kept_bytes + work) / shard}
 
 
 def wall_and_cpu(work) -> tuple[float, float]:

@@ -290,8 +290,8 @@ MUTATIONS = (
              ("tests/test_check_script.py::test_a_float32_residual_above_its_rounding_is_never_"
               "a_match",)),
     Mutation("loss-counts-left-out", "harness/grad_check/script/tracked.py",
-             '"counts": [event.labels for event in fed if event.labels is not None],',
-             '"counts": [event.count for event in fed if event.count is not None],',
+             'counts=[event.labels for event in fed if event.labels is not None],',
+             'counts=[event.count for event in fed if event.count is not None],',
              ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_counts_are_the_"
               "window_s_counts_where_the_model_takes_none",)),
     Mutation("lightning-sampler-at-n-1", "harness/grad_check/script/explain.py",

@@ -318,7 +318,9 @@ def written_capture(folder: Path, split: Split, grads=gradients, samples=EIGHT,
         compared = {"grad": point(points, step, "grad", grad)}
         params = {name: params[name] - lr * grad[name] for name in NAMES}
         compared["params"] = point(points, step, "params", params)
-        records.append({"optimizer": 0, "step": step, "compared": compared,
+        records.append({"optimizer": 0, "step": step,
+                        "compared": {name: found.to_json() if found else None
+                                     for name, found in compared.items()},
                         "samples": [[name, name, "pad"] for name in samples],
                         "counts": list(counts), "lrs": [lr], "clips": [],
                         "forwards": split.accum_steps, "indices": list(indices),
@@ -625,14 +627,32 @@ def test_a_rank_that_died_after_step_0_is_judged_on_step_0_and_fails_at_step_1(t
 def test_a_summary_written_at_step_s_is_read_before_what_the_rank_kept_on_the_way(tmp_path):
     from harness.grad_check.script import ending
 
-    ending.keep_partial({"records": [0]}, tmp_path, 0)
+    one, two = wire.RankSummary(unknown=["step 0"]), wire.RankSummary(unknown=["step 1"])
+    ending.keep_partial(one, tmp_path, 0)
     run = SplitRun(Split(1, 1), ("python", "t.py"), tmp_path, 0.0, None)
-    assert Captured.read(run).first == {"records": [0]}
+    assert Captured.read(run).first == one
     # Between the summary's rename and the partial's removal both are there.
-    torch.save({"records": [0, 1]}, summary_file(tmp_path, 0))
-    assert Captured.read(run).first == {"records": [0, 1]}
-    ending.write_final({"records": [0, 1]}, tmp_path, 0)
+    torch.save(two.to_json(), summary_file(tmp_path, 0))
+    assert Captured.read(run).first == two
+    ending.write_final(two, tmp_path, 0)
     assert not partial_file(tmp_path, 0).exists()
+
+
+def test_what_a_rank_reports_is_read_back_as_written_and_nothing_else_is():
+    """A rank's summary travels as plain data (torch.load with weights_only) and comes back
+    equal; a field this version does not declare is refused by name, not ignored."""
+    fit = wire.PointFit((2.0, 1e-9), {"w": 1e-9}, each=1.0)
+    record = wire.StepRecord(0, 0, samples=[["s0", "s0", "pad", 4, 3]], forwards=2,
+                             counts=[3, 5], clips=["clip_grad_norm_(max_norm=1)"],
+                             grad_digests={"w": 1.5}, before_norm=2.0,
+                             compared={"grad": fit, "params": None})
+    summary = wire.RankSummary(1, 2, ["lightning"], [wire.OptimizerRecord("SGD", ["w"], 1)],
+                               [record], ["torch.float32"])
+    assert wire.RankSummary.from_json(summary.to_json()) == summary
+    with pytest.raises(wire.BadRecord, match="StepRecord: unknown field.s. each_rank"):
+        wire.StepRecord.from_json({**record.to_json(), "each_rank": 1})
+    with pytest.raises(wire.BadRecord, match="PointFit: unknown field.s. unmached"):
+        wire.PointFit.from_json({"unmached": "typo"})
 
 
 class ScriptedLauncher:

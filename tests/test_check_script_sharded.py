@@ -217,11 +217,11 @@ def test_a_rank_holds_its_shard_and_a_bounded_buffer_beyond_the_run(tmp_path):
     # Float64 chunks of m, r, o and their differences; then the sums, a few hundred bytes.
     bound = 8 * CHUNK * 8 + 2**16
     for summary in summaries:
-        record = summary["records"][0]
-        grad = record["compared"]["grad"]["memory"]
+        record = summary.records[0]
+        grad = record.compared["grad"].memory
         # Half of the 1024 x 1024 layer and the rest: one shard, kept once.
         assert grad["pieces"] > 1024 * 1024 * 4 // 2
         # Its flat shard: the pieces and FSDP1's padding of the last rank's, a few elements.
-        assert grad["pieces"] <= record["kept_bytes"] <= grad["pieces"] + 64
+        assert grad["pieces"] <= record.kept_bytes <= grad["pieces"] + 64
         for point in ("grad", "params"):
-            assert record["compared"][point]["memory"]["work"] <= bound
+            assert record.compared[point].memory["work"] <= bound

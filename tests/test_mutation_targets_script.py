@@ -23,6 +23,7 @@ from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.judge import SplitJudge
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.splits import Split
+from harness.grad_check.script.wire import RankSummary
 
 
 # ---------------------------------------------------------------- the GPUs a command sees
@@ -85,7 +86,7 @@ def captured(split: Split, records: list[list[dict]], dtypes=("torch.float64",))
                        "dropout": [], "frameworks": []} for own in records)
     run = SimpleNamespace(split=split, command=("python", "train.py"), folder=Path("never-written"),
                           failure=None)
-    return Captured(run, summaries)
+    return Captured(run, tuple(RankSummary.from_json(summary) for summary in summaries))
 
 
 def fit(scale: float, residual: float = 0.0) -> dict:
@@ -105,7 +106,7 @@ def test_the_clip_factor_is_what_the_clip_multiplied_the_gradient_by(tmp_path):
     """clip_factor is the optimizer's gradient over the backward's: below 1 where a clip
     bound, and the received gradient is that factor times the one before it."""
     seen, before, received = clipped_step(tmp_path, max_norm=0.1)
-    factor = captured(Split(1, 1), [[seen.tracked[0].record]]).clip_factor(0, 0)
+    factor = captured(Split(1, 1), [[seen.tracked[0].record.to_json()]]).clip_factor(0, 0)
     assert 0 < factor < 1
     for name in ("weight", "bias"):
         assert torch.allclose(factor * before[name], received[name], rtol=1e-12), name
@@ -200,7 +201,7 @@ def test_a_clip_every_micro_step_is_read_before_the_windows_last_clip(tmp_path):
     written = shards.Mapped(tensors_file(tmp_path, 0, 0, "grad"))
     for name in ("weight", "bias"):
         assert torch.equal(written.whole(name), before_last[name]), name
-    assert seen.tracked[0].record["clip_calls"] == 2
+    assert seen.tracked[0].record.clip_calls == 2
 
 
 # ---------------------------------------------------------------- what the sampler drew
@@ -269,4 +270,4 @@ def test_the_labels_a_loss_counts_are_the_window_s_counts_where_the_model_takes_
     with torch.no_grad():
         F.cross_entropy(model(tokens)[0], labels[0])  # an evaluation's loss: nothing
     seen.before_step(optimizer, (optimizer,), {})
-    assert seen.tracked[0].record["counts"] == [3, 5]
+    assert seen.tracked[0].record.counts == [3, 5]

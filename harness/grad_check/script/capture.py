@@ -39,6 +39,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ class Capture:
         #: float32 can round no further than that cast.
         self.model_dtypes: set[str] = set()
         self.unknown: set[str] = set()
-        self.records: list[dict[str, Any]] = []
+        self.records: list[wire.StepRecord] = []
         self.written = False
 
     # ------------------------------------------------------------------ hooks
@@ -228,16 +229,14 @@ class Capture:
         self.model_dtypes.update(str(p.dtype) for p in tracked.parameters)
         self.dtypes.update(str(dtype) for _, _, dtype, present in specs if present)
         record = tracked.open_record(self.window, optimizer)
-        record["grad_digests"] = kept
-        record["kept_bytes"] = self.window.kept_bytes()
-        record["clips"] += [clip] if clip else []
-        if record["clips"]:
-            record["before_norm"] = points.norm(pieces, tracked.sharded)
-        if record["clips"] and not clip:
-            record["received_norm"] = points.norm(tracked.read(received, "grad", self.rank)[1],
-                                                  tracked.sharded)
-        record["compared"] = {"grad": self.points.done(tracked.index, tracked.steps, "grad",
-                                                       specs, pieces, tracked.sharded)}
+        clips = record.clips + ([clip] if clip else [])
+        tracked.record = replace(
+            record, grad_digests=kept, kept_bytes=self.window.kept_bytes(), clips=clips,
+            before_norm=points.norm(pieces, tracked.sharded) if clips else None,
+            received_norm=points.norm(tracked.read(received, "grad", self.rank)[1],
+                                      tracked.sharded) if clips and not clip else None,
+            compared={"grad": self.points.done(tracked.index, tracked.steps, "grad", specs,
+                                               pieces, tracked.sharded)})
 
     @never_raising
     def after_step(self, optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
@@ -255,9 +254,9 @@ class Capture:
             self.window.forget(tracked.parameters, self.oldest_window())
             return
         specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
-        tracked.record["params_digests"] = kept
-        tracked.record.setdefault("compared", {})["params"] = self.points.done(
-            tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)
+        tracked.record = replace(tracked.record, params_digests=kept, compared={
+            **tracked.record.compared, "params": self.points.done(
+                tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)})
         self.records.append(tracked.close_record(self.window))
         self.window.forget(tracked.parameters, self.oldest_window())
         if not self.keep_going and self.captured_enough():
@@ -397,15 +396,14 @@ class Capture:
                    for key in map(identity_of, alive))
 
     # ------------------------------------------------------------------ the end
-    def summary(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size,
-                "frameworks": sorted(name for name, module in wire.FRAMEWORK_MODULES.items()
-                                     if module in sys.modules),
-                "optimizers": [tracked.summary() for tracked in self.tracked],
-                "records": self.records, "dtypes": sorted(self.dtypes),
-                "model_dtypes": sorted(self.model_dtypes),
-                "unknown": sorted(self.unknown),
-                **{name: sorted(values) for name, values in self.facts.items()}}
+    def summary(self) -> wire.RankSummary:
+        return wire.RankSummary(
+            self.rank, self.world_size,
+            sorted(name for name, module in wire.FRAMEWORK_MODULES.items()
+                   if module in sys.modules),
+            [tracked.summary() for tracked in self.tracked], list(self.records),
+            sorted(self.dtypes), sorted(self.model_dtypes), sorted(self.unknown),
+            sorted(self.facts["batchnorm"]), sorted(self.facts["dropout"]))
 
     def write_summary(self) -> None:
         """Once, where this process stepped an optimizer: a process that never did (a

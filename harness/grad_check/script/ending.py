@@ -17,23 +17,23 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from harness.errors import error_file
 from harness.grad_check.script.files import partial_file, save_atomically, summary_file
 from harness.grad_check.script.guard import waiting_in_exchange
+from harness.grad_check.script.wire import RankSummary
 
 #: Seconds between looks for the other ranks' summaries.
 POLL_S = 0.01
 
 
-def keep_partial(summary: dict[str, Any], folder: Path, rank: int) -> None:
+def keep_partial(summary: RankSummary, folder: Path, rank: int) -> None:
     """What the rank captured so far, in place of what it kept before."""
-    save_atomically(summary, partial_file(folder, rank))
+    save_atomically(summary.to_json(), partial_file(folder, rank))
 
 
-def write_final(summary: dict[str, Any], folder: Path, rank: int) -> None:
-    save_atomically(summary, summary_file(folder, rank))
+def write_final(summary: RankSummary, folder: Path, rank: int) -> None:
+    save_atomically(summary.to_json(), summary_file(folder, rank))
     with contextlib.suppress(OSError):
         partial_file(folder, rank).unlink()
 

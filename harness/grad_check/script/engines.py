@@ -21,7 +21,7 @@ import gc
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -202,7 +202,7 @@ def before_step(capture: Capture, engine: Any) -> Tracked:
 def after_step(capture: Capture, done: EngineStep) -> None:
     """What DeepSpeed's clip left (a collective where it clipped), then the parameters."""
     record = done.tracked.record
-    if record is not None and record["clips"]:
-        record["received_norm"] = done.received_norm()
+    if record is not None and record.clips:
+        done.tracked.record = replace(record, received_norm=done.received_norm())
     if capture.recording:
         capture.finish_step(done.tracked)

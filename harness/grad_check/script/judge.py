@@ -42,6 +42,7 @@ from harness.grad_check.script import explain, factors
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
+from harness.grad_check.script.wire import PointFit
 from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close, dtype_name
 from harness.verdicts import Equivalence, Status
 
@@ -77,7 +78,7 @@ def cast_rounding(point: str, *runs: Captured) -> float | None:
 
 
 def recorded(measured: Captured, reference: Captured, optimizer: int, step: int,
-             point: str) -> dict[str, Any]:
+             point: str) -> PointFit:
     """What the measured run's ranks found comparing ``point`` of ``step`` with the
     reference's first run (harness/grad_check/script/points.py); parameters as updates
     from where the reference started the step."""
@@ -88,8 +89,8 @@ def recorded(measured: Captured, reference: Captured, optimizer: int, step: int,
     if found is None:
         raise Unmatched(f"{reference.label(optimizer)}'s step {step} {WHAT[point]} was not "
                         "compared: the capture could not read it")
-    if "unmatched" in found:
-        raise Unmatched(f"{reference.label(optimizer)} {found['unmatched']}")
+    if found.unmatched:
+        raise Unmatched(f"{reference.label(optimizer)} {found.unmatched}")
     return found
 
 
@@ -108,12 +109,12 @@ def unmatched(measured: Captured, reference: Captured, optimizer: int) -> str:
 
 def compared(measured: Captured, reference: Captured, optimizer: int, step: int, point: str,
              rtol: float) -> Comparison:
-    return comparison_of(recorded(measured, reference, optimizer, step, point), rtol)
+    return comparison_of(recorded(measured, reference, optimizer, step, point).recorded(), rtol)
 
 
 def noise(again: Captured, first: Captured, optimizer: int, step: int, point: str) -> float:
     """``||again - first|| / ||again||`` at scale 1 (updates for ``params``)."""
-    return float(recorded(again, first, optimizer, step, point)["each"])
+    return recorded(again, first, optimizer, step, point).each
 
 
 def learning_rate_fix(update: Comparison, facts: Facts) -> str:
@@ -331,7 +332,7 @@ class SplitJudge:
 
     def data_fix(self, optimizer: int, step: int) -> str | None:
         """Other samples, or a window the data ran out in, where the samples show one."""
-        ours = [record["samples"] for record in self.measured.records(optimizer, step)]
+        ours = [record.samples for record in self.measured.records(optimizer, step)]
         theirs = self.reference.samples(optimizer, step)
         if not explain.same_samples([s for rank in ours for s in rank], theirs):
             drawn = self.measured.indices(optimizer, step)

@@ -21,9 +21,8 @@ import contextlib
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from harness.check.memory import peak_tensor_bytes
 from harness.check.shards import Piece
 from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.guard import waiting_in_exchange
-from harness.grad_check.script.wire import MEMORY_VARIABLE
+from harness.grad_check.script.wire import MEMORY_VARIABLE, PointFit
 
 #: (name, shape, dtype, present) of each whole tensor (harness/check/shards.py entries).
 Spec = tuple[str, Sequence[int], torch.dtype, bool]
@@ -81,7 +80,7 @@ class Points:
     rank: int
 
     def done(self, optimizer: int, step: int, point: str, specs: Sequence[Spec],
-             pieces: Sequence[Piece], sharded: bool) -> dict[str, Any] | None:
+             pieces: Sequence[Piece], sharded: bool) -> PointFit | None:
         """The point written, or compared (its record; None where the reference has no
         such point: it took fewer steps). ``sharded``: each rank holds its own shard,
         and all compare together; else rank 0 compares its whole tensors alone."""
@@ -104,21 +103,20 @@ class Points:
 
     def compare_with_reference(self, optimizer: int, step: int, point: str, specs: Sequence[Spec],
                  pieces: Sequence[Piece], ranks: dist.ProcessGroup | None
-                 ) -> dict[str, Any] | None:
+                 ) -> PointFit | None:
         if os.environ.get(MEMORY_VARIABLE) != "1":
             return compared(self.against, optimizer, step, point, specs, pieces, ranks)
-        found: list[dict[str, Any] | None] = []
+        found: list[PointFit | None] = []
         peak = peak_tensor_bytes(lambda: found.append(compared(
             self.against, optimizer, step, point, specs, pieces, ranks)))
-        if found[0] is not None:
-            found[0]["memory"] = {"work": peak, "pieces": sum(
-                p.tensor.numel() * p.tensor.element_size() for p in pieces)}
-        return found[0]
+        if found[0] is None:
+            return None
+        return replace(found[0], memory={"work": peak, "pieces": sum(
+            p.tensor.numel() * p.tensor.element_size() for p in pieces)})
 
 
 def compared(against: Path, optimizer: int, step: int, point: str, specs: Sequence[Spec],
-             pieces: Sequence[Piece], ranks: dist.ProcessGroup | None
-             ) -> dict[str, Any] | None:
+             pieces: Sequence[Piece], ranks: dist.ProcessGroup | None) -> PointFit | None:
     """This rank's pieces against the reference's file (every rank calls it together):
     the fit over every rank's pieces, and the residual at scale 1 (what two runs of the
     reference differ by). The reference's tensors must be ours, by name and shape."""
@@ -128,12 +126,12 @@ def compared(against: Path, optimizer: int, step: int, point: str, specs: Sequen
     reference = shards.Mapped(stem)
     names = [spec[0] for spec in specs]
     if list(reference.index) != names:
-        return {"unmatched": "holds other tensors than at the reference"}
+        return PointFit(unmatched="holds other tensors than at the reference")
     reshaped = [name for name, shape, _, present in specs if present
                 and tuple(shape) != reference.index[name].shape]
     if reshaped:
-        return {"unmatched": f"holds tensors of other shapes than at the reference "
-                             f"({', '.join(reshaped[:3])})"}
+        return PointFit(unmatched=f"holds tensors of other shapes than at the reference "
+                                  f"({', '.join(reshaped[:3])})")
     origin = None
     if point == "params":
         before = (tensors_file(against, optimizer, 0, "initial") if step == 0
@@ -143,4 +141,4 @@ def compared(against: Path, optimizer: int, step: int, point: str, specs: Sequen
     where = device_of(pieces, ranks is not None)
     comparison = compare(pairs, names, ranks, where, 0.0)
     each = compare_each(pairs, names, set(), ranks, where, 0.0)
-    return {**shards.recorded(comparison), "each": each.residual}
+    return PointFit.from_json({**shards.recorded(comparison), "each": each.residual})

@@ -16,6 +16,7 @@ from torch import nn
 
 from harness.check.compare import sampled_fingerprint
 from harness.check.shards import Piece
+from harness.grad_check.script.wire import OptimizerRecord, StepRecord
 
 
 def digests(tensors: dict[str, torch.Tensor | None]) -> dict[str, float]:
@@ -178,24 +179,23 @@ class Tracked:
     reader: Any
     since: int = 0
     steps: int = 0
-    record: dict[str, Any] | None = None
+    record: StepRecord | None = None
 
-    def open_record(self, window: Window, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def open_record(self, window: Window, optimizer: torch.optim.Optimizer) -> StepRecord:
         """The record of the step about to be taken: its window's forwards, clips and
         learning rates."""
         fed = [event for index, event in sorted(window.events.items())
                if index >= self.since and event.held & self.key]
-        self.record = {"optimizer": self.index, "step": self.steps,
-                       "samples": [sample for event in fed for sample in event.samples],
-                       "forwards": len(fed),
-                       "per_forward": [len(event.samples) for event in fed],
-                       "counts": [event.labels for event in fed if event.labels is not None],
-                       "lrs": learning_rates(optimizer), "clips": window.clips_of(self.key),
-                       "clip_calls": window.clip_calls(self.key),
-                       "indices": window.indices_since(self.since)}
+        self.record = StepRecord(
+            optimizer=self.index, step=self.steps,
+            samples=[sample for event in fed for sample in event.samples], forwards=len(fed),
+            per_forward=[len(event.samples) for event in fed],
+            counts=[event.labels for event in fed if event.labels is not None],
+            lrs=learning_rates(optimizer), clips=window.clips_of(self.key),
+            clip_calls=window.clip_calls(self.key), indices=window.indices_since(self.since))
         return self.record
 
-    def close_record(self, window: Window) -> dict[str, Any]:
+    def close_record(self, window: Window) -> StepRecord:
         record, self.record = self.record, None
         self.steps += 1
         self.since = window.forwards
@@ -221,6 +221,5 @@ class Tracked:
         """Whether each rank holds its own shard of the tensors (not a whole copy)."""
         return bool(self.reader.sharded)
 
-    def summary(self) -> dict[str, Any]:
-        return {"kind": self.kind, "names": self.names, "steps": self.steps,
-                "sharding": self.reader.sharding}
+    def summary(self) -> OptimizerRecord:
+        return OptimizerRecord(self.kind, self.names, self.steps, self.reader.sharding)

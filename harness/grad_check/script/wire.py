@@ -1,5 +1,7 @@
 """The contract between ``grad-check run`` and the processes it starts: what each process
-of a split is told, through its environment, and how it names itself to grad-check.
+of a split is told, through its environment, how it names itself to grad-check, and what
+each rank reports back (:class:`RankSummary`: its steps' :class:`StepRecord`, each point's
+:class:`PointFit`), each refusing on reading what it does not declare.
 
 The launcher's side (processes.py) writes a :class:`RankSettings` into each process's
 environment; the rank's side (guard.py, capture.py) reads it back. Both import this
@@ -10,10 +12,12 @@ head (torchrun, ``tune run``) reads it before any rank has loaded torch.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 #: The split's folder; the guard and the capture are installed only where it is set.
 FOLDER_VARIABLE = "GRAD_CHECK_CAPTURE"
@@ -166,3 +170,133 @@ def alive(pid: int, start: str) -> bool:
 def grad_check_process() -> tuple[int, str, int]:
     """This process (grad-check's) as its ranks know it: pid, start time, process group."""
     return os.getpid(), process_start(os.getpid()), os.getpgrp()
+
+
+# ---------------------------------------------------------------- what a rank reports
+class BadRecord(ValueError):
+    """A rank's report that holds what this version does not know, or lacks what it must
+    hold: written by another version of the capture, or not by the capture at all."""
+
+
+def known_fields(kind: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` as ``kind``'s fields, refusing any field ``kind`` does not declare."""
+    if not isinstance(data, Mapping):
+        raise BadRecord(f"{kind.__name__}: {type(data).__name__} where a mapping was written")
+    names = {item.name for item in fields(kind)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise BadRecord(f"{kind.__name__}: unknown field(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(sorted(names))}")
+    return dict(data)
+
+
+@dataclass(frozen=True)
+class PointFit:
+    """What a split's ranks found comparing one point of a step with the reference's first
+    run (points.py): the fit over every rank's pieces (``fit``: scale and residual;
+    ``errors``: each tensor's; ``nothing``: both sides all zero) and the residual at scale
+    1 (``each``); or why nothing could be fitted (``unmatched``). ``memory``: the peak
+    bytes the comparison's work and its pieces held, where asked (MEMORY_VARIABLE)."""
+
+    fit: tuple[float, float] = (math.nan, math.nan)
+    errors: dict[str, float] = field(default_factory=dict)
+    nothing: bool = False
+    each: float = math.nan
+    unmatched: str = ""
+    memory: dict[str, int] | None = None
+
+    def recorded(self) -> dict[str, Any]:
+        """The fit as harness/check/shards.py ``comparison_of`` reads it."""
+        return {"fit": list(self.fit), "errors": self.errors, "nothing": self.nothing}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "fit": list(self.fit)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PointFit:
+        found = known_fields(cls, data)
+        if "fit" in found:
+            found["fit"] = tuple(float(value) for value in found["fit"])
+        return cls(**found)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as one rank saw it: its window's forwards (the samples fed, the
+    labels counted per forward, the dataset indices handed), its clips and learning rates,
+    the digests of its gradients and parameters (ranks holding whole copies), the norms
+    around a clip, and what each point's comparison with the reference found."""
+
+    optimizer: int
+    step: int
+    samples: list[list[Any]] = field(default_factory=list)
+    forwards: int = 0
+    per_forward: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    clips: list[str] = field(default_factory=list)
+    clip_calls: int = 0
+    indices: list[int] = field(default_factory=list)
+    grad_digests: dict[str, float] | None = None
+    params_digests: dict[str, float] | None = None
+    kept_bytes: int = 0
+    before_norm: float | None = None
+    received_norm: float | None = None
+    compared: dict[str, PointFit | None] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{item.name: getattr(self, item.name) for item in fields(self)},
+                "compared": {point: fit.to_json() if fit is not None else None
+                             for point, fit in self.compared.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
+        found = known_fields(cls, data)
+        found["compared"] = {point: PointFit.from_json(fit) if fit is not None else None
+                             for point, fit in (found.get("compared") or {}).items()}
+        return cls(**found)
+
+
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """An optimizer a rank stepped: its type, its tensors' names (the model's), the steps
+    captured, and how the split spread it over the ranks (sharded.py SHARDINGS)."""
+
+    kind: str
+    names: list[str]
+    steps: int = 0
+    sharding: str = "none"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> OptimizerRecord:
+        return cls(**known_fields(cls, data))
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank of a run reports when it ends (or at its last finished step): the
+    optimizers and their steps, the floating types that ran, the frameworks imported,
+    the model's BatchNorm tensors and training dropout, and what it could not read."""
+
+    rank: int = 0
+    world_size: int = 1
+    frameworks: list[str] = field(default_factory=list)
+    optimizers: list[OptimizerRecord] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    model_dtypes: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    batchnorm: list[str] = field(default_factory=list)
+    dropout: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{item.name: getattr(self, item.name) for item in fields(self)},
+                "optimizers": [asdict(optimizer) for optimizer in self.optimizers],
+                "records": [record.to_json() for record in self.records]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankSummary:
+        found = known_fields(cls, data)
+        found["optimizers"] = [OptimizerRecord.from_json(o) for o in found.get("optimizers", [])]
+        found["records"] = [StepRecord.from_json(r) for r in found.get("records", [])]
+        return cls(**found)
