@@ -143,7 +143,7 @@ MUTATIONS = (
              "whole.backward(total / share.divisor)", "whole.backward(total / max(count, 1.0))",
              ("tests/test_check_chunked.py::test_the_chunked_reference_is_the_whole_batch_"
               "reference_to_float64_rounding[tiny-lm-window-token-mean]",)),
-    Mutation("reference-noise-ten-times", "harness/grad_check/script/judge.py",
+    Mutation("reference-noise-ten-times", "harness/grad_check/script/repeatable.py",
              "    rtol = tolerance(precision(first, again))",
              "    rtol = 10 * tolerance(precision(first, again))",
              ("tests/test_check_script.py::test_a_reference_drifting_past_its_tolerance_is_"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grad_check.script import capture, guard, installed
+from harness.grad_check.script import guard, installed
 from harness.grad_check.script.processes import start_subprocess
 from tests.launch import ForkedChild, exit_code_of
 
@@ -189,7 +189,7 @@ def _become_the_script(script: str, args: list[str], environment: dict[str, str]
 
         # OpenMP read its variable when this process's parent loaded torch.
         torch.set_num_threads(int(environment.get("OMP_NUM_THREADS", "1")))
-        capture.INSTALLED = None  # the parent's, if it had one, is not this rank's
+        installed.CAPTURE = None  # the parent's, if it had one, is not this rank's
         guard.INSTALLED = None
         installed.install_from_environment()
         if script == "-m":
@@ -206,8 +206,8 @@ def _become_the_script(script: str, args: list[str], environment: dict[str, str]
     except BaseException:  # noqa: BLE001 -- as the interpreter: the hook, exit code 1
         sys.excepthook(*sys.exc_info())
     finally:
-        if capture.INSTALLED is not None:
-            capture.INSTALLED.write_summary()  # what atexit does in an interpreter
+        if installed.CAPTURE is not None:
+            installed.CAPTURE.write_summary()  # what atexit does in an interpreter
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()

@@ -29,7 +29,7 @@ from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.files import partial_file, summary_file, tensors_file
 from harness.grad_check.script.grad_check_run import main, render
-from harness.grad_check.script.judge import SplitJudge, check_deterministic
+from harness.grad_check.script.judge import SplitJudge
 from harness.grad_check.script.points import Points
 from harness.grad_check.script.processes import (
     CommandLauncher,
@@ -38,6 +38,7 @@ from harness.grad_check.script.processes import (
     first_failure,
 )
 from harness.grad_check.script.records import Captured
+from harness.grad_check.script.repeatable import check_deterministic
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
 from harness.grad_check.script.splits import (
     Split,

@@ -54,34 +54,20 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from harness.errors import USAGE_EXIT, first_sentence
+from harness.errors import USAGE_EXIT
 from harness.grad_check.script import ending, engines, naming, points, samples, wire, wrappers
 from harness.grad_check.script.graph import graph_dtypes
 from harness.grad_check.script.guard import failing_line
 from harness.grad_check.script.naming import owner, parameter_names
+from harness.grad_check.script.never_raising import Refused, never_raising
 from harness.grad_check.script.sharded import reader_for
-from harness.grad_check.script.tracked import Tracked, Window, identity_of
-from harness.grad_check.script.wire import RankSettings
-
-
-class Refused(Exception):
-    """A setup the capture cannot read: the message says which and what is allowed."""
-
-
-def never_raising(hook: Callable) -> Callable:
-    """A hook that records what it could not read instead of raising into user code (a
-    refusal, deliberate, still ends the process)."""
-    @functools.wraps(hook)
-    def guarded(self: Capture, *args, **kwargs):
-        try:
-            return hook(self, *args, **kwargs)
-        except Refused as refusal:
-            self.refuse(str(refusal))
-        except Exception as error:  # noqa: BLE001 -- the user's run must go on
-            self.unknown.add(f"{hook.__name__}: {first_sentence(error)}")
-        return None
-
-    return guarded
+from harness.grad_check.script.tracked import (
+    Tracked,
+    Window,
+    captured_enough,
+    identity_of,
+    oldest_window,
+)
 
 
 class Capture:
@@ -251,15 +237,18 @@ class Capture:
         """The parameters after a step: digested, written or compared; the window closed."""
         if tracked.record is None:  # a step not captured: its window is done with too
             tracked.since = self.window.forwards
-            self.window.forget(tracked.parameters, self.oldest_window())
+            self.window.forget(tracked.parameters, oldest_window(self.tracked, self.constructed,
+                                                            self.window.forwards))
             return
         specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
         tracked.record = replace(tracked.record, params_digests=kept, compared={
             **tracked.record.compared, "params": self.points.done(
                 tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)})
         self.records.append(tracked.close_record(self.window))
-        self.window.forget(tracked.parameters, self.oldest_window())
-        if not self.keep_going and self.captured_enough():
+        self.window.forget(tracked.parameters, oldest_window(self.tracked, self.constructed,
+                                                            self.window.forwards))
+        if not self.keep_going and captured_enough(self.tracked, self.constructed, self.inner,
+                                                   self.inner_optimizers, self.steps):
             self.stop()
         ending.keep_partial(self.summary(), self.folder, self.rank)  # a later crash keeps it
 
@@ -356,44 +345,15 @@ class Capture:
         """DeepSpeed's boundary step (engines.py): one step of one optimizer, the engine's
         model read before and after it; the torch optimizer stepped inside it is inner."""
         self.step_depth += 1
-        self.engine = engines.EngineStep(engine, self.before_engine_step(engine))
+        self.engine = engines.EngineStep(engine, engines.before_step(self, engine))
         try:
             result = step()
         finally:
             self.step_depth -= 1
             done, self.engine = self.engine, None
         if self.step_depth == 0 and done.tracked is not None:
-            self.after_engine_step(done)
+            engines.after_step(self, done)
         return result
-
-    @never_raising
-    def before_engine_step(self, engine: Any) -> Tracked | None:
-        if self.step_depth == 1 and self.recording:
-            return engines.before_step(self, engine)
-        return None
-
-    @never_raising
-    def after_engine_step(self, done: engines.EngineStep) -> None:
-        engines.after_step(self, done)
-
-    def oldest_window(self) -> int:
-        """The first forward any optimizer's next step may still count."""
-        starts = [tracked.since for tracked in self.tracked]
-        keys = {tracked.key for tracked in self.tracked}
-        starts += [since for optimizer, since in list(self.constructed.items())
-                   if identity_of(optimizer) not in keys]  # not stepped yet
-        return min(starts, default=self.window.forwards)
-
-    def captured_enough(self) -> bool:
-        """Every optimizer alive (not one stepped inside another's step) has taken S steps:
-        one that never steps lets the script run to its end."""
-        done = {tracked.key for tracked in self.tracked if tracked.steps >= self.steps}
-        if len(done) < len(self.tracked):
-            return False
-        alive = [optimizer for optimizer in list(self.constructed)
-                 if optimizer not in self.inner_optimizers]
-        return all(key in done or key in self.inner or not key
-                   for key in map(identity_of, alive))
 
     # ------------------------------------------------------------------ the end
     def summary(self) -> wire.RankSummary:
@@ -427,17 +387,3 @@ class Capture:
         self.exit(USAGE_EXIT)
 
     exit = staticmethod(ending.exit_now)
-
-
-def install(settings: RankSettings) -> Capture:
-    """The capture that ``settings`` ask for, installed once in this process."""
-    global INSTALLED
-    if INSTALLED is None:
-        INSTALLED = Capture(settings.folder, settings.steps, settings.keep_going,
-                            settings.timeout, settings.micro_batch, settings.against)
-        INSTALLED.install()
-    return INSTALLED
-
-
-#: The capture installed in this process, if any.
-INSTALLED: Capture | None = None

@@ -31,6 +31,7 @@ from torch import nn
 
 from harness.check.shards import Piece
 from harness.grad_check.script.naming import parameter_names
+from harness.grad_check.script.never_raising import never_raising
 from harness.grad_check.script.wrappers import after_import
 
 if TYPE_CHECKING:
@@ -180,9 +181,13 @@ class EngineStep:
         return math.sqrt(float(total.cpu()))
 
 
-def before_step(capture: Capture, engine: Any) -> Tracked:
+@never_raising
+def before_step(capture: Capture, engine: Any) -> Tracked | None:
     """The engine's model as one optimizer (tracked at its first boundary step), its
-    gradient read while this step is among the first S."""
+    gradient read while this step is among the first S; None inside another step, or once
+    the capture is written."""
+    if capture.step_depth != 1 or not capture.recording:
+        return None
     model = engine_model(engine)
     parameters = [p for p in model.parameters() if p.requires_grad]
     key = frozenset(id(p) for p in parameters)
@@ -199,6 +204,7 @@ def before_step(capture: Capture, engine: Any) -> Tracked:
     return tracked
 
 
+@never_raising
 def after_step(capture: Capture, done: EngineStep) -> None:
     """What DeepSpeed's clip left (a collective where it clipped), then the parameters."""
     record = done.tracked.record

@@ -25,8 +25,16 @@ def install_from_environment() -> Any:
     if installed.is_launcher:
         return None
     installed.check_world_size()
-    from harness.grad_check.script import capture  # a rank's alone: it loads torch
+    global CAPTURE
+    from harness.grad_check.script.capture import Capture  # a rank's alone: it loads torch
 
-    rank_capture = capture.install(settings)
+    if CAPTURE is None:
+        CAPTURE = Capture(settings.folder, settings.steps, settings.keep_going,
+                          settings.timeout, settings.micro_batch, settings.against)
+        CAPTURE.install()
     installed.watch_training()
-    return rank_capture
+    return CAPTURE
+
+
+#: The capture installed in this process (a rank's), if any.
+CAPTURE: Any = None

@@ -39,11 +39,10 @@ from harness.check.precision import lowest, tolerance
 from harness.check.shards import comparison_of
 from harness.columns import POINTS
 from harness.grad_check.script import explain, factors
-from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
 from harness.grad_check.script.wire import PointFit
-from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close, dtype_name
+from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close
 from harness.verdicts import Equivalence, Status
 
 #: Names shown where a list is named in a line.
@@ -158,54 +157,6 @@ def amplified_fix(gradient: Comparison, facts: Facts) -> str:
             f"{gradient.residual:.2g}), where its rounding and a small difference look alike, "
             "and the update follows from it: an adaptive optimizer (Adam) magnifies either in "
             "its step: run once in float32 to tell them apart")
-
-
-def not_deterministic(label: str, what: str, dropout: list[str]) -> ReferenceUnusable:
-    modules = f" (the model's {shown(dropout)})" if dropout else ""
-    return ReferenceUnusable(f"the reference {label} ran twice and {what}: the script is not "
-                      f"deterministic; allowed: a script that repeats its steps exactly: look at "
-                      f"dropout{modules}, an unseeded sampler or generator (seed torch, numpy "
-                      "and random at the start, DataLoader(generator=...)), nondeterministic "
-                      "kernels (torch.use_deterministic_algorithms(True))")
-
-
-def check_deterministic(first: Captured, again: Captured) -> Noise:
-    """Refuse a reference whose two runs differ beyond its precision's tolerance; else the
-    noise between them, by (optimizer, step, point)."""
-    label = first.run.split.label
-    steps = [first.steps(o) for o in range(len(first.optimizers))]
-    if steps != [again.steps(o) for o in range(len(again.optimizers))]:
-        raise not_deterministic(label, f"stepped {first.total_steps} then {again.total_steps} "
-                                "time(s)", first.dropout)
-    rtol = tolerance(precision(first, again))
-    measured: Noise = {}
-    for optimizer, count in enumerate(steps):
-        for step in range(count):
-            if not explain.same_samples(again.samples(optimizer, step),
-                                        first.samples(optimizer, step)):
-                raise not_deterministic(label, f"fed other samples in step {step}",
-                                        first.dropout)
-            for point in POINTS:
-                measured[(optimizer, step, point)] = _repeated(first, again, optimizer, step,
-                                                               point, rtol)
-    return measured
-
-
-def _repeated(first: Captured, again: Captured, optimizer: int, step: int, point: str,
-              rtol: float) -> float:
-    """How far the reference's second run is from its first at one point; refused beyond
-    the precision's tolerance."""
-    label = first.run.split.label
-    try:
-        comparison = compared(again, first, optimizer, step, point, rtol)
-    except Unmatched as unmatched_:
-        raise not_deterministic(label, str(unmatched_), first.dropout) from None
-    distance = noise(again, first, optimizer, step, point)
-    if comparison.verdict is not Equivalence.MATCHES:
-        raise not_deterministic(
-            label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, beyond "
-            f"{dtype_name(precision(first, again))}'s tolerance {rtol:g})", first.dropout)
-    return distance
 
 
 @dataclass

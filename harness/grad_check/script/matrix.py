@@ -24,9 +24,10 @@ from harness.failure import STOPPED_EXIT
 from harness.grad_check.script import factors
 from harness.grad_check.script.config import LOGS, ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable, SplitFailure
-from harness.grad_check.script.judge import Noise, SplitJudge, check_deterministic
+from harness.grad_check.script.judge import Noise, SplitJudge
 from harness.grad_check.script.processes import CommandLauncher, SplitRun
 from harness.grad_check.script.records import Captured
+from harness.grad_check.script.repeatable import check_deterministic
 from harness.grad_check.script.splits import Split
 from harness.launcher import Stopped
 

@@ -223,3 +223,26 @@ class Tracked:
 
     def summary(self) -> OptimizerRecord:
         return OptimizerRecord(self.kind, self.names, self.steps, self.reader.sharding)
+
+
+def oldest_window(tracked: Sequence[Tracked], constructed: weakref.WeakKeyDictionary,
+                  forwards: int) -> int:
+    """The first forward any optimizer's next step may still count: the windows of those
+    tracked, and of those ``constructed`` that have not stepped yet."""
+    starts = [optimizer.since for optimizer in tracked]
+    keys = {optimizer.key for optimizer in tracked}
+    starts += [since for optimizer, since in list(constructed.items())
+               if identity_of(optimizer) not in keys]
+    return min(starts, default=forwards)
+
+
+def captured_enough(tracked: Sequence[Tracked], constructed: weakref.WeakKeyDictionary,
+                    inner: set[frozenset[int]], inner_optimizers: weakref.WeakSet,
+                    steps: int) -> bool:
+    """Every optimizer alive (not one stepped inside another's step) has taken ``steps``
+    steps: one that never steps lets the script run to its end."""
+    done = {optimizer.key for optimizer in tracked if optimizer.steps >= steps}
+    if len(done) < len(tracked):
+        return False
+    alive = [optimizer for optimizer in list(constructed) if optimizer not in inner_optimizers]
+    return all(key in done or key in inner or not key for key in map(identity_of, alive))
