@@ -1,10 +1,10 @@
-"""``run.json``: what a run was, typed, and the fingerprint that guards ``--resume``.
+"""``run.json``: what a run was, typed, and the settings hash that guards ``--resume``.
 
 The manifest is written once at the end of a run (atomically) and read back,
 typed and without torch, by :func:`read_manifest`: the report, ``compare.py`` and
 the docs generator. Its keys are the fields below; ``settings``
 holds every setting that can change a measured number (the run-wide ones and
-each study's own options), and the fingerprint hashes exactly that, so a
+each study's own options), and the settings hash covers exactly that, so a
 setting added tomorrow is covered by ``--resume``'s refusal the day it is added.
 """
 
@@ -49,7 +49,7 @@ def results_settings(config: RunConfig, placement: Placement,
                         "torch": torch.__version__})
 
 
-def fingerprint(settings: dict[str, Any]) -> str:
+def settings_hash(settings: dict[str, Any]) -> str:
     """A short hash of ``settings``: resuming across a different one would mix runs."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -32,7 +32,7 @@ from harness.config import RunConfig
 from harness.context import RunContext
 from harness.errors import UsageError, launched_by_harness, refuse
 from harness.failure import report_failure, running_case, withdraw_on_stop
-from harness.manifest import RunManifest, StudyEntry, fingerprint, json_ready, results_settings
+from harness.manifest import RunManifest, StudyEntry, json_ready, results_settings, settings_hash
 from harness.placement import Launch, Placement
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
@@ -133,7 +133,7 @@ class Runner:
         started = time.time()
         ctx = self._init_distributed()
         self.settings = results_settings(self.config, self.placement, self.world_sizes)
-        journal = Journal(self.config.out, fingerprint(self.settings), self.launch.rank)
+        journal = Journal(self.config.out, settings_hash(self.settings), self.launch.rank)
         try:
             done = self._resumed_rows(journal)
         except UsageError as error:

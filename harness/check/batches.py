@@ -89,7 +89,7 @@ def prepared(batch: Any, dtype: torch.dtype, device: torch.device) -> Any:
                        if t.is_floating_point() else t.to(device))
 
 
-def fingerprint(batch: Any) -> float:
+def batch_sum(batch: Any) -> float:
     """A number that changes when the batch does: ranks compare it to be sure that
     ``batch(i)`` gave each of them the same samples."""
     return float(sum(float(t.detach().double().abs().sum()) for t in tensors_of(batch)))

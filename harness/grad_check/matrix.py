@@ -167,7 +167,7 @@ class SetupCheck:
             return
         values = [sampled_fingerprint(self.baseline.initial.state_dict().values())]
         values += [step.loss for step in reference]
-        values += [batches.fingerprint(self.setup.batch(i)) for i in range(self.setup.steps)]
+        values += [batches.batch_sum(self.setup.batch(i)) for i in range(self.setup.steps)]
         if not same_on_every_rank(values, None, self.device):
             raise UsageError(f"{self.target}: make_model() or batch(i) gave the ranks "
                              "different numbers; allowed: deterministic functions (seed inside "

@@ -23,7 +23,7 @@ from harness.strategies import STRATEGIES
 from harness.strategies.common import Trainer, float64_vector
 
 
-class Member(nn.Module):
+class MLPCopy(nn.Module):
     """One copy of the study's MLP (``Linear -> tanh -> Linear``): its parameters, in the
     order ``MLP.parameters()`` yields them, so that flattened vectors compare entry by entry."""
 
@@ -51,7 +51,7 @@ class Fleet(nn.Module):
         super().__init__()
         if not isinstance(getattr(initial, "norm", None), nn.Identity):
             raise TypeError("a fleet copies the MLP without a norm layer")
-        self.copies = nn.ModuleList(Member(initial) for _ in range(copies))
+        self.copies = nn.ModuleList(MLPCopy(initial) for _ in range(copies))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (batch, copy, output): DataParallel's gather concatenates along dim 0, the batch.
