@@ -333,7 +333,7 @@ seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_st
 FRAMEWORKS_RANK = """import json, statistics, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from harness.grad_check.config import CheckConfig
+from harness.grad_check.check_config import CheckConfig
 from harness.check.load import validated_setup
 from harness.grad_check.matrix import CheckRun, SetupCheck
 from harness.placement import Launch, choose_placement

@@ -63,7 +63,7 @@ MUTATIONS = (
              "start = (rank * accum_steps + micro) * per_piece",
              "start = (micro * accum_steps + rank) * per_piece",
              ("tests/test_mutation_targets.py",)),
-    Mutation("capture-after-step", "harness/frameworks/capture.py",
+    Mutation("capture-after-step", "harness/frameworks/step_capture.py",
              "taken = CapturedStep(float64_vector(grads()),\n"
              "                             tuple(float(group[\"lr\"]) for group in "
              "optimizer.param_groups))\n        result = original(**kwargs)",
@@ -208,12 +208,12 @@ MUTATIONS = (
              "before = [self.window.kept.get(id(grad), grad)",
              ("tests/test_mutation_targets_script.py::test_the_gradient_is_read_as_it_was_"
               "before_the_clip",)),
-    Mutation("no-forwards-a-partial-window", "harness/grad_check/script/judge.py",
+    Mutation("no-forwards-a-partial-window", "harness/grad_check/script/split_judge.py",
              "short = any(0 < count < split.accum_steps for count in forwards)",
              "short = any(count < split.accum_steps for count in forwards)",
              ("tests/test_mutation_targets_script.py::test_a_rank_whose_forwards_went_unseen_"
               "is_no_partial_window",)),
-    Mutation("clip-note-at-the-tighter-tolerance", "harness/grad_check/script/judge.py",
+    Mutation("clip-note-at-the-tighter-tolerance", "harness/grad_check/script/split_judge.py",
              "if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):",
              "if not close(received, 1.0, min(facts.rtol, CLIPPED_ALIKE)):",
              ("tests/test_mutation_targets_script.py::test_a_binding_clip_hid_the_scale_up_to_"
@@ -242,7 +242,7 @@ MUTATIONS = (
              'return ended_early(config, check.finished, prog, f"error: {unusable}", 1)',
              'return ended_early(config, check.finished, prog, f"error: {unusable}", 2)',
              ('tests/test_check_script.py::test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code',)),
-    Mutation('ctrl-c-exits-as-sigterm', 'harness/grad_check/script/matrix.py',
+    Mutation('ctrl-c-exits-as-sigterm', 'harness/grad_check/script/runs.py',
              'raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None',
              'raise Interrupted(STOPPED_EXIT, "interrupted") from None',
              ('tests/test_check_script.py::test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code',)),
@@ -250,7 +250,7 @@ MUTATIONS = (
              'return f"{number} = {tie if both else expression}"',
              'return f"{number} = {expression}"',
              ('tests/test_check_script.py::test_a_scale_the_splits_show_to_follow_n_names_n_where_n_equals_k',)),
-    Mutation('cast-judged-at-float32s-tolerance', 'harness/grad_check/script/judge.py',
+    Mutation('cast-judged-at-float32s-tolerance', 'harness/grad_check/script/split_judge.py',
              '                                cast or rtol),',
              '                                rtol),',
              ('tests/test_check_script.py::test_a_float32_residual_above_its_rounding_is_never_a_match',)),

@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from harness.grad_check.check_config import CSV_NAME
 from harness.grad_check.cli import main
-from harness.grad_check.config import CSV_NAME
 from harness.grad_check.schema import COLUMN_NAMES
 from tests import check_setups, refusing_ranks
 from tests.distributed import run_cli

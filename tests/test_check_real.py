@@ -36,8 +36,8 @@ from harness.check.load import validated_setup
 from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference
 from harness.errors import ERROR_DIR_VARIABLE, INTERRUPTED_EXIT, UsageError
+from harness.grad_check.check_config import CSV_NAME
 from harness.grad_check.cli import main
-from harness.grad_check.config import CSV_NAME
 from harness.grad_check.schema import case_label
 from harness.strategies.local import LocalCheckCase
 from tests.distributed import run_cli_importing

@@ -25,11 +25,9 @@ from harness.check.precision import tolerance
 from harness.check.shards import Piece
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import capture, factors, naming, samples, wire
-from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable
 from harness.grad_check.script.files import partial_file, summary_file, tensors_file
 from harness.grad_check.script.grad_check_run import main, render
-from harness.grad_check.script.judge import SplitJudge
 from harness.grad_check.script.points import Points
 from harness.grad_check.script.processes import (
     CommandLauncher,
@@ -40,6 +38,8 @@ from harness.grad_check.script.processes import (
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.repeatable import check_deterministic
 from harness.grad_check.script.schema import COLUMN_NAMES, case_label
+from harness.grad_check.script.script_config import ScriptConfig
+from harness.grad_check.script.split_judge import SplitJudge
 from harness.grad_check.script.splits import (
     Split,
     check_placeholders,
@@ -103,10 +103,10 @@ def test_more_ranks_than_gpus_is_refused_before_anything_runs():
 
 def test_more_ranks_than_cores_run_with_one_line_saying_so(capsys, monkeypatch, tmp_path):
     """As the studies do (harness/launcher.py): the verdicts are the same, the runs slower."""
-    from harness.grad_check.script import grad_check_run, matrix
+    from harness.grad_check.script import grad_check_run, runs
 
     monkeypatch.setattr("harness.launcher.usable_cores", lambda: 2)
-    monkeypatch.setattr(matrix.ScriptCheck, "rows", lambda self: [])
+    monkeypatch.setattr(runs.ScriptCheck, "rows", lambda self: [])
     config = ScriptConfig(command=tuple(COMMAND), global_batch=8,
                           splits=(Split(1, 1), Split(4, 1)), quiet=True, out=tmp_path / "out")
     assert config.most_ranks == 4
@@ -940,7 +940,7 @@ def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_
     from harness.check.compare import Comparison
     from harness.check.fix import Facts
     from harness.fit import ScaleFit
-    from harness.grad_check.script.judge import amplified_fix, rounding_only
+    from harness.grad_check.script.split_judge import amplified_fix, rounding_only
 
     facts = Facts(world_size=1, accum_steps=2, rtol=1e-3)
     near = Comparison(ScaleFit(1.0, 9.6e-4), Equivalence.MATCHES, {})
@@ -992,7 +992,7 @@ def test_a_bfloat16_gradient_match_is_never_called_rounding_alone():
     from harness.check.compare import Comparison
     from harness.check.fix import Facts
     from harness.fit import ScaleFit
-    from harness.grad_check.script.judge import amplified_fix, rounding_only
+    from harness.grad_check.script.split_judge import amplified_fix, rounding_only
 
     bf16 = Facts(world_size=2, accum_steps=1, rtol=tolerance(torch.bfloat16))
     gradient = Comparison(ScaleFit(0.9992, 1.5e-3), Equivalence.MATCHES, {})
@@ -1019,7 +1019,7 @@ def test_tokens_are_counted_from_the_samples_where_no_labels_are_passed():
 def test_a_reference_that_ended_before_its_steps_says_so(tmp_path, monkeypatch):
     """A script whose data ends after one step: its rows compare that step, and one line
     says that the script ended before --steps."""
-    from harness.grad_check.script.matrix import ScriptCheck
+    from harness.grad_check.script.runs import ScriptCheck
 
     said: list[str] = []
     config = ScriptConfig(command=tuple(COMMAND), global_batch=8, splits=(Split(1, 1),),

@@ -19,7 +19,6 @@ import pytest
 
 from harness.errors import UsageError, error_file
 from harness.grad_check.script import guard, wire
-from harness.grad_check.script.config import ScriptConfig
 from harness.grad_check.script.failures import (
     SplitFailure,
     first_failure,
@@ -32,6 +31,7 @@ from harness.grad_check.script.failures import (
 from harness.grad_check.script.grad_check_run import main, program_name
 from harness.grad_check.script.launchers import adapted, check_launcher, launcher_of
 from harness.grad_check.script.processes import CommandLauncher, sweep
+from harness.grad_check.script.script_config import ScriptConfig
 from harness.grad_check.script.splits import Split, check_placeholders, substituted
 from tests.test_check_script import refused
 

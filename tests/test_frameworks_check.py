@@ -28,7 +28,7 @@ from torch import nn
 from harness.check.setup import Setup
 from harness.frameworks.registry import INSTALL_HINT
 from harness.grad_check.cli import main
-from harness.grad_check.frameworks import COLUMN_NAMES as CHECK_COLUMNS
+from harness.grad_check.frameworks_check import COLUMN_NAMES as CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
 from tests.distributed import run_cli_importing
 from tests.scheduling import launching

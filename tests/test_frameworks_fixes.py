@@ -10,10 +10,10 @@ from harness.check.compare import Comparison
 from harness.check.fix import Facts
 from harness.check.setup import Setup
 from harness.fit import ScaleFit
-from harness.frameworks.capture import StepCapture
 from harness.frameworks.fixes import framework_fix
 from harness.frameworks.hf_trainer import FRAMEWORK as TRAINER
 from harness.frameworks.registry import DEFAULT, Applied, Job
+from harness.frameworks.step_capture import StepCapture
 from harness.verdicts import Equivalence
 
 RTOL = 1e-9

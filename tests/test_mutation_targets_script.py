@@ -20,8 +20,8 @@ from harness.check import shards
 from harness.grad_check.script import launchers
 from harness.grad_check.script.capture import Capture
 from harness.grad_check.script.files import tensors_file
-from harness.grad_check.script.judge import SplitJudge
 from harness.grad_check.script.records import Captured
+from harness.grad_check.script.split_judge import SplitJudge
 from harness.grad_check.script.splits import Split
 from harness.grad_check.script.wire import RankSummary
 

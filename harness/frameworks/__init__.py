@@ -1,7 +1,7 @@
 """Real training frameworks, each an adapter that trains a user's :class:`Setup` its own way.
 
 Both the frameworks study (harness/studies/frameworks/) and ``grad-check --frameworks``
-(harness/grad_check/frameworks.py) train through these adapters and measure with
+(harness/grad_check/frameworks_check.py) train through these adapters and measure with
 :mod:`harness.frameworks.measure`, which judges what each optimizer was handed with the
 check's own engine. An adapter is one module exporting a
 :class:`~harness.frameworks.registry.Framework` (its package, settings and ``train``);

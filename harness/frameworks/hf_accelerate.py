@@ -17,9 +17,9 @@ from torch.utils.data import DataLoader
 
 from harness.check.setup import make_optimizer
 from harness.frameworks import registry
-from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
 from harness.frameworks.data import Samples, data_set
 from harness.frameworks.registry import Applied, Code, Job, Setting
+from harness.frameworks.step_capture import parameter_grads, parameter_values, watch_step
 
 SETTINGS = (
     Setting(registry.DEFAULT, core=True),

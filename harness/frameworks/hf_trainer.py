@@ -40,9 +40,9 @@ from torch import nn
 from harness.check import batches
 from harness.check.setup import make_optimizer
 from harness.frameworks import registry
-from harness.frameworks.capture import parameter_grads, parameter_values, watch_step
 from harness.frameworks.data import Samples, data_set
 from harness.frameworks.registry import Applied, Framework, Job, Setting
+from harness.frameworks.step_capture import parameter_grads, parameter_values, watch_step
 from harness.tolerances import check_tolerance, close
 
 SETTINGS = (

@@ -49,10 +49,10 @@ from harness.check.step import run_dtype
 from harness.columns import POINTS
 from harness.errors import first_sentence
 from harness.fit import relative_error
-from harness.frameworks.capture import CapturedStep, StepCapture, watching_losses
 from harness.frameworks.columns import COLUMNS
 from harness.frameworks.fixes import framework_fix
 from harness.frameworks.registry import Applied, Framework, Job, Setting
+from harness.frameworks.step_capture import CapturedStep, StepCapture, watching_losses
 from harness.strategies.common import relative_spread
 from harness.tolerances import dtype_name
 from harness.verdicts import Status

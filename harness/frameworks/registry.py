@@ -25,7 +25,7 @@ from torch import nn
 
 from harness.check import batches
 from harness.check.setup import MicroStep, Setup
-from harness.frameworks.capture import StepCapture
+from harness.frameworks.step_capture import StepCapture
 
 #: What to install when a framework is missing (the package's optional extra).
 INSTALL_HINT = "pip install '.[frameworks]'"

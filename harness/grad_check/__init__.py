@@ -5,7 +5,7 @@ my_module:make_setup`` runs it under every strategy, world size and number of
 micro-steps, and compares gradients and updates with one process stepping once on the
 whole global batch. ``check(...)`` and ``assert_matches(...)`` do the same from Python,
 e.g. in a test of your own (api.py). ``grad-check --frameworks`` runs the setup through
-real training frameworks (frameworks.py), and ``grad-check run`` checks a training
+real training frameworks (frameworks_check.py), and ``grad-check run`` checks a training
 script as it is (script/).
 
 These are the check's front-ends: each runs steps its own way and hands what it measured

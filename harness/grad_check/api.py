@@ -44,7 +44,7 @@ from harness.check.setup import Setup
 from harness.check.step import check_step_device
 from harness.check.table import render
 from harness.errors import USAGE_EXIT, UsageError, error_file
-from harness.grad_check.config import CHECK_STRATEGIES, CheckConfig
+from harness.grad_check.check_config import CHECK_STRATEGIES, CheckConfig
 from harness.grad_check.matrix import CheckRun
 from harness.grad_check.schema import CELLS, COLUMN_NAMES
 from harness.grad_check.sending import received, refuse_unguarded_caller, sent

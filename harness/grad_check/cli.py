@@ -26,7 +26,7 @@ from harness.errors import (
     record_error,
     refuse,
 )
-from harness.grad_check.config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
+from harness.grad_check.check_config import CHECK_STRATEGIES, CSV_NAME, CheckConfig
 from harness.grad_check.console import notices
 from harness.grad_check.schema import case_label
 from harness.options import (
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.frameworks:
-            from harness.grad_check.frameworks import main as frameworks_main
+            from harness.grad_check.frameworks_check import main as frameworks_main
 
             return frameworks_main(args, argv, leader, PROG)
         config = config_from_args(args)

@@ -41,7 +41,7 @@ from harness.check.setup import Setup
 from harness.check.spread import Spread
 from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
 from harness.errors import UsageError, first_sentence, timed_out_in_collective
-from harness.grad_check.config import CSV_NAME, CheckConfig
+from harness.grad_check.check_config import CSV_NAME, CheckConfig
 from harness.grad_check.schema import COLUMN_NAMES, COLUMNS
 from harness.placement import Launch, Placement
 from harness.results import write_csv_atomic

@@ -1,7 +1,7 @@
 """What a split's samples say about a difference its gradient shows.
 
 Sample fingerprints are a heuristic: they explain a measured difference, and never turn a
-gradient that matches into anything else (harness/grad_check/script/judge.py asks them
+gradient that matches into anything else (harness/grad_check/script/split_judge.py asks them
 only where the gradient does not match). Each explanation names the pattern the samples
 show: a step that fed another number of samples than G (an accumulation or batch
 argument), ranks that all fed the same samples (no sharding), rank 0 feeding the

@@ -33,15 +33,15 @@ from harness.check.table import (
 from harness.check.table import render as table_render
 from harness.config import add_timeout_flag
 from harness.errors import INTERRUPTED_EXIT, UsageError, refuse
-from harness.grad_check.script.config import (
+from harness.grad_check.script.launchers import LAUNCHER_CHOICES, visible_gpus
+from harness.grad_check.script.schema import COLUMN_NAMES, case_label
+from harness.grad_check.script.script_config import (
     CSV_NAME,
     DEFAULT_FAIL_ON,
     DEFAULT_STEPS,
     LOGS,
     ScriptConfig,
 )
-from harness.grad_check.script.launchers import LAUNCHER_CHOICES, visible_gpus
-from harness.grad_check.script.schema import COLUMN_NAMES, case_label
 from harness.grad_check.script.splits import PLACEHOLDERS, parse_split, parse_splits
 from harness.options import CommandParser, check_out_folder, parse_float, parse_int
 
@@ -218,8 +218,8 @@ def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
 
 
 def checked(config: ScriptConfig, starter, prog: str) -> int:
-    from harness.grad_check.script.matrix import Interrupted, ScriptCheck
     from harness.grad_check.script.processes import CommandLauncher, start_subprocess
+    from harness.grad_check.script.runs import Interrupted, ScriptCheck
     from harness.grad_check.script.slurm import srun_starter
     from harness.launcher import say_if_oversubscribed
 
@@ -245,7 +245,7 @@ def ended(config: ScriptConfig, check, prog: str) -> int:
     or to Ctrl-C or SIGTERM caught outside a split's run (raised as Interrupted)."""
     from harness.failure import STOPPED_EXIT
     from harness.grad_check.script.failures import ReferenceUnusable
-    from harness.grad_check.script.matrix import Interrupted
+    from harness.grad_check.script.runs import Interrupted
     from harness.launcher import Stopped, stopped_by_sigterm
 
     try:

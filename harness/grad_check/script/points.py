@@ -10,7 +10,7 @@ point as it reads it: each rank its own pieces against the matching slices of th
 reference's file (parameters as updates from the reference's parameters before the
 step), with the engine's ``compare`` over the ranks' process group, which sums every
 rank's float64 dot products; every rank records the same fit, as plain numbers, and the
-launcher judges it at the precision both runs used (harness/grad_check/script/judge.py).
+launcher judges it at the precision both runs used (harness/grad_check/script/split_judge.py).
 What a rank holds beyond its own shard is a bounded buffer: the reference's slices are
 views of the mapped file.
 """

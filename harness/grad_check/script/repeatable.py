@@ -10,7 +10,8 @@ from harness.check.precision import tolerance
 from harness.columns import POINTS
 from harness.grad_check.script import explain
 from harness.grad_check.script.failures import ReferenceUnusable
-from harness.grad_check.script.judge import (
+from harness.grad_check.script.records import Captured
+from harness.grad_check.script.split_judge import (
     WHAT,
     Noise,
     Unmatched,
@@ -19,7 +20,6 @@ from harness.grad_check.script.judge import (
     precision,
     shown,
 )
-from harness.grad_check.script.records import Captured
 from harness.tolerances import dtype_name
 from harness.verdicts import Equivalence
 

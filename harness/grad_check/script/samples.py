@@ -1,6 +1,6 @@
 """Which samples a training forward fed: one fingerprint per sample, whatever the layout.
 
-A fingerprint only explains a measured difference (harness/grad_check/script/judge.py): it
+A fingerprint only explains a measured difference (harness/grad_check/script/split_judge.py): it
 never turns a gradient that matches into anything else. So it is made to be the same for
 the same sample at every split, and otherwise kept cheap:
 

@@ -22,12 +22,12 @@ from typing import Any
 from harness.errors import INTERRUPTED_EXIT
 from harness.failure import STOPPED_EXIT
 from harness.grad_check.script import factors
-from harness.grad_check.script.config import LOGS, ScriptConfig
 from harness.grad_check.script.failures import ReferenceUnusable, SplitFailure
-from harness.grad_check.script.judge import Noise, SplitJudge
 from harness.grad_check.script.processes import CommandLauncher, SplitRun
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.repeatable import check_deterministic
+from harness.grad_check.script.script_config import LOGS, ScriptConfig
+from harness.grad_check.script.split_judge import Noise, SplitJudge
 from harness.grad_check.script.splits import Split
 from harness.launcher import Stopped
 
