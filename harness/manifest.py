@@ -1,8 +1,8 @@
 """``run.json``: what a run was, typed, and the settings hash that guards ``--resume``.
 
 The manifest is written once at the end of a run (atomically) and read back,
-typed and without torch, by :func:`read_manifest`: the report, ``compare.py`` and
-the docs generator. Its keys are the fields below; ``settings``
+typed and without torch, by :func:`read_manifest`: the report, ``grad-compare``
+(``results_folder.py``) and the docs generator. Its keys are the fields below; ``settings``
 holds every setting that can change a measured number (the run-wide ones and
 each study's own options), and the settings hash covers exactly that, so a
 setting added tomorrow is covered by ``--resume``'s refusal the day it is added.

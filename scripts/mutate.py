@@ -79,7 +79,7 @@ MUTATIONS = (
              '"all_reduce": lambda n: 2 * (n - 1) / n,', '"all_reduce": lambda n: (n - 1) / n,',
              ("tests/test_comm_study.py::test_bus_factor_is_what_each_link_carries_per_byte_of_"
               "message",)),
-    Mutation("lr-factor-inverse-scale", "harness/studies/update/experiments/lr_factor.py",
+    Mutation("lr-factor-inverse-scale", "harness/studies/update/experiments/lr_factor_measure.py",
              "return 1.0 / scale", "return scale",
              ("tests/test_mutation_targets.py",)),
     Mutation("autocast-hides-the-split", "harness/check/judge.py",

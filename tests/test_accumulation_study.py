@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.studies.accumulation.study import WINDOWS, matrix
+from harness.studies.accumulation.recipes import matrix
+from harness.studies.accumulation.study import WINDOWS
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_cli
 from tests.frames import rows as select

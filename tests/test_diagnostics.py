@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from harness.diagnostics import GradientRecorder, dead_relu_fraction, gradient_stats, graph_of
-from harness.studies.diagnostics.study import DiagnosticsSetup, DiagnosticsStudy
+from harness.studies.diagnostics.model import DiagnosticsSetup
+from harness.studies.diagnostics.study import DiagnosticsStudy
 from harness.tolerances import relative_tolerance
 from tests.distributed import run_ranks
 from tests.frames import rows

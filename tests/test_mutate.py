@@ -39,7 +39,7 @@ def test_the_list_covers_verdict_fix_split_capture_compare_bus_and_lr_factor():
     assert {"harness/fit.py", "harness/check/fix.py", "harness/check/batches.py",
             "harness/frameworks/step_capture.py", "harness/compare.py",
             "harness/studies/comm/collectives.py",
-            "harness/studies/update/experiments/lr_factor.py", "harness/check/step.py",
+            "harness/studies/update/experiments/lr_factor_measure.py", "harness/check/step.py",
             "harness/check/compare.py", "harness/grad_check/api.py",
             "harness/launcher.py"} <= targets
     assert len(set(NAMES)) == len(NAMES)

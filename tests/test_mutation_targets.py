@@ -21,7 +21,11 @@ from harness.check.precision import tolerance, unresolved_below
 from harness.check.setup import Setup
 from harness.check.step import WholeStep, not_finite
 from harness.fit import ScaleFit
-from harness.studies.update.experiments.lr_factor import INVERSE_SCALE, SAME_LR, candidate_factor
+from harness.studies.update.experiments.lr_factor_measure import (
+    INVERSE_SCALE,
+    SAME_LR,
+    candidate_factor,
+)
 from harness.verdicts import Equivalence, Status
 
 DDP_3X2 = Facts(reduces_in_buckets=True, world_size=3, accum_steps=2)

@@ -14,7 +14,8 @@ import torch
 
 import harness.studies.training.data as data
 from harness.compare import cells_agree
-from harness.studies.diagnostics.study import DiagnosticsSetup, DiagnosticsStudy
+from harness.studies.diagnostics.model import DiagnosticsSetup
+from harness.studies.diagnostics.study import DiagnosticsStudy
 from harness.tolerances import column_tolerance, relative_tolerance
 from tests.runs import make_run
 

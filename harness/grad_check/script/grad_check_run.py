@@ -108,8 +108,18 @@ EPILOG = textwrap.dedent("""\
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     prog = prog or program_name()
     parser = CommandParser(prog=prog, usage=f"{prog} [options] -- COMMAND...",
-                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                     description=DESCRIPTION, epilog=EPILOG)
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description=DESCRIPTION, epilog=EPILOG)
+    _add_split_options(parser)
+    _add_outcome_options(parser)
+    _add_launch_options(parser)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines and no table on the console")
+    return parser
+
+
+def _add_split_options(parser: argparse.ArgumentParser) -> None:
+    """What is compared: the global batch, the splits and their reference, the steps."""
     parser.add_argument("--global-batch", metavar="G", required=True,
                         help="samples per optimizer step, the same at every split; each "
                              "split's N*k must divide it (b = G / (N*k))")
@@ -134,6 +144,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--keep-going", action="store_true",
                         help="let the script run to its end after step S (its own teardown, "
                              "checkpoints, evaluation) instead of stopping it")
+
+
+def _add_outcome_options(parser: argparse.ArgumentParser) -> None:
+    """Where the rows go, what fails the exit code, how long one run may take."""
     parser.add_argument("--out", default="check-results", metavar="DIR",
                         help=f"folder for {CSV_NAME} (default: check-results)")
     parser.add_argument("--fail-on", default=DEFAULT_FAIL_ON, choices=tuple(FAIL_ON),
@@ -142,6 +156,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "those or 'scaled' (scaled), or only on those (error); default: "
                              f"{DEFAULT_FAIL_ON}: an unchanged script means no scale")
     add_timeout_flag(parser, "one run of the command")
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """Who starts a split's ranks, and with which of torchrun's variables."""
     parser.add_argument("--launcher", default="auto", choices=LAUNCHER_CHOICES,
                         help="who starts a split's N ranks: grad-check (N processes of "
                              "COMMAND with torchrun's variables), command (COMMAND runs once "
@@ -157,9 +175,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "WORLD_SIZE=1, MASTER_ADDR/MASTER_PORT of a store grad-check "
                              "hosts, ...), as N > 1 gets them: for a script that needs them "
                              "even alone ('RANK expected')")
-    parser.add_argument("--quiet", action="store_true",
-                        help="no progress lines and no table on the console")
-    return parser
 
 
 def split_command(argv: list[str], prog: str | None = None) -> tuple[list[str], list[str]]:

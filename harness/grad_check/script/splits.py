@@ -112,61 +112,73 @@ def evaluate(expression: str, values: dict[str, int]) -> int:
 
     Integers only: ``/`` must come out whole (``//`` rounds down), as a batch size or a
     step count must."""
-    tokens = _tokens(expression)
-    position = 0
+    parser = _Parser(expression, values)
+    value = parser.sum_()
+    if not parser.done():
+        raise _malformed(expression)
+    return value
 
-    def peek() -> str | None:
-        return tokens[position] if position < len(tokens) else None
 
-    def take() -> str:
-        nonlocal position
-        position += 1
-        return tokens[position - 1]
+class _Parser:
+    """Reads an expression's tokens left to right by recursive descent: a sum of products
+    of factors (an integer, a name, ``-`` factor, or a parenthesized sum)."""
 
-    def sum_() -> int:
-        value = product()
-        while peek() in ("+", "-"):
-            value = value + product() if take() == "+" else value - product()
+    def __init__(self, expression: str, values: dict[str, int]) -> None:
+        self.expression = expression
+        self.values = values
+        self.tokens = _tokens(expression)
+        self.position = 0
+
+    def done(self) -> bool:
+        return self.position == len(self.tokens)
+
+    def peek(self) -> str | None:
+        return self.tokens[self.position] if self.position < len(self.tokens) else None
+
+    def take(self) -> str:
+        self.position += 1
+        return self.tokens[self.position - 1]
+
+    def sum_(self) -> int:
+        value = self.product()
+        while self.peek() in ("+", "-"):
+            value = value + self.product() if self.take() == "+" else value - self.product()
         return value
 
-    def product() -> int:
-        value = factor()
-        while peek() in ("*", "/", "//"):
-            op, right = take(), factor()
-            if op == "*":
-                value *= right
-                continue
-            if right == 0:
-                raise _bad(expression, "divides by 0", values)
-            if op == "/" and value % right:
-                raise _bad(expression, f"is {value}/{right} = {value / right:g}, not a whole "
-                           "number (// rounds down)", values)
-            value //= right
+    def product(self) -> int:
+        value = self.factor()
+        while self.peek() in ("*", "/", "//"):
+            op, right = self.take(), self.factor()
+            value = value * right if op == "*" else self.divided(value, op, right)
         return value
 
-    def factor() -> int:
-        token = peek()
+    def divided(self, value: int, op: str, right: int) -> int:
+        """``value / right`` (whole, or a UsageError) or ``value // right``."""
+        if right == 0:
+            raise _bad(self.expression, "divides by 0", self.values)
+        if op == "/" and value % right:
+            raise _bad(self.expression, f"is {value}/{right} = {value / right:g}, not a whole "
+                       "number (// rounds down)", self.values)
+        return value // right
+
+    def factor(self) -> int:
+        token = self.peek()
         if token is None:
-            raise _malformed(expression)
-        take()
+            raise _malformed(self.expression)
+        self.take()
         if token == "-":
-            return -factor()
+            return -self.factor()
         if token == "(":
-            value = sum_()
-            if peek() != ")":
-                raise _malformed(expression)
-            take()
+            value = self.sum_()
+            if self.peek() != ")":
+                raise _malformed(self.expression)
+            self.take()
             return value
         if token.isdigit():
             return int(token)
-        if token in values:
-            return values[token]
-        raise _malformed(expression)
-
-    value = sum_()
-    if position != len(tokens):
-        raise _malformed(expression)
-    return value
+        if token in self.values:
+            return self.values[token]
+        raise _malformed(self.expression)
 
 
 def _tokens(expression: str) -> list[str]:

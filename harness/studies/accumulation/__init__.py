@@ -1,5 +1,5 @@
-"""The accumulation study: see study.py (measurement), schema.py (its columns) and
-report.py (its report section)."""
+"""The accumulation study: see study.py (measurement), recipes.py (its cases: the recipes
+measured), schema.py (its columns) and report.py (its report section)."""
 
 from harness.studies import lazy_study
 

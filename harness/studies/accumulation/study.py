@@ -6,7 +6,7 @@ the gradient in ``param.grad`` is fitted against the *big-batch* gradient: one
 process, the same weights, every sample of that window (all micro-steps of all
 devices) in one batch, loss = mean over all its elements (samples or tokens).
 
-Axes of a case (a row):
+Axes of a case (a row; which combinations run: recipes.py):
 
 - ``zero_grad``: ``never`` (seed 000/001's bug: gradients of earlier steps stay),
   ``every-micro-step`` (only the last micro-batch survives), ``every-step``
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -43,7 +42,6 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.fit import ScaleFit, equivalence_verdict, fit_scale, relative_error
-from harness.models import NORMS
 from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
 from harness.seeding import generator_for
 from harness.strategies import STRATEGIES, row_device, step_cost, unavailable_reason
@@ -52,7 +50,8 @@ from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
 from harness.strategies.local import local_gradient
-from harness.studies.accumulation.schema import COLUMNS, default_scaling
+from harness.studies.accumulation.recipes import SUPPORTED, Recipe, matrix, world_sizes
+from harness.studies.accumulation.schema import COLUMNS
 from harness.studies.base import Case, Study, named_multiple
 from harness.tasks import Batch, Task, task_by_name
 from harness.verdicts import Equivalence
@@ -67,15 +66,6 @@ MICRO_BATCH = 4
 #: (from 2: BatchNorm cannot normalise a batch of one sample).
 UNEVEN_SIZES = (2, 6)
 
-#: The strategies this study runs, in row order.
-SUPPORTED = ("local", "ddp", "dp-emulated", "dp")
-ZERO_GRAD = ("never", "every-micro-step", "every-step")
-LOSS_SCALING = ("none", "1/k")
-#: Shard layouts: "tokens" belongs to the sequence task, the others to the MLP.
-SHARDS = ("even", "uneven", "tokens")
-LOSS_NORMALIZATIONS = ("micro-batch-mean", "window-total")
-
-
 #: More micro-steps than this only cost time: every verdict shows by k = 8.
 MAX_ACCUM_STEPS = 64
 
@@ -89,84 +79,6 @@ class AccumulationOptions(StudyOptions):
 
     def __post_init__(self) -> None:
         check_positive_unique("--accum-steps", self.accum_steps, MAX_ACCUM_STEPS)
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One case: a strategy, a world size and an accumulation recipe."""
-
-    strategy: str
-    world_size: int
-    accum_steps: int
-    zero_grad: str
-    loss_scaling: str
-    sync: str
-    norm: str
-    shards: str
-    loss_normalization: str
-
-    @property
-    def task_name(self) -> str:
-        if self.shards == "tokens":
-            return "tokens"
-        return "mlp" if self.norm == "none" else f"mlp-{self.norm}"
-
-    @property
-    def reference_task_name(self) -> str:
-        """SyncBatchNorm over the whole window is BatchNorm over the big batch."""
-        return "mlp-batchnorm" if self.norm == "syncbatchnorm" else self.task_name
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / self.accum_steps if self.loss_scaling == "1/k" else 1.0
-
-
-def _syncs(strategy: str) -> tuple[str, ...]:
-    """DDP can defer its all-reduce; DataParallel reduces in every backward; one process never."""
-    return STRATEGIES[strategy].syncs
-
-
-def _norms(strategy: str) -> tuple[str, ...]:
-    """SyncBatchNorm synchronises over a process group: only a collective strategy has one."""
-    return NORMS if STRATEGIES[strategy].collective else NORMS[:-1]
-
-
-def _world_sizes(strategy: str, run: RunContext) -> tuple[int, ...]:
-    """A strategy that never reduces (one process) has world size 1 only."""
-    return (1,) if STRATEGIES[strategy].syncs == ("none",) else run.world_sizes
-
-
-def _conditions(strategy: str) -> list[tuple[str, str, str]]:
-    """(norm, shards, loss_normalization) combinations a strategy is measured under."""
-    sample_level = [(norm, shards, normalization) for norm in _norms(strategy)
-                    for shards in SHARDS if shards != "tokens"
-                    for normalization in LOSS_NORMALIZATIONS]
-    tokens = [("none", "tokens", normalization) for normalization in LOSS_NORMALIZATIONS]
-    return sample_level + tokens
-
-
-def matrix(strategy: str, world_size: int, k: int, full: bool) -> list[Recipe]:
-    """The recipes measured for one (strategy, world size, k).
-
-    Default: every zero_grad x loss_scaling x sync recipe on the plain setting
-    (no norm, even shards, per-micro-batch means), then every setting (norm x
-    shards x normalization) under the textbook recipe. Full: every combination.
-    """
-    def recipe(zero_grad, scaling, sync, norm, shards, normalization):
-        return Recipe(strategy, world_size, k, zero_grad, scaling, sync, norm, shards,
-                      normalization)
-
-    if full:
-        return [recipe(z, s, y, n, sh, ln) for (n, sh, ln) in _conditions(strategy)
-                for z, s, y in itertools.product(ZERO_GRAD, LOSS_SCALING, _syncs(strategy))]
-    recipes = [recipe(z, s, y, "none", "even", "micro-batch-mean")
-               for z, s, y in itertools.product(ZERO_GRAD, LOSS_SCALING, _syncs(strategy))]
-    for norm, shards, normalization in _conditions(strategy):
-        textbook = recipe("every-step", default_scaling(normalization), _syncs(strategy)[0],
-                          norm, shards, normalization)
-        if textbook not in recipes:
-            recipes.append(textbook)
-    return recipes
 
 
 def window_data(recipe: Recipe, task: Task, seed: int, dtype: torch.dtype
@@ -233,7 +145,7 @@ class AccumulationStudy(Study):
                         collective=STRATEGIES[strategy].collective,
                         cost=WINDOWS * k * step_cost(strategy, n), **asdict(recipe))
                 for strategy in run.strategies(SUPPORTED)
-                for n in _world_sizes(strategy, run)
+                for n in world_sizes(strategy, run)
                 for k in self.options.accum_steps
                 for recipe in matrix(strategy, n, k, full)]
 

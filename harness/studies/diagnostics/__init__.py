@@ -1,5 +1,5 @@
-"""The diagnostics study: see study.py (measurement), schema.py (its columns) and
-report.py (its report section)."""
+"""The diagnostics study: see study.py (measurement), model.py (the MLP it trains and its
+knobs), schema.py (its columns) and report.py (its report section)."""
 
 from harness.studies import lazy_study
 

@@ -25,7 +25,6 @@ Experiments (column ``experiment``), each on scikit-learn's digits:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,14 +44,19 @@ from harness.diagnostics import (
     layer_scales,
 )
 from harness.errors import first_sentence
-from harness.seeding import generator_for
 from harness.strategies import STRATEGIES as SPECS
 from harness.strategies import ddp, names
 from harness.strategies.common import flat_grad, relative_spread
 from harness.studies.base import Case, Study
+from harness.studies.diagnostics.model import (
+    DiagnosticMLP,
+    DiagnosticsSetup,
+    build_mlp,
+    frozen_layer_mlp,
+)
 from harness.studies.diagnostics.schema import COLUMNS
 from harness.studies.training.data import Digits
-from harness.studies.training.model import TrainingSetup, build_model, seeded_init
+from harness.studies.training.model import TrainingSetup, build_model
 from harness.studies.training.study import ddp_world_sizes
 from harness.tolerances import NEGLIGIBLE_RELATIVE, negligible_relative
 
@@ -60,70 +64,6 @@ STRATEGIES = ("local", "ddp")
 EXPERIMENTS = ("lr-sweep", "frozen-layer", "train-vs-eval", "no-grad")
 #: Middle-layer states of the DDP frozen-layer experiment.
 MIDDLE_STATES = ("frozen", "unused")
-
-
-@dataclass(frozen=True)
-class DiagnosticsSetup:
-    """The experiments' fixed knobs."""
-
-    batch_size: int = 30
-    #: Two epochs of 50 steps: the dying happens within the first ten.
-    epochs: int = 2
-    #: From healthy (0.1) through partly dead (1, 3) to every unit dead (10).
-    learning_rates: tuple[float, ...] = (0.1, 1.0, 3.0, 10.0)
-    #: Steps written to the CSV: the first few (where units die) and then sparser.
-    reported_steps: tuple[int, ...] = (1, 2, 3, 5, 10, 20, 50, 100)
-    hidden: int = 32
-    held_out: int = 297
-    #: Training digits used; None: all that are not held out (tests use fewer).
-    train_samples: int | None = None
-    #: Steps of the frozen-layer experiments: enough to see a second iteration fail.
-    frozen_steps: int = 3
-    #: Learning rate of the frozen-layer experiments.
-    learning_rate: float = 0.1
-
-
-class DiagnosticMLP(nn.Module):
-    """64 -> hidden -> ReLU -> hidden -> ReLU -> 10 on flattened 8x8 digits.
-
-    ``skip_middle`` leaves the middle layer out of ``forward``: its parameters
-    then require grad but take no part in the loss (DDP's "unused parameters").
-    """
-
-    #: The ReLU each layer feeds: the units whose death cuts that layer's gradient.
-    RELU_AFTER = {"input": "relu1", "middle": "relu2"}
-
-    def __init__(self, hidden: int, skip_middle: bool = False) -> None:
-        super().__init__()
-        self.input = nn.Linear(64, hidden)
-        self.relu1 = nn.ReLU()
-        self.middle = nn.Linear(hidden, hidden)
-        self.relu2 = nn.ReLU()
-        self.output = nn.Linear(hidden, 10)
-        self.skip_middle = skip_middle
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.relu1(self.input(x))
-        if not self.skip_middle:
-            h = self.relu2(self.middle(h))
-        return self.output(h)
-
-
-def build_mlp(seed: int, setup: DiagnosticsSetup, dtype: torch.dtype,
-              skip_middle: bool = False) -> DiagnosticMLP:
-    model = DiagnosticMLP(setup.hidden, skip_middle).to(torch.float64)
-    seeded_init(model, generator_for(seed, "diagnostics", "mlp"))
-    return model.to(dtype)
-
-
-def _frozen_layer_mlp(case: Case, run: RunContext, setup: DiagnosticsSetup) -> DiagnosticMLP:
-    """The DDP frozen-layer case's MLP on the run's device: its middle layer frozen
-    (``requires_grad=False``), or, for ``middle`` = unused, left out of the forward."""
-    frozen = case["middle"] == "frozen"
-    model = build_mlp(run.seed, setup, run.dtype, skip_middle=not frozen).to(run.device)
-    if frozen:
-        model.middle.requires_grad_(False)
-    return model
 
 
 def combined_stats(module: nn.Module) -> GradientStats:
@@ -301,7 +241,7 @@ class DiagnosticsStudy(Study):
         setup, n = self.setup, case["world_size"]
         group = run.group(n)
         rank = dist.get_rank(group)
-        model = _frozen_layer_mlp(case, run, setup)
+        model = frozen_layer_mlp(case, run, setup)
         wrapped = ddp.wrap(model, group, run.device,
                            find_unused_parameters=case["find_unused_parameters"])
         optimizer = torch.optim.SGD(model.parameters(), lr=setup.learning_rate)

@@ -4,7 +4,9 @@ Adding an experiment: its module here (an ``EXPERIMENT``: name, question, column
 its ``measure(trial)``, report parts; torch imported inside ``measure``, so that the
 schema, the report and the docs read the module without it), and its ``EXPERIMENT`` in the
 tuple below. The study's cases, CSVs, schema and report section read the tuple, so
-nothing else changes.
+nothing else changes. An experiment that outgrows its module hands a part to one beside it
+(lr_factor_measure.py: lr-factor's measurement), which is no experiment of its own: only
+the modules whose ``EXPERIMENT`` is in the tuple are.
 """
 
 from __future__ import annotations
