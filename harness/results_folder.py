@@ -1,4 +1,4 @@
-"""One results folder of scripts/study.py as ``grad-compare`` reads it (harness/compare.py).
+"""One results folder of scripts/study.py as ``grad-compare`` reads it (grad_compare.py).
 
 :class:`ResultsFolder` holds the folder's run.json and reads, on demand, the rows of a
 study's CSVs, refusing with a :class:`UsageError` one line long what is not a results

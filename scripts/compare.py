@@ -10,7 +10,7 @@ from pathlib import Path
 # Runnable from a checkout without installing: the package sits next to scripts/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.compare import main  # noqa: E402
+from harness.grad_compare import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

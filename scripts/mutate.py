@@ -72,7 +72,7 @@ MUTATIONS = (
              "                             tuple(float(group[\"lr\"]) for group in "
              "optimizer.param_groups))",
              ("tests/test_capture.py",)),
-    Mutation("compare-looser-tolerance", "harness/compare.py",
+    Mutation("compare-looser-tolerance", "harness/grad_compare.py",
              "return max(tolerances)", "return min(tolerances)",
              ("tests/test_compare_tolerances.py",)),
     Mutation("bus-factor-all-reduce", "harness/studies/comm/collectives.py",

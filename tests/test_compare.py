@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.compare import MAX_SHOWN, cells_agree, column_kind, is_timing, main
 from harness.context import CONTEXT_COLUMNS
+from harness.grad_compare import MAX_SHOWN, cells_agree, column_kind, is_timing, main
 from harness.tolerances import relative_tolerance
 from tests.distributed import committed_layout_run
 
@@ -283,7 +283,7 @@ def test_every_console_script_points_at_a_main_that_exists():
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["grad-compare"] == "harness.compare:main"
+    assert scripts["grad-compare"] == "harness.grad_compare:main"
     for target in scripts.values():
         module, function = target.split(":")
         assert callable(getattr(importlib.import_module(module), function)), target

@@ -5,7 +5,7 @@ rounds otherwise."""
 import pytest
 import torch
 
-from harness.compare import main
+from harness.grad_compare import main
 from harness.tolerances import column_tolerance, relative_tolerance
 from tests.test_compare import BASE, compare, row, write_folder
 

@@ -7,7 +7,7 @@ tests/test_diagnostics.py measures, set in this process before its ranks fork. T
 training study, whose smallest real run costs more than all the others together, is
 run twice on a reduced data set in tests/test_training.py.
 
-Measured durations and rates (``harness.compare.is_timing``: the comm study's
+Measured durations and rates (``harness.grad_compare.is_timing``: the comm study's
 times and bandwidths) vary from run to run by nature, so they are dropped
 before the comparison; every other cell must be identical, text for text.
 """
@@ -17,7 +17,7 @@ from functools import partialmethod
 import pandas as pd
 import pytest
 
-from harness.compare import is_timing
+from harness.grad_compare import is_timing
 from harness.studies import STUDIES
 from harness.studies.diagnostics.study import DiagnosticsStudy
 from tests.distributed import run_cli

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import harness.studies.training.data as data
-from harness.compare import cells_agree
+from harness.grad_compare import cells_agree
 from harness.studies.diagnostics.model import DiagnosticsSetup
 from harness.studies.diagnostics.study import DiagnosticsStudy
 from harness.tolerances import column_tolerance, relative_tolerance
