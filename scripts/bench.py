@@ -421,7 +421,7 @@ def bench_script(repeat: int, scratch: Path) -> dict[str, float]:
 
     def bare_runs() -> None:
         for split in parse_splits(splits):
-            run = bare.run(split, substituted(command, split, SCRIPT_GLOBAL_BATCH),
+            run = bare.run_split(split, substituted(command, split, SCRIPT_GLOBAL_BATCH),
                            scratch / f"bare-{split.label}")
             if run.failure is not None:
                 sys.exit(f"bench.py: error: the bare run {split.label} failed: "
@@ -463,7 +463,7 @@ def bench_script_memory(scratch: Path) -> dict[str, dict[str, float]]:
         runs = {}
         for split in (Split(1, 1), Split(2, 1)):
             os.environ[MEMORY_VARIABLE] = "1" if runs else "0"
-            runs[split] = launch.run(split, substituted(command, split, 16),
+            runs[split] = launch.run_split(split, substituted(command, split, 16),
                                      scratch / f"memory-{name}-{split.label}",
                                      against=runs[Split(1, 1)].folder if runs else None)
             if runs[split].failure is not None:

@@ -663,7 +663,8 @@ class ScriptedLauncher:
     def __init__(self, raising: BaseException | None = None, **_) -> None:
         self.raising = raising
 
-    def run(self, split, command, folder, logs=None, variables=None, against=None) -> SplitRun:
+    def run_split(self, split, command, folder, logs=None, variables=None,
+                  against=None) -> SplitRun:
         if self.raising is not None:
             raise self.raising
         folder.mkdir(parents=True, exist_ok=True)
@@ -1039,7 +1040,8 @@ class ScaledLauncher:
     def __init__(self, scale_of, **_) -> None:
         self.scale_of = scale_of
 
-    def run(self, split, command, folder, logs=None, variables=None, against=None) -> SplitRun:
+    def run_split(self, split, command, folder, logs=None, variables=None,
+                  against=None) -> SplitRun:
         scale = 1.0 if split == Split(1, 1) else self.scale_of(split)  # 1x1: the reference
         reference = SimpleNamespace(run=SimpleNamespace(folder=against)) if against else None
         written_capture(folder, split, against=reference,
@@ -1101,7 +1103,7 @@ def test_an_lr_scaled_with_n_is_named_n_from_the_updates_where_every_gradient_ma
     from harness.grad_check.script import grad_check_run, processes
 
     class LrTimesN(ScaledLauncher):
-        def run(self, split, command, folder, logs=None, variables=None, against=None):
+        def run_split(self, split, command, folder, logs=None, variables=None, against=None):
             reference = SimpleNamespace(run=SimpleNamespace(folder=against)) if against \
                 else None
             lr = 0.1 if split == Split(1, 1) else 0.1 * split.world_size

@@ -185,11 +185,11 @@ def _memory_runs(folder: Path, width: int) -> None:
         rank_forker()  # before any split hosts a store
         launch = CommandLauncher(steps=1, keep_going=False, timeout=120, global_batch=G,
                                  starter=forked_python)
-        reference = launch.run(Split(1, 1), substituted(command, Split(1, 1), G),
-                               folder / "reference")
+        reference = launch.run_split(Split(1, 1), substituted(command, Split(1, 1), G),
+                                     folder / "reference")
         os.environ[MEMORY_VARIABLE] = "1"
-        split = launch.run(Split(2, 1), substituted(command, Split(2, 1), G), folder / "split",
-                           against=reference.folder)
+        split = launch.run_split(Split(2, 1), substituted(command, Split(2, 1), G),
+                                 folder / "split", against=reference.folder)
         code = 0 if reference.failure is None and split.failure is None else 1
     finally:
         os._exit(code)

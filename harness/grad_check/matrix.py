@@ -111,7 +111,7 @@ class CheckRun:
         """Every setup's rows (on rank 0; [] elsewhere)."""
         groups = self.init_distributed()
         for target, setup in self.setups:
-            self.rows += SetupCheck(self, target, setup, groups).run()
+            self.rows += SetupCheck(self, target, setup, groups).case_rows()
         return self.rows
 
     def run(self) -> int:
@@ -183,7 +183,7 @@ class SetupCheck:
                      // pieces * pieces for step in range(self.setup.steps))
 
     # ------------------------------------------------------------------- run
-    def run(self) -> list[dict[str, Any]]:
+    def case_rows(self) -> list[dict[str, Any]]:
         """The rows of every case (on rank 0; [] elsewhere)."""
         every_case = matrix(self.config, self.world_sizes)
         cases = [case for case in every_case if self.launch.rank < case.participants]

@@ -132,7 +132,7 @@ class CommandLauncher:
     #: N = 1 gets torchrun's variables too (RANK=0, WORLD_SIZE=1, a store to meet at).
     torchrun_env: bool = False
 
-    def run(self, split: Split, command: Sequence[str], folder: Path,
+    def run_split(self, split: Split, command: Sequence[str], folder: Path,
             logs: Path | None = None, variables: dict[str, str] | None = None,
             against: Path | None = None) -> SplitRun:
         """Run ``command`` at ``split``, its capture into ``folder``, its output into

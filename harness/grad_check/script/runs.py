@@ -75,7 +75,7 @@ class ScriptCheck:
         self.say_what_the_reference_left_out(first)
         for split in self.config.splits:
             try:
-                measured = again if split == reference else self.run(
+                measured = again if split == reference else self.captured_at(
                     split, scratch, split.label, "split", against=first.run.folder)
             except Interrupted as interrupted:
                 # The split's steps that finished before it was stopped are kept, judged.
@@ -123,7 +123,7 @@ class ScriptCheck:
         for line in first.unknown:
             self.say(f"the capture could not read everything (recorded as unknown): {line}")
 
-    def run(self, split: Split, scratch: Path, name: str, what: str,
+    def captured_at(self, split: Split, scratch: Path, name: str, what: str,
             attempt: str = "", against: Path | None = None) -> Captured:
         """One run of the command at ``split``: its capture in ``scratch/name``, its output
         in ``--out``'s ``logs/name``; ``against``: the reference's first run, which it
@@ -136,7 +136,7 @@ class ScriptCheck:
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
                  f"{shlex.join(command)}")
         try:
-            run = self.launch.run(split, command, scratch / name, self.logs / name,
+            run = self.launch.run_split(split, command, scratch / name, self.logs / name,
                                   self.config.variables_of(split), against)
         except KeyboardInterrupt:
             raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
@@ -149,7 +149,7 @@ class ScriptCheck:
         """One of the reference's runs (two, unless --reference-once); its failure ends the
         check."""
         split = self.config.reference
-        captured = self.run(split, scratch, name, "reference", f", run {attempt} of {runs}",
+        captured = self.captured_at(split, scratch, name, "reference", f", run {attempt} of {runs}",
                             against)
         failure = captured.run.failure
         where = f"the reference {split.label}"
