@@ -166,65 +166,10 @@ def test_the_second_pass_is_the_plain_residual_at_the_scale(with_origin):
     assert got == pytest.approx(expected, rel=1e-9, abs=0)
 
 
-# ---------------------------------------------- the fused loop, for large pairs
-@pytest.fixture
-def fused_from_the_first_element(monkeypatch):
-    """The fused loop (harness/check/fused.py) for every pair here, however small."""
-    from harness.check import fused
-
-    if fused.kernels() is None:
-        pytest.skip("numba is not installed")
-    monkeypatch.setattr(fused, "MIN_ELEMENTS", 1)
-    monkeypatch.setattr(fused, "EARNED_AFTER", 0)
-    return fused
-
-
-@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
-def test_the_fused_loop_gives_the_plain_float64_sums(fused_from_the_first_element, dtype):
-    reference = random(0, dtype)
-    measured = (reference.double() * 0.75 + 1e-3 * random(1)).to(dtype)
-    assert fused_from_the_first_element.applies(measured, reference)
-    assert_same_sums(Pair("t", measured, reference), plain_sums(measured, reference))
-
-
-def test_the_fused_loop_takes_updates_from_the_origin(fused_from_the_first_element):
-    origin, step = random(2), random(3)
-    reference = origin - 1e-3 * step
-    measured = origin - 0.5e-3 * step + 1e-7 * random(4)
-    assert_same_sums(Pair("t", measured, reference, origin),
-                     plain_sums(measured, reference, origin))
-    plain = ((measured.double() - origin.double()) - 2.0 * (reference.double()
-                                                             - origin.double())).square().sum()
-    got = _residual_sq(Pair("t", measured, reference, origin), 2.0)
-    assert got == pytest.approx(float(plain), rel=1e-12)
-
-
-def test_the_fused_loop_does_not_bury_a_one_ulp_difference(fused_from_the_first_element):
+def test_a_single_one_ulp_difference_is_summed_exactly():
     reference = torch.ones(SIZE, dtype=torch.float64)
     measured = reference.clone()
     measured[7] = torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
                                   torch.tensor(2.0, dtype=torch.float64))
     d_d = _sums(Pair("t", measured, reference)).tolist()[3]
     assert d_d == (2.0 ** -52) ** 2  # exactly the one element's difference, squared
-
-
-def test_what_the_fused_loop_cannot_read_takes_the_chunked_pass(fused_from_the_first_element):
-    fused = fused_from_the_first_element
-    x = random(0)
-    assert not fused.applies(x.bfloat16(), x.bfloat16())  # numpy has no bfloat16
-    assert not fused.applies(x, None)  # zeros stand in for None: the chunked pass
-    assert not fused.applies(x, random(1, size=SIZE - 1))
-
-
-def test_the_fused_loop_starts_only_once_the_chunked_pass_earned_its_start(monkeypatch):
-    """numba's start costs more than one large comparison: the first ones take the chunked
-    pass, and the loop only once enough elements were compared."""
-    from harness.check import fused
-
-    monkeypatch.setattr(fused, "MIN_ELEMENTS", 10)
-    monkeypatch.setattr(fused, "EARNED_AFTER", 2 * SIZE)
-    monkeypatch.setattr(fused, "compared_chunked", 0)
-    x, y = random(0), random(1)
-    assert [fused.applies(x, y) for _ in range(3)] == [False, False,
-                                                       fused.kernels() is not None]
-    assert not fused.applies(x[:5], y[:5])  # small pairs never

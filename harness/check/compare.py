@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from harness.check import fused
 from harness.fit import ScaleFit, equivalence_verdict
 from harness.tolerances import ZERO_NORM
 from harness.verdicts import Equivalence
@@ -204,9 +203,7 @@ def _convert(row: torch.Tensor, flat: torch.Tensor | None, start: int, stop: int
 def _sums(pair: Pair, rows: _Rows | None = None) -> torch.Tensor:
     """[m.r, r.r, m.m, d.d, d.r] of one pair, with d = m - r, in float64: one pass that
     reads each element once, and one product of the chunk's rows [m, r, d] with their
-    transpose for all the dot products (a large pair: one compiled loop, fused.py)."""
-    if fused.applies(pair.measured, pair.reference, pair.origin):
-        return fused.sums(pair.measured, pair.reference, pair.origin)
+    transpose for all the dot products."""
     rows = rows if rows is not None else _Rows([pair])
     gram = None
     for chunk in _filled(pair, rows):
@@ -221,8 +218,6 @@ def _sums(pair: Pair, rows: _Rows | None = None) -> torch.Tensor:
 
 def _residual_sq(pair: Pair, scale: float, rows: _Rows | None = None) -> float:
     """||m - s r||^2 of one pair, the second pass."""
-    if fused.applies(pair.measured, pair.reference, pair.origin):
-        return fused.residual_sq(pair.measured, pair.reference, pair.origin, scale)
     rows = rows if rows is not None else _Rows([pair])
     total = None
     for chunk in _filled(pair, rows, difference=False):
