@@ -173,3 +173,28 @@ def test_a_single_one_ulp_difference_is_summed_exactly():
                                   torch.tensor(2.0, dtype=torch.float64))
     d_d = _sums(Pair("t", measured, reference)).tolist()[3]
     assert d_d == (2.0 ** -52) ** 2  # exactly the one element's difference, squared
+
+
+def test_pairs_on_an_accelerator_are_compared_in_wider_chunks():
+    """On the CPU a chunk stays in the cache; on an accelerator, where each chunk costs
+    kernel launches whatever its width, chunks are wider (a meta tensor stands in here)."""
+    from harness.check.compare import ACCELERATOR_CHUNK, chunk_width
+
+    cpu = Pair("t", random(0), random(1))
+    assert chunk_width([cpu]) == CHUNK
+    elsewhere = torch.empty(4, device="meta")
+    assert chunk_width([cpu, Pair("u", elsewhere, None)]) == ACCELERATOR_CHUNK > CHUNK
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("with_origin", (False, True))
+def test_a_cuda_pass_gives_the_plain_float64_sums(with_origin):
+    """The comparison runs on the tensors' own device, in one chunk of ACCELERATOR_CHUNK
+    or more: the same sums as float64 copies on the CPU, to float64 rounding."""
+    size = (1 << 22) + 4321
+    reference, noise = random(5, size=size), random(6, size=size)
+    measured = reference * 0.75 + 1e-3 * noise
+    origin = random(7, size=size) if with_origin else None
+    cuda = Pair("t", measured.cuda(), reference.cuda(),
+                origin.cuda() if origin is not None else None)
+    assert_same_sums(cuda, plain_sums(measured, reference, origin))

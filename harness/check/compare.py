@@ -36,6 +36,13 @@ from harness.verdicts import Equivalence
 #: measured) while the difference and the product read them. On pairs of 50M float32
 #: elements, one thread: 1 << 14 took 1.3 to 1.4 times as long, 1 << 16 1.1 to 1.2 times.
 CHUNK = 1 << 15
+#: Elements per chunk on an accelerator, where each chunk costs a few kernel launches of
+#: microseconds each whatever its width: 32K-element chunks would leave a 100M-element
+#: comparison bound by ~15,000 launches, far below the memory's speed; 4M-element chunks
+#: take ~25 passes of 128 MiB of float64 rows (four rows of 32 MiB), small beside a
+#: model that size on the device. Not measured on a GPU here (none was at hand): the
+#: rows and the launches per chunk are what it follows from.
+ACCELERATOR_CHUNK = 1 << 22
 #: Tensors named in a row's ``worst_tensors``.
 WORST = 3
 #: Elements per tensor in a fingerprint: tensors that differ between ranks (an unseeded
@@ -141,7 +148,8 @@ class _Rows:
     BLAS call."""
 
     def __init__(self, pairs: Sequence[Pair]) -> None:
-        self.width = max(1, min(CHUNK, max((_size(pair) for pair in pairs), default=0)))
+        self.width = max(1, min(chunk_width(pairs), max((_size(pair) for pair in pairs),
+                                                        default=0)))
         self._buffer: torch.Tensor | None = None
         self._whole: _Chunk | None = None
 
@@ -158,6 +166,14 @@ class _Rows:
     def _views(rows: torch.Tensor) -> _Chunk:
         compared = rows[:3]
         return _Chunk(*rows.unbind(0), rows[:2], compared, compared.T)
+
+
+def chunk_width(pairs: Sequence[Pair]) -> int:
+    """Elements per chunk: the CPU's cache-sized :data:`CHUNK`, or, where a pair's tensors
+    are on an accelerator, :data:`ACCELERATOR_CHUNK`."""
+    on_accelerator = any(tensor is not None and tensor.device.type != "cpu"
+                         for pair in pairs for tensor in (pair.measured, pair.reference))
+    return ACCELERATOR_CHUNK if on_accelerator else CHUNK
 
 
 def _size(pair: Pair) -> int:
