@@ -337,8 +337,8 @@ from harness.grad_check.check_config import CheckConfig
 from harness.check.load import validated_setup
 from harness.grad_check.matrix import CheckRun, SetupCheck
 from harness.placement import Launch, choose_placement
-from harness.frameworks.measure import measure
-from harness.frameworks import FRAMEWORKS
+from harness.adapters.measure import measure
+from harness.adapters import FRAMEWORKS
 
 target, k, out, repeat = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo")

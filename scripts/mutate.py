@@ -63,7 +63,7 @@ MUTATIONS = (
              "start = (rank * accum_steps + micro) * per_piece",
              "start = (micro * accum_steps + rank) * per_piece",
              ("tests/test_mutation_targets.py",)),
-    Mutation("capture-after-step", "harness/frameworks/step_capture.py",
+    Mutation("capture-after-step", "harness/adapters/step_capture.py",
              "taken = CapturedStep(float64_vector(grads()),\n"
              "                             tuple(float(group[\"lr\"]) for group in "
              "optimizer.param_groups))\n        result = original(**kwargs)",
@@ -92,7 +92,7 @@ MUTATIONS = (
              "        if True:\n            self._began = self._step_state()",
              ("tests/test_check_step.py::test_one_process_playing_n_ranks_steps_a_micro_step_"
               "scheduler_as_each_rank_would",)),
-    Mutation("trainer-counts-unshifted", "harness/frameworks/fixes.py",
+    Mutation("trainer-counts-unshifted", "harness/adapters/fixes.py",
              "int(labels[..., 1:].ne(IGNORE).sum())", "int(labels.ne(IGNORE).sum())",
              ("tests/test_frameworks_fixes.py",)),
     Mutation("script-samples-as-a-set", "harness/grad_check/script/explain.py",
@@ -155,12 +155,12 @@ MUTATIONS = (
              "key=lambda d: torch.finfo(d).bits)",
              ("tests/test_check_precision.py::test_the_lowest_precision_is_the_coarsest_"
               "rounding_in_any_order",)),
-    Mutation("clip-fix-misplaced-abs", "harness/frameworks/fixes.py",
+    Mutation("clip-fix-misplaced-abs", "harness/adapters/fixes.py",
              "if abs(recipe.scale - 1) < CLIPPED_ALIKE:",
              "if abs(recipe.scale) - 1 < CLIPPED_ALIKE:",
              ("tests/test_frameworks_fixes.py::test_a_binding_clip_does_not_explain_a_recipe_"
               "scaled_below_1",)),
-    Mutation("trainer-counts-last-window", "harness/frameworks/hf_trainer.py",
+    Mutation("trainer-counts-last-window", "harness/adapters/hf_trainer.py",
              "return tuple(counts[:accum_steps]) or None",
              "return tuple(counts[-accum_steps:]) or None",
              ("tests/test_frameworks_fixes.py::test_the_trainers_count_is_read_from_step_0s_"

@@ -198,7 +198,7 @@ FRONT_ENDS = {"grad_check"}
 def test_the_check_engine_imports_no_front_end_and_no_study():
     graph = import_graph()
     assert not (reachable(graph, "check") & (FRONT_ENDS | {"studies", "strategies",
-                                                            "frameworks", "report"}))
+                                                            "adapters", "report"}))
 
 
 def strings_in(path: Path) -> list[tuple[int, str]]:
@@ -218,7 +218,7 @@ def strings_in(path: Path) -> list[tuple[int, str]]:
 
 
 #: The code that judges a step against its big batch, and its front-ends' rows.
-JUDGING = ("check", "grad_check", "frameworks")
+JUDGING = ("check", "grad_check", "adapters")
 
 
 def judging_modules() -> list[Path]:
@@ -252,7 +252,7 @@ def test_each_verdict_and_status_is_declared_once_with_its_meaning():
     meanings come from harness/verdicts.py; a schema that describes them in its own words is
     refused (they drifted apart when each front-end did)."""
     from harness import columns
-    from harness.frameworks.columns import COLUMNS as FRAMEWORKS
+    from harness.adapters.columns import COLUMNS as FRAMEWORKS
     from harness.grad_check.schema import COLUMNS as CHECK
     from harness.grad_check.script.schema import COLUMNS as SCRIPT
     from harness.verdicts import Equivalence, Status

@@ -8,7 +8,7 @@ the optimizer.
 
 import torch
 
-from harness.frameworks.step_capture import (
+from harness.adapters.step_capture import (
     StepCapture,
     parameter_grads,
     parameter_values,

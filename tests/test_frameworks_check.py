@@ -25,8 +25,8 @@ import pytest
 import torch
 from torch import nn
 
+from harness.adapters.registry import INSTALL_HINT
 from harness.check.setup import Setup
-from harness.frameworks.registry import INSTALL_HINT
 from harness.grad_check.cli import main
 from harness.grad_check.frameworks_check import COLUMN_NAMES as CHECK_COLUMNS
 from harness.studies.frameworks.setups import KwargsIgnored, hf_style, make_setup
@@ -206,8 +206,8 @@ def _framework_row(verdict: str, recipe_verdict: str, status: str = "ok") -> dic
 
 
 def test_a_frameworks_row_fails_by_its_verdict_against_the_frameworks_recipe():
+    from harness.adapters.columns import case_label, judged_verdict
     from harness.check.outcome import failing_cases
-    from harness.frameworks.columns import case_label, judged_verdict
 
     def failing(rows, fail_on):
         return failing_cases(rows, fail_on, case_label, judged_verdict)

@@ -1,4 +1,4 @@
-"""What a framework's row says to change, from what was seen (harness/frameworks/fixes.py):
+"""What a framework's row says to change, from what was seen (harness/adapters/fixes.py):
 each cause on a hand-made measurement whose truth is known, no framework run."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.adapters.fixes import framework_fix
+from harness.adapters.hf_trainer import FRAMEWORK as TRAINER
+from harness.adapters.registry import DEFAULT, Applied, Job
+from harness.adapters.step_capture import StepCapture
 from harness.check.compare import Comparison
 from harness.check.fix import Facts
 from harness.check.setup import Setup
 from harness.fit import ScaleFit
-from harness.frameworks.fixes import framework_fix
-from harness.frameworks.hf_trainer import FRAMEWORK as TRAINER
-from harness.frameworks.registry import DEFAULT, Applied, Job
-from harness.frameworks.step_capture import StepCapture
 from harness.verdicts import Equivalence
 
 RTOL = 1e-9
@@ -101,7 +101,7 @@ def test_a_binding_clip_does_not_explain_a_recipe_scaled_below_1():
 def test_the_trainers_count_is_read_from_step_0s_window():
     """Two steps of two micro-steps, their windows counting other tokens: step 0's rows
     are judged with step 0's counts."""
-    from harness.frameworks.hf_trainer import first_window
+    from harness.adapters.hf_trainer import first_window
 
     assert first_window([13, 10, 7, 12], accum_steps=2) == (13, 10)
     assert first_window([], accum_steps=2) is None

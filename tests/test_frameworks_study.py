@@ -20,7 +20,7 @@ import os
 import pandas as pd
 import pytest
 
-from harness.frameworks.registry import INSTALL_HINT
+from harness.adapters.registry import INSTALL_HINT
 from harness.studies.frameworks.study import FRAMEWORKS, FrameworksStudy
 from tests.distributed import run_cli_importing
 from tests.frames import rows

@@ -1,8 +1,8 @@
 """``grad-check --frameworks NAME[,NAME] module:factory``: the check's second front-end.
 
 The user's own Setup is trained through real frameworks (the adapters of
-harness/frameworks/) instead of the strategies, and judged by the check's engine
-(:mod:`harness.frameworks.measure`): the same references, fit, precision, tolerances,
+harness/adapters/) instead of the strategies, and judged by the check's engine
+(:mod:`harness.adapters.measure`): the same references, fit, precision, tolerances,
 verdicts and fixes as the Setup matrix, the same exit codes (harness/check/outcome.py)
 and console table (harness/check/table.py).
 
@@ -26,6 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from harness.adapters.columns import NAMES, case_label, judged_verdict
+from harness.adapters.registry import DEFAULT, Framework, Setting
 from harness.check import batches
 from harness.check.load import validated_setups
 from harness.check.outcome import Judging, exit_code, finish, rows_of
@@ -33,8 +35,6 @@ from harness.check.setup import Setup
 from harness.check.table import N_AND_K, POINT, STEP, VERDICT_CELLS, Cell, fix_cell, render
 from harness.config import DTYPES
 from harness.errors import UsageError, launched_by_harness, record_error, refuse
-from harness.frameworks.columns import NAMES, case_label, judged_verdict
-from harness.frameworks.registry import DEFAULT, Framework, Setting
 from harness.grad_check.console import notices
 from harness.options import (
     check_out_folder,
@@ -74,7 +74,7 @@ class FrameworksRun:
 
 def frameworks() -> dict[str, Framework]:
     """The adapters, imported only when asked for (they import nothing heavy themselves)."""
-    from harness.frameworks import FRAMEWORKS
+    from harness.adapters import FRAMEWORKS
 
     return FRAMEWORKS
 
@@ -190,7 +190,7 @@ def _run(run: FrameworksRun, prog: str) -> int:
 
 
 def _measured_rows(run: FrameworksRun) -> list[dict[str, Any]]:
-    from harness.frameworks.measure import measure
+    from harness.adapters.measure import measure
 
     rows: list[dict[str, Any]] = []
     for _, setup in run.setups:

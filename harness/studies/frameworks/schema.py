@@ -1,14 +1,14 @@
 """The ``frameworks`` study's CSV columns (torch-free: the registry and the report read them).
 
-A framework's row (harness/frameworks/columns.py, shared with ``grad-check
+A framework's row (harness/adapters/columns.py, shared with ``grad-check
 --frameworks``) and, after its configuration, which of the study's user setups it
 trained and on which data.
 """
 
 from __future__ import annotations
 
+from harness.adapters.columns import COLUMNS as FRAMEWORK_COLUMNS
 from harness.columns import POINTS, Column
-from harness.frameworks.columns import COLUMNS as FRAMEWORK_COLUMNS
 
 __all__ = ["COLUMNS", "POINTS"]
 

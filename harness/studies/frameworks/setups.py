@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.adapters.data import IGNORE
 from harness.check.setup import MicroStep, Setup, default_optimizer
-from harness.frameworks.data import IGNORE
 from harness.seeding import generator_for
 
 LOSSES = ("mean", "token")

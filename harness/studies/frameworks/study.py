@@ -5,7 +5,7 @@ optimizer step of the study's user setups (:mod:`harness.studies.frameworks.setu
 tiny language model, a token-mean cross-entropy, plain SGD, and the variants users
 write) its own way, exactly as shipped (``default``) and with the settings users
 commonly change, through the same code as ``grad-check --frameworks``
-(:mod:`harness.frameworks.measure`).
+(:mod:`harness.adapters.measure`).
 
 The frameworks reduce over the default process group, so the study measures at a
 launch of exactly two ranks (``--nproc 2``). A framework whose package is missing
@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from harness.adapters import FRAMEWORKS
+from harness.adapters.columns import COLUMNS as FRAMEWORK_COLUMNS
+from harness.adapters.measure import UNMEASURED, measure
+from harness.adapters.registry import DEFAULT, INSTALL_HINT, Framework, Setting
 from harness.check.judge import Judged, judged_row
 from harness.context import RunContext
-from harness.frameworks import FRAMEWORKS
-from harness.frameworks.columns import COLUMNS as FRAMEWORK_COLUMNS
-from harness.frameworks.measure import UNMEASURED, measure
-from harness.frameworks.registry import DEFAULT, INSTALL_HINT, Framework, Setting
 from harness.studies.base import Case, Study
 from harness.studies.frameworks.schema import COLUMNS
 from harness.studies.frameworks.setups import LOSSES, PLAIN, VARIANTS, Variant, make_setup

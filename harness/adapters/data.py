@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from harness.adapters.registry import Job
 from harness.check import batches
-from harness.frameworks.registry import Job
 
 #: The label of a padded position: torch's cross-entropy and HF models ignore it.
 IGNORE = -100

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.adapters.step_capture import StepCapture
 from harness.check import batches
 from harness.check.setup import MicroStep, Setup
-from harness.frameworks.step_capture import StepCapture
 
 #: What to install when a framework is missing (the package's optional extra).
 INSTALL_HINT = "pip install '.[frameworks]'"

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from harness.adapters import registry
+from harness.adapters.data import Samples, data_set
+from harness.adapters.registry import Applied, Code, Framework, Job, Setting
+from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check.setup import make_optimizer
-from harness.frameworks import registry
-from harness.frameworks.data import Samples, data_set
-from harness.frameworks.registry import Applied, Code, Framework, Job, Setting
-from harness.frameworks.step_capture import parameter_grads, parameter_values, watch_step
 
 #: Lightning clips only with ``gradient_clip_val``, which is None by default.
 SETTINGS = (Setting(registry.DEFAULT, core=True),)

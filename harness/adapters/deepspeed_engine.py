@@ -26,16 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.check.setup import make_optimizer
-from harness.frameworks import registry
-from harness.frameworks.data import rank_micro_batches
-from harness.frameworks.registry import Applied, Framework, Job, Setting
-from harness.frameworks.step_capture import (
+from harness.adapters import registry
+from harness.adapters.data import rank_micro_batches
+from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.step_capture import (
     StepCapture,
     parameter_grads,
     parameter_values,
     watch_step,
 )
+from harness.check.setup import make_optimizer
 
 #: The settings users change, each named for what it changes (``zero1``: the ZeRO stage).
 #: ZeRO 1 and 2 refuse an optimizer DeepSpeed has not tested (the setup's SGD) unless

@@ -8,7 +8,7 @@ plain one (what a user moving from a plain PyTorch loop expects), and the same u
 framework's recipe (its gradient-norm clip, once per window). The fit, the verdict, the
 precision a row is judged at and the fix are the check's (harness/check/compare.py,
 precision.py, fix.py); what only a framework does (a clip it applies, a count it
-passes, a scheduler it steps its own way) is named by :mod:`harness.frameworks.fixes`.
+passes, a scheduler it steps its own way) is named by :mod:`harness.adapters.fixes`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.adapters.columns import COLUMNS
+from harness.adapters.fixes import framework_fix
+from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.step_capture import CapturedStep, StepCapture, watching_losses
 from harness.check import batches
 from harness.check.compare import Comparison, Pair, compare
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
@@ -49,10 +53,6 @@ from harness.check.step import run_dtype
 from harness.columns import POINTS
 from harness.errors import first_sentence
 from harness.fit import relative_error
-from harness.frameworks.columns import COLUMNS
-from harness.frameworks.fixes import framework_fix
-from harness.frameworks.registry import Applied, Framework, Job, Setting
-from harness.frameworks.step_capture import CapturedStep, StepCapture, watching_losses
 from harness.strategies.common import relative_spread
 from harness.tolerances import dtype_name
 from harness.verdicts import Status
@@ -275,7 +275,7 @@ class FrameworkJudge:
         return Compared(point, plain, ranks_agree=spread <= rtol, own=own)
 
     def _cause(self, step: int, recipes: dict[str, Comparison]) -> Cause:
-        """The fix a row's two comparisons point to (harness/frameworks/fixes.py)."""
+        """The fix a row's two comparisons point to (harness/adapters/fixes.py)."""
         def cause(measured: Compared, facts: Facts, _judged) -> str:
             return framework_fix(measured.point, measured.comparison, recipes[measured.point],
                                  facts, self.framework, self.applied,

@@ -2,12 +2,12 @@
 
 Both the frameworks study (harness/studies/frameworks/) and ``grad-check --frameworks``
 (harness/grad_check/frameworks_check.py) train through these adapters and measure with
-:mod:`harness.frameworks.measure`, which judges what each optimizer was handed with the
+:mod:`harness.adapters.measure`, which judges what each optimizer was handed with the
 check's own engine. An adapter is one module exporting a
-:class:`~harness.frameworks.registry.Framework` (its package, settings and ``train``);
+:class:`~harness.adapters.registry.Framework` (its package, settings and ``train``);
 a new one is that module plus one line in :data:`ADAPTERS`. The adapters import their
 framework only inside ``train``; this package imports none of them (nor torch) until
-``FRAMEWORKS`` is asked for, so that :mod:`harness.frameworks.columns` stays torch-free.
+``FRAMEWORKS`` is asked for, so that :mod:`harness.adapters.columns` stays torch-free.
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from harness.adapters import registry
+from harness.adapters.data import Samples, data_set
+from harness.adapters.registry import Applied, Code, Job, Setting
+from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check.setup import make_optimizer
-from harness.frameworks import registry
-from harness.frameworks.data import Samples, data_set
-from harness.frameworks.registry import Applied, Code, Job, Setting
-from harness.frameworks.step_capture import parameter_grads, parameter_values, watch_step
 
 SETTINGS = (
     Setting(registry.DEFAULT, core=True),

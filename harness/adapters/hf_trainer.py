@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.adapters import registry
+from harness.adapters.data import Samples, data_set
+from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check import batches
 from harness.check.setup import make_optimizer
-from harness.frameworks import registry
-from harness.frameworks.data import Samples, data_set
-from harness.frameworks.registry import Applied, Framework, Job, Setting
-from harness.frameworks.step_capture import parameter_grads, parameter_values, watch_step
 from harness.tolerances import check_tolerance, close
 
 SETTINGS = (
@@ -191,7 +191,7 @@ def _trainer(job: Job, model: nn.Module, args, optimizer, scheduler):
 def train(job: Job) -> Applied:
     from transformers import TrainingArguments
 
-    from harness.frameworks.hf_accelerate import reset_accelerate_state
+    from harness.adapters.hf_accelerate import reset_accelerate_state
 
     inner = job.model()
     as_is = goes_in_as_is(job, inner)

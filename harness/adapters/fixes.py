@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.adapters.data import IGNORE
+from harness.adapters.registry import Applied, Framework, Job
 from harness.check.compare import Comparison
 from harness.check.fix import Facts, suggest
-from harness.frameworks.data import IGNORE
-from harness.frameworks.registry import Applied, Framework, Job
 from harness.tolerances import CLIPPED_ALIKE, close
 from harness.verdicts import Equivalence
 
