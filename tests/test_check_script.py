@@ -904,6 +904,18 @@ def test_a_token_count_difference_under_the_trainer_is_said_in_its_terms(tmp_pat
     assert "average_tokens_across_devices=True" in rows[0]["fix"]
 
 
+def test_a_token_count_difference_names_labels_counted_before_the_shift_too(tmp_path):
+    """A script that already divides by its window's count can count other labels than
+    its loss averages (torchtune's recipes count them before the causal shift): the fix
+    says so beside a mean per micro-batch, and names the counts the losses saw."""
+    reference = written_capture(tmp_path / "reference", Split(1, 1))
+    split = written_capture(tmp_path / "split", Split(1, 2), grads=different, counts=(101, 127),
+                            against=reference)
+    fix = SplitJudge(split, reference, {}, 8).rows()[0]["fix"]
+    assert "its micro-batches hold 101, 127 tokens (228 in all)" in fix
+    assert "a mean per micro-batch" in fix and "labels counted before a causal shift" in fix
+
+
 @pytest.mark.parametrize(("frameworks", "factor", "said"), [
     (["trainer"], 4.0, True),  # N * k: a micro-batch's mean handed num_items_in_batch
     (["trl", "accelerate"], 2.0, True),  # N or k alone

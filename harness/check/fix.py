@@ -144,12 +144,18 @@ def differs_fix(comparison: Comparison, facts: Facts) -> str:
 
 
 def window_count_fix(counts: tuple[int, ...]) -> str:
-    """Micro-batches of different counts: divide by the window's count, named."""
+    """Micro-batches of different counts: divide by the window's count, named. A script
+    that already divides by a window's count may count other labels than its loss
+    averages (torchtune's recipes count them before the causal shift), which weighs each
+    micro-batch by 1 + rows / tokens: the same fix, said so that such a script sees it."""
     shown = ", ".join(map(str, counts[:8])) + (", ..." if len(counts) > 8 else "")
     return (f"normalize by the window's token count: its micro-batches hold {shown} tokens "
-            f"({sum(counts)} in all), and a loss that divides each by its own count weighs "
-            "them unequally; sum the per-token losses and divide by the count of the whole "
-            "window (times N under DDP/FSDP, which average the ranks)")
+            f"({sum(counts)} in all), and a loss that weighs each by another count weighs "
+            "them unequally: its own count (a mean per micro-batch), or a count of other "
+            "labels than the loss averages (labels counted before a causal shift: each "
+            "micro-batch then weighs 1 + rows / tokens); sum the per-token losses and divide "
+            "by the whole window's count of the labels the loss averages (times N under "
+            "DDP/FSDP, which average the ranks)")
 
 
 def buffers_fix(comparison: Comparison, facts: Facts) -> str:
