@@ -294,6 +294,11 @@ MUTATIONS = (
              'counts=[event.count for event in fed if event.count is not None],',
              ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_counts_are_the_"
               "window_s_counts_where_the_model_takes_none",)),
+    Mutation("loss-module-count-dropped", "harness/grad_check/script/tracked.py",
+             "if counted is not None and not fed:",
+             "if counted is not None and fed:",
+             ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_module_counts_are_"
+              "the_last_forward_s",)),
     Mutation("lightning-sampler-at-n-1", "harness/grad_check/script/explain.py",
              'if "lightning" in frameworks and len(ours) > 1:',
              'if "lightning" in frameworks:',

@@ -271,3 +271,39 @@ def test_the_labels_a_loss_counts_are_the_window_s_counts_where_the_model_takes_
         F.cross_entropy(model(tokens)[0], labels[0])  # an evaluation's loss: nothing
     seen.before_step(optimizer, (optimizer,), {})
     assert seen.tracked[0].record.counts == [3, 5]
+
+
+def test_the_labels_a_loss_module_counts_are_the_last_forward_s(tmp_path):
+    """A loss that is a module (nn.CrossEntropyLoss, torchtune's chunked loss) is an
+    outermost module call of its own, after the model's: what it counts inside is the
+    model's last forward's, not dropped with a call that fed nothing."""
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    from harness.grad_check.script import wrappers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = Capture(tmp_path, steps=1, keep_going=True, timeout=10)
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    restore = {name: getattr(torch.nn.functional, name) for name in wrappers.LOSSES}
+    handles = [register_module_forward_pre_hook(seen.entering_module),
+               register_module_forward_hook(seen.leaving_module, with_kwargs=True,
+                                            always_call=True)]
+    try:
+        wrappers.wrap_losses(seen)
+        for kept in (3, 5):
+            tokens = torch.randint(0, 11, (2, 4))
+            labels = torch.full((8,), -100).masked_scatter(torch.arange(8) < kept,
+                                                           torch.randint(0, 11, (8,)))
+            criterion(model(tokens).reshape(-1, 11), labels).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, original in restore.items():
+            setattr(torch.nn.functional, name, original)
+    seen.before_step(optimizer, (optimizer,), {})
+    assert seen.tracked[0].record.counts == [3, 5]

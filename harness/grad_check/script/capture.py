@@ -267,9 +267,10 @@ class Capture:
         output = samples.first_tensor(result)
         if self.forward_depth > 0:
             return
+        fed = self.window.forwards
         if torch.is_grad_enabled() and samples.trains(module) and self.backward_depth == 0:
             self.saw_forward(module, args, kwargs)
-        self.window.forward_ended()
+        self.window.forward_ended(fed=self.window.forwards > fed)
         if isinstance(output, torch.Tensor) and samples.readable(output):
             self.window.produced(output)
 

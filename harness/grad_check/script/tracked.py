@@ -117,8 +117,14 @@ class Window:
             event = self.events[self.forwards - 1]
             event.loss_count = (event.loss_count or 0) + count
 
-    def forward_ended(self) -> None:
-        self.counted_inside = None
+    def forward_ended(self, fed: bool) -> None:
+        """An outermost module call ended; ``fed``: it was a training forward, which took
+        the labels counted inside it (a model that computes its loss). One that fed
+        nothing is a loss module (nn.CrossEntropyLoss, torchtune's chunked loss): what it
+        counted is the last forward's."""
+        counted, self.counted_inside = self.counted_inside, None
+        if counted is not None and not fed:
+            self.loss_counted(counted, inside_forward=False)
 
     def loaded(self, indices: Any) -> None:
         """A batch's dataset indices (a sampler that yields one index: a batch of one;
