@@ -190,6 +190,18 @@ def test_no_file_of_harness_is_in_an_import_cycle():
     assert import_cycles(file_graph()) == []
 
 
+def test_the_launcher_side_of_script_mode_imports_none_of_the_rank_side():
+    """grad-check run's launcher and the ranks meet at wire.py alone: what the launcher
+    runs reaches no module that only a rank loads (the capture, the guard, what they wrap)."""
+    script = "harness/grad_check/script/"
+    launcher = {f"{script}{name}.py" for name in ("grad_check_run", "runs", "processes")}
+    rank_side = {f"{script}{name}.py" for name in ("capture", "guard", "installed", "wrappers",
+                                                    "engines", "points", "ending")}
+    reached = set().union(*(reachable(file_graph(), path) for path in launcher))
+    assert f"{script}wire.py" in reached
+    assert reached & rank_side == set()
+
+
 #: The check's front-ends (harness/grad_check/): the Setup matrix and its API,
 #: --frameworks, grad-check run, the command line. The engine is a sink below them.
 FRONT_ENDS = {"grad_check"}

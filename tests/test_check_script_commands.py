@@ -389,7 +389,7 @@ def write_progress(folder: Path, rank: int, steps: int, forwards: int, ago: floa
     the_guard.steps, the_guard.forwards, the_guard.waiting = steps, forwards, waiting
     the_guard.write_progress()
     at = time.time() - ago
-    os.utime(folder / guard.PROGRESS / f"rank{rank}", (at, at))
+    os.utime(folder / wire.PROGRESS / f"rank{rank}", (at, at))
 
 
 def test_a_hang_names_the_ranks_furthest_behind(tmp_path):
@@ -483,14 +483,14 @@ def guard_in_child(tmp_path: Path, work, **environment: str) -> tuple[int, dict 
             code = 99
         os._exit(code)
     _, status = os.waitpid(pid, 0)
-    found = tmp_path / guard.FATAL
+    found = tmp_path / wire.FATAL
     return os.waitstatus_to_exitcode(status), (json.loads(found.read_text())
                                                if found.exists() else None)
 
 
 def test_a_second_live_process_claiming_a_rank_ends_the_split_naming_both(tmp_path):
-    (tmp_path / guard.CLAIMS).mkdir()
-    (tmp_path / guard.CLAIMS / "rank0").write_text(json.dumps({
+    (tmp_path / wire.CLAIMS).mkdir()
+    (tmp_path / wire.CLAIMS / "rank0").write_text(json.dumps({
         "pid": os.getpid(), "start": wire.process_start(os.getpid()),
         "command": "trl sft --model_name_or_path m"}))
     code, fatal = guard_in_child(tmp_path, lambda it: it.claim(-1))
@@ -503,12 +503,12 @@ def test_a_second_live_process_claiming_a_rank_ends_the_split_naming_both(tmp_pa
 
 
 def test_a_claim_its_process_left_behind_is_taken_over(tmp_path):
-    (tmp_path / guard.CLAIMS).mkdir()
-    (tmp_path / guard.CLAIMS / "rank1").write_text(json.dumps({
+    (tmp_path / wire.CLAIMS).mkdir()
+    (tmp_path / wire.CLAIMS / "rank1").write_text(json.dumps({
         "pid": 1, "start": "no such start", "command": "gone"}))
     code, fatal = guard_in_child(tmp_path, lambda it: it.claim(1))
     assert (code, fatal) == (0, None)
-    assert json.loads((tmp_path / guard.CLAIMS / "rank1").read_text())["pid"] != 1
+    assert json.loads((tmp_path / wire.CLAIMS / "rank1").read_text())["pid"] != 1
 
 
 def test_a_launcher_that_started_another_world_size_ends_the_split(tmp_path):

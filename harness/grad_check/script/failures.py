@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import USAGE_EXIT, error_file, timed_out_in_collective
-from harness.grad_check.script import guard
+from harness.grad_check.script import wire
 from harness.ranks import describe_exit, error_line
 
 #: How torch words a collective, or the store, that lost a peer: gloo's "Connection closed
@@ -180,7 +180,7 @@ def fatal(folder: Path) -> SplitFailure | None:
     """A failure that ends the split at once (guard.py: a rank claimed twice, a launcher
     that started another number of ranks)."""
     with contextlib.suppress(OSError, ValueError, KeyError):
-        found = json.loads((folder / guard.FATAL).read_text())
+        found = json.loads((folder / wire.FATAL).read_text())
         return SplitFailure(int(found["rank"]), int(found["exitcode"]), str(found["line"]))
     return None
 
@@ -215,7 +215,7 @@ NOWHERE = (-1, -1, False)
 
 
 def progress(folder: Path, rank: int) -> RankProgress | None:
-    path = folder / guard.PROGRESS / f"rank{rank}"
+    path = folder / wire.PROGRESS / f"rank{rank}"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         found = json.loads(path.read_text())
         return RankProgress(int(found["steps"]), int(found["forwards"]), path.stat().st_mtime,

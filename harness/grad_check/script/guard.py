@@ -43,15 +43,21 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import USAGE_EXIT
-from harness.grad_check.script.wire import PROCESSES, RankSettings, alive, process_start
+from harness.grad_check.script.wire import (
+    CLAIMS,
+    FATAL,
+    PROCESSES,
+    PROGRESS,
+    RankSettings,
+    alive,
+    process_start,
+)
 
 #: Seconds between looks at grad-check where no pidfd is to be had, and between writes
 #: of the rank's progress.
 WATCH_S = 0.2
 #: Exit code of a process whose grad-check is gone (nobody reads it).
 GONE_EXIT = 128 + signal.SIGKILL
-#: The folders the guard writes in the split's folder.
-PROGRESS, CLAIMS, FATAL = "progress", "claims", "fatal"
 
 
 def command_line(pid: int) -> str:

@@ -62,8 +62,10 @@ SETTINGS_VARIABLES = (FOLDER_VARIABLE, STEPS_VARIABLE, KEEP_GOING_VARIABLE, TIME
                       PID_START_VARIABLE, PGID_VARIABLE, NPROC_VARIABLE, SPLIT_VARIABLE,
                       LAUNCHER_VARIABLE, LAUNCHER_NAME_VARIABLE)
 
-#: The folder, in the split's, where every process of the split registers itself.
-PROCESSES = "processes"
+#: What the guards write in the split's folder, for grad-check to read: every process's
+#: registration (``processes/<pid>``), each rank's progress (``progress/rank<R>``), each
+#: RANK's claim (``claims/rank<R>``), and a failure that ends the split at once (``fatal``).
+PROCESSES, PROGRESS, CLAIMS, FATAL = "processes", "progress", "claims", "fatal"
 
 
 class BadSettings(ValueError):
