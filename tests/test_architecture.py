@@ -4,9 +4,8 @@ top-level packages and modules import one another one way only, packages share o
 names, strategies are asked rather than named, and no module or function grows past what a
 reader takes in at once.
 
-Read from the source (ast), so a lazy import inside a function counts as much as one at
-the top of a module (between files, an annotation's import under TYPE_CHECKING, which never
-runs, is left out).
+Read from the source (ast), so a lazy import inside a function or one under TYPE_CHECKING
+counts as much as one at the top of a module.
 """
 
 from __future__ import annotations
@@ -155,23 +154,14 @@ def module_file(module: str, name: str = "") -> Path | None:
     return next((path for path in candidates if path.is_file()), None)
 
 
-def typing_only(path: Path) -> set[int]:
-    """The nodes under ``if TYPE_CHECKING:``, which never run: an annotation's import."""
-    return {id(inner) for node in nodes(path)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for inner in ast.walk(node)}
-
-
 @functools.cache
 def file_graph() -> dict[str, frozenset[str]]:
-    """Each file of harness -> the files of harness its imports run, at the top or inside a
-    function alike (an annotation's, under TYPE_CHECKING, left out: it never runs)."""
+    """Each file of harness -> the files of harness it imports, at the top, inside a
+    function or under TYPE_CHECKING alike (an annotation names what it depends on)."""
     graph = {}
     for path in modules():
-        skipped, found = typing_only(path), set()
+        found = set()
         for node in nodes(path):
-            if id(node) in skipped:
-                continue
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness"):
                 found |= {module_file(node.module, alias.name) for alias in node.names}
             elif isinstance(node, ast.Import):
@@ -184,7 +174,8 @@ def file_graph() -> dict[str, frozenset[str]]:
 
 def test_no_file_of_harness_is_in_an_import_cycle():
     """Packages import one another one way; so do files, within a package too (a rank's
-    guard and its capture, the check's command line and its --frameworks front-end)."""
+    guard and its capture, the check's command line and its --frameworks front-end, the
+    capture and the functions it wraps, which know it by its events: events.py)."""
     assert "harness/grad_check/script/guard.py" in file_graph()[
         "harness/grad_check/script/installed.py"]
     assert import_cycles(file_graph()) == []

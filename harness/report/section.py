@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.report.rows import filter_text, groups, measured, select
 from harness.report.text import code, count, small, table
@@ -19,7 +19,12 @@ from harness.report.text import code, count, small, table
 if TYPE_CHECKING:
     import pandas as pd
 
-    from harness.report.figures import FigureWriter
+
+class Figures(Protocol):
+    """Where a section's figures go (harness/report/figures.py ``Figures``): a figure
+    saved under its name, given back as the Markdown that shows it."""
+
+    def save(self, figure: Any, name: str, alt: str, caption: str) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class SectionInputs:
     csv_name: str
     #: Relative tolerance of the run's dtype: the same one the study judged its verdicts with.
     rtol: float
-    figures: FigureWriter
+    figures: Figures
 
     def source(self, filter_text: str, rows: int) -> str:
         """How a finding cites its rows: the CSV, the filter, and how many rows matched."""
@@ -154,7 +159,7 @@ class Section:
         return f"{self.table or self.study}.csv"
 
     def summarize_run(self, frames: Mapping[str, pd.DataFrame], rtol: float,
-                      figures: FigureWriter) -> SectionOutput:
+                      figures: Figures) -> SectionOutput:
         """The section from the run's CSVs (``frames``, by CSV name); a subsection whose CSV
         the run did not write is left out."""
         if not self.subsections:

@@ -35,7 +35,7 @@ from harness.grad_check.script.never_raising import never_raising
 from harness.grad_check.script.wrappers import after_import
 
 if TYPE_CHECKING:
-    from harness.grad_check.script.capture import Capture
+    from harness.grad_check.script.events import EngineHost
     from harness.grad_check.script.tracked import Tracked
 
 #: The module defining DeepSpeed's engine, and its boundary step.
@@ -107,7 +107,7 @@ def fragments(name: str, p: nn.Parameter, point: str, rank: int) -> list[Piece]:
         else []
 
 
-def wrap_engine(capture: Capture) -> None:
+def wrap_engine(capture: EngineHost) -> None:
     """The engine's boundary step through ``capture.on_engine_step``, once DeepSpeed loads."""
     def patch(module: ModuleType) -> None:
         kind = module.DeepSpeedEngine
@@ -182,7 +182,7 @@ class EngineStep:
 
 
 @never_raising
-def before_step(capture: Capture, engine: Any) -> Tracked | None:
+def before_step(capture: EngineHost, engine: Any) -> Tracked | None:
     """The engine's model as one optimizer (tracked at its first boundary step), its
     gradient read while this step is among the first S; None inside another step, or once
     the capture is written."""
@@ -205,7 +205,7 @@ def before_step(capture: Capture, engine: Any) -> Tracked | None:
 
 
 @never_raising
-def after_step(capture: Capture, done: EngineStep) -> None:
+def after_step(capture: EngineHost, done: EngineStep) -> None:
     """What DeepSpeed's clip left (a collective where it clipped), then the parameters."""
     record = done.tracked.record
     if record is not None and record.clips:

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from harness.grad_check.script.capture import Capture
+    from harness.grad_check.script.events import CaptureEvents
 
 #: The clips whose entry ends a window: the gradient is read before them.
 CLIPS = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 
-def wrap_construction(capture: Capture) -> None:
+def wrap_construction(capture: CaptureEvents) -> None:
     """Every optimizer constructed, with the forward its first window starts at."""
     original = torch.optim.Optimizer.__init__
 
@@ -58,7 +58,7 @@ def reading_after_closure(args: tuple, kwargs: dict,
     return (args[0], closure_then_gradients, *args[2:]), kwargs
 
 
-def wrap_backward(capture: Capture) -> None:
+def wrap_backward(capture: CaptureEvents) -> None:
     """A backward, to know its loss's type and that a forward inside it recomputes
     (activation checkpointing) rather than feeds new samples."""
     for name in ("backward", "grad"):
@@ -78,7 +78,7 @@ def wrap_backward(capture: Capture) -> None:
 LOSSES = {"cross_entropy": 4, "nll_loss": 4}
 
 
-def wrap_losses(capture: Capture) -> None:
+def wrap_losses(capture: CaptureEvents) -> None:
     """The labels each loss counts, where a script hands them to the loss rather than to
     the model (torchtune's and LitGPT's chunked cross-entropies, a loop's own loss): what
     a window of micro-batches of different token counts weighs by."""
@@ -97,7 +97,7 @@ def wrap_losses(capture: Capture) -> None:
         setattr(F, name, functools.wraps(original)(counting))
 
 
-def wrap_data_loading(capture: Capture) -> None:
+def wrap_data_loading(capture: CaptureEvents) -> None:
     """The dataset indices of each batch a DataLoader hands the script, in the order it
     hands them: the sampler's draw, told apart from what loading made of it (a random
     augmentation gives the same indices other values). A multi-worker loader draws
@@ -144,7 +144,7 @@ def underlying(dataset, indices):
     return indices
 
 
-def wrap_clipping(capture: Capture) -> None:
+def wrap_clipping(capture: CaptureEvents) -> None:
     """The window's gradient is read on entry to the first clip, or once a GradScaler has
     unscaled it: what the loss made, before anything edits it."""
     from torch.nn.utils import clip_grad
@@ -169,7 +169,7 @@ def wrap_clipping(capture: Capture) -> None:
                  lambda module: wrap_module_clip(capture, module.FullyShardedDataParallel))
 
 
-def wrap_module_clip(capture: Capture, kind: type) -> None:
+def wrap_module_clip(capture: CaptureEvents, kind: type) -> None:
     """FSDP1's ``model.clip_grad_norm_(max_norm)``, which clips the shards itself."""
     original = kind.clip_grad_norm_
 
@@ -210,7 +210,7 @@ class _Patching(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.patch(module)
 
 
-def after_import(capture: Capture, name: str, patch: Callable[[ModuleType], None]) -> None:
+def after_import(capture: CaptureEvents, name: str, patch: Callable[[ModuleType], None]) -> None:
     """``patch(module)`` as soon as module ``name`` is imported (now, where it already is):
     a framework the script imports after the capture loaded. A patch that fails leaves
     the module as it is, and the capture says so (``unknown``)."""
@@ -226,7 +226,7 @@ def after_import(capture: Capture, name: str, patch: Callable[[ModuleType], None
         sys.meta_path.insert(0, _Patching(name, guarded))
 
 
-def clipping(capture: Capture, name: str, original, parameters, *args, **kwargs):
+def clipping(capture: CaptureEvents, name: str, original, parameters, *args, **kwargs):
     """A clip of the script's: the window's gradient kept first (the outermost clip only:
     clip_grad_norm_ calls clip_grads_with_norm_). A clip that follows another in the same
     window (a script that clips every micro-step) keeps it again: the gradient judged is
