@@ -252,16 +252,3 @@ def threading_main_id() -> int:
     import threading
 
     return threading.main_thread().native_id
-
-
-def test_the_harness_ranks_keep_c10_s_log_lines_off_stderr_unless_told(monkeypatch):
-    """A failure is said in one line: c10's own log lines (gloo's 'Connection closed by
-    peer' from a rank whose peer was interrupted first) are off by default, a value the
-    user set is kept, and a user's script under grad-check run gets its own logging."""
-    from harness.launcher import harness_rank_environment, rank_environment
-
-    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
-    assert harness_rank_environment("errors", 2, 29500)["TORCH_CPP_LOG_LEVEL"] == "FATAL"
-    assert "TORCH_CPP_LOG_LEVEL" not in rank_environment("errors", 2, 29500)
-    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
-    assert harness_rank_environment("errors", 2, 29500)["TORCH_CPP_LOG_LEVEL"] == "INFO"
