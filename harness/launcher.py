@@ -99,16 +99,6 @@ def rank_environment(error_dir: str, nproc: int, port: int) -> dict[str, str]:
             "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def harness_rank_environment(error_dir: str, nproc: int, port: int) -> dict[str, str]:
-    """What the harness's own ranks get: :func:`rank_environment`, with c10's own log lines
-    kept off their stderr (gloo's "connectFullMesh failed ... Connection closed by peer"
-    from a rank whose peer was interrupted first would break the one line a failure is
-    said in; the rank's exception says the same). grad-check run leaves a user's script
-    its own logging: its logs are what it printed."""
-    return {**rank_environment(error_dir, nproc, port),
-            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
-
-
 def _rank(module: str, argv: list[str], surroundings) -> None:
     """One rank: ``python -m <module> argv``, in a process forked from the fork server
     (``sys.exit(code)`` inside makes ``code`` the rank's exit code)."""
@@ -165,7 +155,12 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     store = rendezvous_store(nproc)
     ranks_argv = strip_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
-        environment = harness_rank_environment(error_dir, nproc, store.port)
+        # c10's own log lines on the ranks' stderr (gloo's "connectFullMesh failed ...
+        # Connection closed by peer" from a rank whose peer was interrupted first) would
+        # break the one line a failure is said in; the rank's exception says the same.
+        # (grad-check run leaves a user's script its own: its logs are what it printed.)
+        environment = {**rank_environment(error_dir, nproc, store.port),
+                       "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
         # Here too, before the fork server starts: OpenMP reads its variable when torch
         # loads it, and the launcher's own checks ask whether a launcher speaks for them.
         os.environ.update({name: environment[name]
