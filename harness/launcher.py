@@ -155,17 +155,11 @@ def launch_ranks(nproc: int, argv: Sequence[str], prog: str, module: str = "harn
     store = rendezvous_store(nproc)
     ranks_argv = strip_nproc(argv)
     with tempfile.TemporaryDirectory(prefix="harness-errors-") as error_dir:
-        # c10's own log lines on the ranks' stderr (gloo's "connectFullMesh failed ...
-        # Connection closed by peer" from a rank whose peer was interrupted first) would
-        # break the one line a failure is said in; the rank's exception says the same.
-        # (grad-check run leaves a user's script its own: its logs are what it printed.)
-        environment = {**rank_environment(error_dir, nproc, store.port),
-                       "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL")}
+        environment = rank_environment(error_dir, nproc, store.port)
         # Here too, before the fork server starts: OpenMP reads its variable when torch
         # loads it, and the launcher's own checks ask whether a launcher speaks for them.
         os.environ.update({name: environment[name]
-                           for name in ("PYTHONPATH", "OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL",
-                                        ERROR_DIR_VARIABLE)})
+                           for name in ("PYTHONPATH", "OMP_NUM_THREADS", ERROR_DIR_VARIABLE)})
         try:
             with stopped_by_sigterm():
                 failure = run_ranks(nproc, _rank, lambda rank: (
