@@ -228,13 +228,12 @@ def carried_update(step: int, measured: Compared, precision: torch.dtype,
            f"({gradient.residual:.3g}): it follows from that gradient, whose cause is this "
            "step's cause; the update's own bound, which holds what an adaptive optimizer "
            "can make of rounding, does not make it a match")
-    bound = FLOAT32_ROUNDING["grad"]  # judged at what a gradient's rounding leaves
-    if gradient.status == Status.UNRESOLVED:
-        return Judged(step, measured.point, comparison, precision, fix, Status.UNRESOLVED,
-                      ranks_agree=measured.ranks_agree, own=measured.own, rtol=bound)
-    return Judged(step, measured.point, replace(comparison, verdict=Equivalence.DIFFERS),
-                  precision, fix, ranks_agree=measured.ranks_agree, own=measured.own,
-                  rtol=bound)
+    unresolved = gradient.status == Status.UNRESOLVED
+    return Judged(step, measured.point,
+                  comparison if unresolved else replace(comparison, verdict=Equivalence.DIFFERS),
+                  precision, fix, Status.UNRESOLVED if unresolved else Status.OK,
+                  ranks_agree=measured.ranks_agree, own=measured.own,
+                  rtol=FLOAT32_ROUNDING["grad"])  # judged at what a gradient's rounding leaves
 
 
 def unresolved_update(step: int, measured: Compared, precision: torch.dtype,

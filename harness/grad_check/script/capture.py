@@ -234,19 +234,21 @@ class Capture:
             self.finish_step(tracked)
 
     def finish_step(self, tracked: Tracked) -> None:
-        """The parameters after a step: digested, written or compared; the window closed."""
-        if tracked.record is None:  # a step not captured: its window is done with too
+        """The parameters after a step: digested, written or compared; the window closed
+        (a step not captured closes its window too)."""
+        captured = tracked.record is not None
+        if captured:
+            specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
+            tracked.record = replace(tracked.record, params_digests=kept, compared={
+                **tracked.record.compared, "params": self.points.done(
+                    tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)})
+            self.records.append(tracked.close_record(self.window))
+        else:
             tracked.since = self.window.forwards
-            self.window.forget(tracked.parameters, oldest_window(self.tracked, self.constructed,
-                                                            self.window.forwards))
-            return
-        specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
-        tracked.record = replace(tracked.record, params_digests=kept, compared={
-            **tracked.record.compared, "params": self.points.done(
-                tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)})
-        self.records.append(tracked.close_record(self.window))
         self.window.forget(tracked.parameters, oldest_window(self.tracked, self.constructed,
                                                             self.window.forwards))
+        if not captured:
+            return
         if not self.keep_going and captured_enough(self.tracked, self.constructed, self.inner,
                                                    self.inner_optimizers, self.steps):
             self.stop()

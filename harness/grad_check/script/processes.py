@@ -140,12 +140,10 @@ class CommandLauncher:
         (launchers.adapted's); ``against``: the reference's capture it is compared with
         (None: this is the reference, its capture written: points.py)."""
         folder.mkdir(parents=True, exist_ok=True)
-        if self.capture:
-            # b: each capture cuts samples along its axis; against: what each rank
-            # compares its shards with.
-            micro_batch = split.micro_batch(self.global_batch) if self.global_batch else None
-            variables = {**(variables or {}), **self.settings(
-                folder, split.world_size, split.label, micro_batch, against).environment()}
+        # b: each capture cuts samples along its axis; against: what each rank compares
+        # its shards with.
+        micro_batch = split.micro_batch(self.global_batch) if self.global_batch else None
+        settings = self.settings(folder, split.world_size, split.label, micro_batch, against)
         logs = logs or folder
         logs.mkdir(parents=True, exist_ok=True)
         n = split.world_size
@@ -161,10 +159,10 @@ class CommandLauncher:
             if self.launcher is not None:
                 processes.append(self.starter(
                     list(command), self.environment(None, n, 0, folder, run_id, split.label,
-                                                    variables), logs / LAUNCHER_LOG))
+                                                    variables, settings), logs / LAUNCHER_LOG))
             for rank in range(n if self.launcher is None else 0):
                 environment = self.environment(rank, n, store.port if store else 0, folder,
-                                               run_id, split.label, variables)
+                                               run_id, split.label, variables, settings)
                 processes.append(self.starter(list(command), environment,
                                               logs / f"rank{rank}.log"))
             failure = self.watch(processes, folder, logs, n, start + self.timeout, started_at)
@@ -180,14 +178,17 @@ class CommandLauncher:
 
     def environment(self, rank: int | None, world_size: int, port: int, folder: Path,
                     run_id: str, split: str = "",
-                    variables: dict[str, str] | None = None) -> dict[str, str]:
+                    variables: dict[str, str] | None = None,
+                    settings: RankSettings | None = None) -> dict[str, str]:
         """What process ``rank`` gets (None: the command's own launcher, which gets no
-        torchrun variables: it gives its workers theirs)."""
+        torchrun variables: it gives its workers theirs); ``settings``: what the split's
+        processes are told (default: the split's without b or a reference)."""
         inherited = {name: value for name, value in os.environ.items()
                      if name not in TORCHRUN_VARIABLES and name not in SETTINGS_VARIABLES}
         if self.capture:
-            inherited.update(self.settings(folder, world_size, split).environment())
-        inherited.update(variables or {})  # run()'s own settings (b, the reference) too
+            told = settings or self.settings(folder, world_size, split)
+            inherited.update(told.environment())
+        inherited.update(variables or {})
         if rank is not None and (world_size > 1 or self.torchrun_env):
             inherited.update(rank_environment(str(folder), world_size, port))
             inherited.update({

@@ -212,7 +212,7 @@ class PointFit:
         return {"fit": list(self.fit), "errors": self.errors, "nothing": self.nothing}
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "fit": list(self.fit)}
+        return asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PointFit:
@@ -247,9 +247,7 @@ class StepRecord:
     compared: dict[str, PointFit | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {**{item.name: getattr(self, item.name) for item in fields(self)},
-                "compared": {point: fit.to_json() if fit is not None else None
-                             for point, fit in self.compared.items()}}
+        return asdict(self)  # its PointFits too
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StepRecord:
@@ -292,9 +290,7 @@ class RankSummary:
     dropout: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {**{item.name: getattr(self, item.name) for item in fields(self)},
-                "optimizers": [asdict(optimizer) for optimizer in self.optimizers],
-                "records": [record.to_json() for record in self.records]}
+        return asdict(self)  # its optimizers and records too
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankSummary:
