@@ -36,6 +36,7 @@ STUDY_PACKAGES: tuple[str, ...] = (
     "hooks",
     "comm",
     "frameworks",
+    "trainers",
 )
 
 

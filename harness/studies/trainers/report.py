@@ -1,0 +1,151 @@
+"""The ``trainers`` study's section: which trainers, as shipped, take the big-batch step at
+every split, why the others do not, and which setting makes them.
+
+Every cell is read from the rows: a trainer's verdict at each split as shipped
+(``default``), the cause the rows name with its source line, and a setting whose every
+split matched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harness.report import spec
+from harness.report.quoted import DocPart, Results
+from harness.report.text import code, small, words
+from harness.verdicts import Equivalence
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+DEFAULT = "default"
+
+
+def _cell(row: dict) -> str:
+    """``differs 5.4e-05``, ``matches``, or the first words of why it measured nothing."""
+    if not isinstance(row["verdict"], str) or not row["verdict"]:
+        return str(row["status"]).split(":")[0]
+    if row["verdict"] == Equivalence.MATCHES:
+        return Equivalence.MATCHES
+    return f"{row['verdict']} {small(row['residual'])}"
+
+
+def _splits(rows: pd.DataFrame) -> str:
+    """``1x2 differs 5.4e-05, 1x4 differs 0.00026``, or why nothing was measured."""
+    measured = rows[rows["split"].notna() & (rows["split"] != "")]
+    if measured.empty:
+        return _cell(rows.iloc[0].to_dict())
+    return ", ".join(f"{r['split']} {_cell(r)}" for r in measured.to_dict("records"))
+
+
+def _all_match(rows: pd.DataFrame) -> bool:
+    return bool(len(rows)) and bool((rows["verdict"] == Equivalence.MATCHES).all())
+
+
+def fixing_settings(group: pd.DataFrame) -> list[str]:
+    """The settings other than ``default`` under which every split matched."""
+    return [setting for setting, rows in group.groupby("setting", sort=False)
+            if setting != DEFAULT and _all_match(rows)]
+
+
+def _cause(rows: pd.DataFrame) -> str:
+    named = rows[rows["cause"].notna() & (rows["cause"] != "")]
+    if named.empty:
+        return ""
+    row = named.iloc[0]
+    return f"{row['cause']} ({code(row['source'])})"
+
+
+def trainer_answers(rows: spec.Rows) -> list[spec.Answer]:
+    """One answer per trainer: as shipped, did every split take the big-batch step; if not,
+    the cause the rows name and the setting that made every split match."""
+    answers = []
+    for trainer, group in rows.all.groupby("trainer", sort=False):
+        default = group[group["setting"] == DEFAULT]
+        version = default["trainer_version"].iloc[0]
+        fixed = fixing_settings(group)
+        answer = ("yes" if _all_match(default) else "no") + f": {_splits(default)}"
+        answers.append(spec.Answer(
+            f"{trainer} {version}, as shipped: the big-batch step at every split?", answer,
+            _cause(default) or "every split compared with the same command at 1x1",
+            words([code(setting) for setting in fixed], "or") if fixed and not
+            _all_match(default) else ""))
+    return answers
+
+
+def _records(rows: spec.Rows) -> str | None:
+    return spec.Records(
+        caption="**Every trainer, setting and split** ({rows} rows of {csv}): the first "
+                "step's gradient against the same command's at 1x1.",
+        numeric=(False, False, False, False, True, True, False),
+        columns=(spec.column("trainer"), spec.column("setting"), spec.column("split"),
+                 ("verdict", _cell), spec.column("scale", lambda v: f"{v:.6g}"),
+                 spec.column("residual", small), spec.column("precision")))(rows)
+
+
+def _every_row(rows: spec.Rows) -> str | None:
+    """The records table over every row, those that measured nothing included."""
+    every = spec.Rows(rows.all.replace({"": None}), rows.all, rows.inputs, rows.terms)
+    return _records(every)
+
+
+def _causes(rows: spec.Rows) -> str | None:
+    """Each cause the rows name, once: the trainer, its source line, and the fix."""
+    named = rows.all[rows.all["cause"].notna() & (rows.all["cause"] != "")]
+    if named.empty:
+        return None
+    lines = [f"- **{r['trainer']}** ({code(r['source'])}): {r['cause']}. Fix: {r['fix']}."
+             for r in named.drop_duplicates(["trainer", "cause"]).to_dict("records")]
+    return "**Causes, at the line of the trainer's source that makes them:**\n\n" + \
+        "\n".join(lines)
+
+
+SECTION = spec.Section(
+    study="trainers",
+    title="trainers: the trainers people install, as shipped",
+    intro=("Each trainer's own command line, through `grad-check run`, on a tiny model and "
+           "data the study writes offline: its first optimizer step's gradient at each split "
+           "of one global batch (N ranks × k micro-steps) against the same command's at 1x1, "
+           "as shipped (`default`) and with the setting compared."),
+    answers=(trainer_answers,),
+    tables=(_every_row, _causes),
+)
+
+
+# ------------------------------------------------------------------- README and docs
+def _read(results: Results) -> pd.DataFrame | None:
+    try:
+        return results.csv("trainers", "trainers")
+    except FileNotFoundError:
+        return None
+
+
+def trainers_summary(results: Results) -> str:
+    """The README's line: which trainers as shipped took the big-batch step at every split,
+    which did not (and what made them), which could not run on a CPU."""
+    frame = _read(results)
+    if frame is None:
+        return "The trainers run holds no rows."
+    took, missed, failed = [], [], []
+    for trainer, group in frame.groupby("trainer", sort=False):
+        default = group[group["setting"] == DEFAULT]
+        if default["verdict"].isna().all() or (default["verdict"] == "").all():
+            failed.append(trainer)
+        elif _all_match(default):
+            took.append(trainer)
+        else:
+            fixed = fixing_settings(group)
+            missed.append(f"{trainer} ({_splits(default)}"
+                          + (f"; every split matched with {words([code(s) for s in fixed], 'or')}"
+                             if fixed else "") + ")")
+    text = "**Trainers as shipped** (`results/trainers/`, each one's own command line):"
+    if missed:
+        text += f" not the big-batch step: {'; '.join(missed)}."
+    if took:
+        text += f" The big-batch step at every split: {words(took)}."
+    if failed:
+        text += f" Could not run on a CPU as shipped: {words(failed)}."
+    return text
+
+
+DOC_PARTS: dict[str, DocPart] = {"answer:trainers": trainers_summary}

@@ -1,0 +1,194 @@
+"""The trainers the study runs: each one's own command-line program as installed, what it
+takes to run tiny, offline and on a CPU, the settings compared, and the causes the study
+can name.
+
+A trainer's command is what its documentation tells users to type, its shipped config
+named; after it come the arguments that point it at the study's offline assets and a CPU
+(``cpu_args``: each one listed in the row, none of them changing how the step is
+reduced), then the setting compared (empty for ``default``, the trainer as shipped).
+``{assets}`` is the folder of the study's tiny models and data (harness/studies/trainers
+/assets.py); ``{batch}``, ``{accum}`` and ``{nproc}`` are ``grad-check run``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.studies.trainers.source import Source
+
+#: The setting that runs a trainer exactly as shipped.
+DEFAULT = "default"
+#: Hugging Face libraries read nothing from the network.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting compared: its name as users write it, and the arguments it appends."""
+
+    name: str
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.name == DEFAULT) != (not self.args):
+            raise ValueError(f"setting {self.name!r}: `default` and only it appends nothing")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why a trainer's step differs from the big batch's, in the trainer's own terms.
+
+    It names a row's difference only where ``grad-check run`` measured one and its own
+    explanation (the row's ``fix``) names ``mechanism``, or where the run failed with
+    ``mechanism`` in its error: a cause explains a measurement, never stands in for one.
+    """
+
+    mechanism: str
+    text: str
+    source: Source
+    fix: str
+
+    def explains(self, measured: str) -> bool:
+        return self.mechanism in measured
+
+
+@dataclass(frozen=True)
+class Trainer:
+    name: str
+    #: The distribution whose version the rows give.
+    distribution: str
+    #: The module that must import for it to run.
+    module: str
+    #: What it reads from the study's assets (harness/studies/trainers/assets.py WRITERS).
+    assets: str
+    command: tuple[str, ...]
+    cpu_args: tuple[str, ...]
+    splits: tuple[str, ...]
+    settings: tuple[Setting, ...]
+    causes: tuple[Cause, ...] = ()
+    global_batch: int = 8
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.settings or self.settings[0].name != DEFAULT:
+            raise ValueError(f"{self.name}: its first setting is `default`")
+
+    def setting(self, name: str) -> Setting:
+        return next(setting for setting in self.settings if setting.name == name)
+
+    def argv(self, setting: Setting) -> tuple[str, ...]:
+        """The whole command at ``setting``, placeholders left in."""
+        return (*self.command, *self.cpu_args, *setting.args)
+
+    def cause_of(self, measured: str) -> Cause | None:
+        return next((cause for cause in self.causes if cause.explains(measured)), None)
+
+
+# ----------------------------------------------------------------------- torchtune
+#: The tiny Llama and the offline files, in torchtune's config overrides.
+_TUNE_ASSETS = ("model.vocab_size=256", "model.num_layers=2", "model.num_heads=4",
+                "model.num_kv_heads=4", "model.embed_dim=64", "model.max_seq_len=512",
+                "tokenizer.path={assets}/tok.model", "dataset.source=json",
+                "dataset.data_files={assets}/alpaca.json", "dataset.split=train",
+                "checkpointer._component_=torchtune.training.FullModelTorchTuneCheckpointer",
+                "checkpointer.checkpoint_dir={assets}/ckpt",
+                "checkpointer.checkpoint_files=[model.pt]", "output_dir={assets}/out",
+                # fp64: torchtune's own dtype option; a difference of 1e-4 is then resolved
+                # (its loss casts the logits to float32, and the verdict is judged at that).
+                "device=cpu", "dtype=fp64")
+_TUNE_SPLIT = ("batch_size={batch}", "gradient_accumulation_steps={accum}")
+#: The recipes count the window's labels before their loss shifts them.
+_TUNE_COUNT = "batch[\"labels\"] != self._loss_fn.ignore_index"
+_TUNE_CAUSE_TEXT = ("the recipe divides the window's summed loss by `num_tokens`, counted from "
+                    "`batch[\"labels\"]` before `_loss_step` shifts the labels by one; the loss "
+                    "(`CEWithChunkedOutputLoss`) averages the shifted ones. With "
+                    "`train_on_input=True` (alpaca_dataset's default) each row's first label "
+                    "(its BOS) is counted but never predicted, so each micro-batch weighs "
+                    "1 + rows / tokens")
+_TUNE_FIX = ("`dataset.train_on_input=False` (the prompt, BOS included, masked: both counts "
+             "agree); with the prompt trained, none: the count would have to skip each row's "
+             "first label")
+LABELS_BEFORE_SHIFT = "labels counted before a causal shift"
+
+
+def _tune_cause(recipe: str, cls: str) -> Cause:
+    return Cause(LABELS_BEFORE_SHIFT, _TUNE_CAUSE_TEXT,
+                 Source("torchtune", f"recipes/{recipe}.py", f"{cls}.train", _TUNE_COUNT),
+                 _TUNE_FIX)
+
+
+_TOI = Setting("train_on_input=False", ("dataset.train_on_input=False",))
+
+TUNE_FULL = Trainer(
+    name="torchtune full_finetune_single_device", distribution="torchtune",
+    module="torchtune", assets="llama",
+    command=("tune", "run", "full_finetune_single_device", "--config",
+             "llama2/7B_full_low_memory", "model._component_=torchtune.models.llama2.llama2"),
+    # The low-memory config's optimizer (bitsandbytes' PagedAdamW), optimizer-in-backward
+    # (which refuses accumulation) and activation offloading need CUDA.
+    cpu_args=(*_TUNE_ASSETS, "optimizer._component_=torch.optim.AdamW",
+              "optimizer_in_bwd=False", "enable_activation_offloading=False", *_TUNE_SPLIT),
+    splits=("1x2", "1x4"), settings=(Setting(DEFAULT), _TOI),
+    causes=(_tune_cause("full_finetune_single_device", "FullFinetuneRecipeSingleDevice"),))
+
+TUNE_LORA = Trainer(
+    name="torchtune lora_finetune_single_device", distribution="torchtune",
+    module="torchtune", assets="llama",
+    command=("tune", "run", "lora_finetune_single_device", "--config",
+             "llama2/7B_lora_single_device",
+             "model._component_=torchtune.models.llama2.lora_llama2"),
+    cpu_args=(*_TUNE_ASSETS, *_TUNE_SPLIT),
+    splits=("1x2", "1x4"),
+    settings=(Setting(DEFAULT), Setting("seed=0", ("seed=0",)),
+              Setting("seed=0 train_on_input=False", ("seed=0", *_TOI.args))),
+    causes=(_tune_cause("lora_finetune_single_device", "LoRAFinetuneRecipeSingleDevice"),
+            Cause("the script is not deterministic",
+                  "the shipped config's `seed: null` makes `training.set_seed` draw a new seed "
+                  "every run, and the LoRA adapters' `lora_a` weights are initialized from it: "
+                  "each run starts from another model, and no split can be compared",
+                  Source("torchtune", "torchtune/training/seed.py", "set_seed",
+                         "rand_seed = torch.randint("),
+                  "`seed=0` (any fixed seed)")))
+
+TUNE_DISTRIBUTED = Trainer(
+    name="torchtune full_finetune_distributed", distribution="torchtune",
+    module="torchtune", assets="llama",
+    command=("tune", "run", "--nproc_per_node", "{nproc}", "full_finetune_distributed",
+             "--config", "llama2/7B_full", "model._component_=torchtune.models.llama2.llama2"),
+    cpu_args=(*_TUNE_ASSETS, *_TUNE_SPLIT),
+    splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT), _TOI),
+    causes=(_tune_cause("full_finetune_distributed", "FullFinetuneRecipeDistributed"),
+            Cause("Logging memory stats is not supported on CPU devices",
+                  "the recipe logs memory statistics after loading the model whatever "
+                  "`log_peak_memory_stats` says, and `training.get_memory_stats` raises on "
+                  "a CPU",
+                  Source("torchtune", "recipes/full_finetune_distributed.py",
+                         "FullFinetuneRecipeDistributed._setup_model",
+                         "training.get_memory_stats("),
+                  "none on a CPU: no setting skips the call")))
+
+# ----------------------------------------------------------------------- TRL
+TRL_SFT = Trainer(
+    name="trl sft", distribution="trl", module="trl", assets="gpt2",
+    command=("trl", "sft", "--num_processes", "{nproc}", "--model_name_or_path",
+             "{assets}/model", "--dataset_name", "{assets}/text"),
+    # bf16 is TRL's default; float32 resolves a difference of 1e-3.
+    cpu_args=("--use_cpu", "--bf16", "False", "--report_to", "none", "--output_dir",
+              "{assets}/out", "--per_device_train_batch_size", "{batch}",
+              "--gradient_accumulation_steps", "{accum}"),
+    splits=("1x2", "2x1", "2x2"),
+    settings=(Setting(DEFAULT), Setting("average_tokens_across_devices=False",
+                                        ("--average_tokens_across_devices", "False"))),
+    causes=(Cause("a mean per micro-batch",
+                  "with `average_tokens_across_devices=False` each rank divides its loss by "
+                  "its own `num_items_in_batch` (the tokens of its own micro-batches), and DDP "
+                  "averages the ranks: a rank with fewer tokens weighs each of them more",
+                  Source("transformers", "transformers/trainer.py",
+                         "Trainer._get_num_items_in_batch",
+                         "if self.args.average_tokens_across_devices:"),
+                  "`average_tokens_across_devices=True` (TRL's default): the count is summed "
+                  "over the ranks"),),
+    env=OFFLINE)
+
+TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (
+    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT)}
