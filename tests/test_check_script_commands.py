@@ -367,6 +367,12 @@ def test_a_worker_of_a_launcher_is_named_from_its_line_or_the_launchers_summary(
                    "exits with return code = 3\n")
     assert str(launched_failure(tmp_path, log, 2, 1, "deepspeed")) == \
         "rank 1: exited with code 3 without saying why"
+    # As DeepSpeed 0.19 prints it: the script's own arguments after --local_rank.
+    log.write_text("usage: t.py [-h] [--stage STAGE]\nt.py: error: unrecognized arguments: "
+                   "--local_rank=0\n[launch.py:259:sigkill_handler] ['python', '-u', 't.py', "
+                   "'--local_rank=0', '--stage', '2'] exits with return code = 2\n")
+    assert str(launched_failure(tmp_path, log, 1, 1, "deepspeed")) == \
+        "rank 0: t.py: error: unrecognized arguments: --local_rank=0"
     error_file(tmp_path, 0).write_text("ValueError: bad shape (at t.py:3)\n")
     assert str(launched_failure(tmp_path, log, 2, 1, "deepspeed")) == \
         "rank 0: ValueError: bad shape (at t.py:3)"

@@ -34,6 +34,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=32, help="hidden layers' width")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    # The `deepspeed` launcher passes each worker its --local_rank, as DeepSpeed's docs say.
+    parser.add_argument("--local_rank", type=int, default=-1,
+                        help="set by the deepspeed launcher (LOCAL_RANK is read instead)")
     parser.add_argument("--divide-again", action="store_true",
                         help="the bug: divide the loss by k before engine.backward, which "
                              "divides by k itself")

@@ -43,8 +43,10 @@ _LOST_PEER = re.compile(r"connection (closed|reset) by peer|broken pipe|econnres
 #: torch elastic's summary of a failed run (torchrun, accelerate launch): its root cause.
 _ELASTIC_ROOT = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?"
                            r"exitcode\s*:\s*(-?\d+)", re.DOTALL)
-#: DeepSpeed's launcher: "[... '--local_rank=1'] exits with return code = 3".
-_DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?\]\s+exits with return code = (-?\d+)")
+#: DeepSpeed's launcher on a worker that failed: its command, ``--local_rank=R`` before the
+#: script's own arguments, then its exit code.
+_DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?(?:, [^\]]*)?\]\s+exits with return code = "
+                             r"(-?\d+)")
 #: argparse's last line: "prog: error: message".
 _ARGPARSE_ERROR = re.compile(r"^\S+: error: .+$", re.MULTILINE)
 

@@ -46,16 +46,25 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 RUN_TIMEOUT = 300
 
 
+#: The project's example programs, which some trainers run: in a clone (or an editable
+#: install), beside the package.
+SCRIPTS = Path(__file__).resolve().parents[3] / "examples" / "scripts"
+
+
 def missing(trainer: Trainer) -> str | None:
-    """Why ``trainer`` cannot run here (its package is not installed), or None."""
+    """Why ``trainer`` cannot run here (its package is not installed, or the example
+    programs it runs are not beside the package), or None."""
     if importlib.util.find_spec(trainer.module) is None:
         return f"unavailable: {trainer.distribution} is not installed; {INSTALL_HINT}"
+    if any("{scripts}" in part for part in trainer.command) and not SCRIPTS.is_dir():
+        return f"unavailable: no {SCRIPTS}: run the study from a clone of the project"
     return None
 
 
 def grad_check_argv(trainer: Trainer, setting: Setting, assets: Path, out: Path) -> list[str]:
-    """``grad-check run`` on the trainer's command at ``setting``, assets filled in."""
-    command = [part.replace("{assets}", str(assets)) for part in trainer.argv(setting)]
+    """``grad-check run`` on the trainer's command at ``setting``, its files filled in."""
+    command = [part.replace("{assets}", str(assets)).replace("{scripts}", str(SCRIPTS))
+               for part in trainer.argv(setting)]
     return [sys.executable, "-m", "harness.grad_check", "run", "--quiet", "--steps", "1",
             "--global-batch", str(trainer.global_batch), "--splits", ",".join(trainer.splits),
             "--timeout", str(RUN_TIMEOUT), "--out", str(out), "--", *command]
@@ -65,7 +74,7 @@ def run_grad_check(trainer: Trainer, setting: Setting, folder: Path
                    ) -> tuple[pd.DataFrame, str]:
     """The gradient rows ``grad-check run`` wrote for the trainer at ``setting`` (none
     where it wrote no CSV), and its last line on stderr (its one-line error, if any)."""
-    assets = WRITERS[trainer.assets](folder / "assets")
+    assets = WRITERS[trainer.assets](folder / "assets") if trainer.assets else folder
     out = folder / "check"
     env = {name: value for name, value in os.environ.items() if name not in RANK_VARIABLES}
     ended = subprocess.run(grad_check_argv(trainer, setting, assets, out), cwd=folder,

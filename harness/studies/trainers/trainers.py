@@ -7,7 +7,8 @@ named; after it come the arguments that point it at the study's offline assets a
 (``cpu_args``: each one listed in the row, none of them changing how the step is
 reduced), then the setting compared (empty for ``default``, the trainer as shipped).
 ``{assets}`` is the folder of the study's tiny models and data (harness/studies/trainers
-/assets.py); ``{batch}``, ``{accum}`` and ``{nproc}`` are ``grad-check run``'s.
+/assets.py), ``{scripts}`` the project's example programs (examples/scripts/); ``{batch}``,
+``{accum}`` and ``{nproc}`` are ``grad-check run``'s.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Trainer:
     distribution: str
     #: The module that must import for it to run.
     module: str
-    #: What it reads from the study's assets (harness/studies/trainers/assets.py WRITERS).
+    #: What it reads from the study's assets (harness/studies/trainers/assets.py WRITERS),
+    #: or "" for a program that makes its own data.
     assets: str
     command: tuple[str, ...]
     cpu_args: tuple[str, ...]
@@ -156,7 +158,7 @@ TUNE_DISTRIBUTED = Trainer(
     command=("tune", "run", "--nproc_per_node", "{nproc}", "full_finetune_distributed",
              "--config", "llama2/7B_full", "model._component_=torchtune.models.llama2.llama2"),
     cpu_args=(*_TUNE_ASSETS, *_TUNE_SPLIT),
-    splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT), _TOI),
+    splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),),
     causes=(_tune_cause("full_finetune_distributed", "FullFinetuneRecipeDistributed"),
             Cause("Logging memory stats is not supported on CPU devices",
                   "the recipe logs memory statistics after loading the model whatever "
@@ -179,10 +181,12 @@ TRL_SFT = Trainer(
     splits=("1x2", "2x1", "2x2"),
     settings=(Setting(DEFAULT), Setting("average_tokens_across_devices=False",
                                         ("--average_tokens_across_devices", "False"))),
-    causes=(Cause("a mean per micro-batch",
-                  "with `average_tokens_across_devices=False` each rank divides its loss by "
-                  "its own `num_items_in_batch` (the tokens of its own micro-batches), and DDP "
-                  "averages the ranks: a rank with fewer tokens weighs each of them more",
+    causes=(Cause("keep average_tokens_across_devices=True",
+                  "with `average_tokens_across_devices=False` each rank divides its summed "
+                  "loss by its own `num_items_in_batch` (its own micro-batches' labels, counted "
+                  "before the causal shift for a model whose `loss_type` is None, as GPT-2's), "
+                  "and DDP averages the ranks: a rank with fewer labels weighs each of them "
+                  "more",
                   Source("transformers", "transformers/trainer.py",
                          "Trainer._get_num_items_in_batch",
                          "if self.args.average_tokens_across_devices:"),
@@ -190,5 +194,47 @@ TRL_SFT = Trainer(
                   "over the ranks"),),
     env=OFFLINE)
 
+# ------------------------------------------------- the frameworks, by the project's scripts
+# Their programs are the project's own (examples/scripts/), written as each framework's
+# documentation writes one, started by the framework's own launcher.
+_SPLIT_FLAGS = ("--batch-size", "{batch}", "--grad-accum", "{accum}")
+
+HF_TRAINER = Trainer(
+    name="transformers Trainer", distribution="transformers", module="transformers",
+    assets="", command=("torchrun", "--nproc_per_node", "{nproc}",
+                        "{scripts}/trainer_script.py"),
+    cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
+
+ACCELERATE = Trainer(
+    name="accelerate launch", distribution="accelerate", module="accelerate", assets="",
+    command=("accelerate", "launch", "--num_processes", "{nproc}",
+             "{scripts}/accelerate_loop.py"),
+    cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
+
+LIGHTNING_CLI = Trainer(
+    name="lightning LightningCLI", distribution="lightning", module="lightning", assets="",
+    command=("python", "{scripts}/lightning_cli.py", "fit", "--trainer.devices", "{nproc}",
+             "--trainer.accumulate_grad_batches", "{accum}"),
+    cpu_args=("--data.batch_size", "{batch}"), splits=("1x2", "2x1", "2x2"),
+    settings=(Setting(DEFAULT), Setting("data.shuffle=false", ("--data.shuffle", "false"))),
+    causes=(Cause("Lightning's Trainer replaces the training DataLoader's sampler",
+                  "at N > 1 the Trainer (`use_distributed_sampler=True`, its default) "
+                  "replaces the training DataLoader's sampler by a DistributedSampler that "
+                  "shuffles with its own seed, even where the loader does not shuffle "
+                  "(`is_shuffled = True` for every training loader), while at N = 1 it keeps "
+                  "the loader's own: N = 1 and N = 2 train on other samples",
+                  Source("lightning", "lightning/pytorch/trainer/connectors/data_connector.py",
+                         "_process_dataloader", "is_shuffled = True"),
+                  "none as one setting: `use_distributed_sampler=False` and a "
+                  "DistributedSampler(num_replicas=N, rank=RANK, shuffle=True, seed=0) of the "
+                  "loader's own at every N, N = 1 included"),))
+
+DEEPSPEED_ZERO2 = Trainer(
+    name="deepspeed launcher, ZeRO-2", distribution="deepspeed", module="deepspeed",
+    assets="", command=("deepspeed", "--num_gpus", "{nproc}", "{scripts}/deepspeed_zero.py",
+                        "--stage", "2"),
+    cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
+
 TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (
-    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT)}
+    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT, HF_TRAINER, ACCELERATE, LIGHTNING_CLI,
+    DEEPSPEED_ZERO2)}
