@@ -2,7 +2,7 @@
 
     python scripts/bench.py                 # everything, 3 repetitions, N = 4
     python scripts/bench.py --only launch   # one benchmark: launch | suite | scaling | comm |
-                                            # check | frameworks | script
+                                            # check | frameworks | script | trainers
 
 1. launch: wall time of ``--studies reduction,seed001,accumulation`` and of the
    full default run, each against a bare ``torchrun`` of N ranks that only
@@ -78,6 +78,13 @@
    held at once (the allocator's record, harness/check/memory.py), over the bytes of its
    shard of the gradient. Target: <= 1.2x.
 
+8. trainers: one case of the trainers study (``grad-check run`` on torchtune's
+   full_finetune_single_device and on ``trl sft``, as shipped, where installed: the
+   reference twice and each split, each stopped after its first step) against the same
+   runs of the same commands, bare, each finishing its own short run
+   (scripts/bench_trainers.py); min and median of ``--repeat`` rounds, and where the time
+   of one run goes (importing the trainer alone).
+
 Prints a Markdown table (docs/speed.md's benchmark tables are this output) and
 writes the raw timings as JSON with ``--json``. Timings are medians over
 ``--repeat`` runs; the machine is described in the output.
@@ -115,6 +122,8 @@ from bench_programs import (
 ROOT = Path(__file__).resolve().parent.parent
 # Runnable from a checkout without installing: the package sits next to scripts/.
 sys.path.insert(0, str(ROOT))
+from bench_trainers import bench_trainers, trainers_lines  # noqa: E402 -- needs ROOT
+
 SCALES = {"1x": "4", "2x": "3,5", "4x": "2,3,5,6"}
 
 #: Message sizes of the comm benchmark: the comm study's default sizes.
@@ -664,6 +673,8 @@ def markdown(nproc: int, repeat: int, timings: dict) -> str:
                        [[name, f"{m['shard']:.1f} MiB", f"{m['kept']:.1f} MiB",
                          f"{m['work']:.1f} MiB", f"{m['ratio']:.2f}x (target <= 1.2x)"]
                         for name, m in timings["script_memory"].items()], right=4)
+    if timings.get("trainers"):
+        lines += trainers_lines(timings["trainers"], table)
     if "comm" in timings:
         lines += table(["all_reduce size", "bare loop busbw", "comm study busbw", "study / bare"],
                        [[f"{int(size):,} B", f"{entry['bare_busbw_GBps']:.4g} GB/s",
@@ -682,8 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-repeat", type=int, default=7,
                         help="rounds of the check benchmark's four launches (default: 7)")
     parser.add_argument("--only", choices=("launch", "suite", "scaling", "comm", "check",
-                                           "frameworks", "script"),
-                        help="run one benchmark instead of all seven")
+                                           "frameworks", "script", "trainers"),
+                        help="run one benchmark instead of all eight")
     parser.add_argument("--json", type=Path, help="also write the raw timings to this file")
     args = parser.parse_args(argv)
     if args.nproc < 1 or args.repeat < 1 or args.check_repeat < 1:
@@ -704,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, "script"):
             timings["script"] = bench_script(args.repeat, Path(scratch))
             timings["script_memory"] = bench_script_memory(Path(scratch))
+        if args.only in (None, "trainers"):
+            timings["trainers"] = bench_trainers(args.repeat, Path(scratch))
         if args.only in (None, "suite"):
             timings["suite"] = bench_suite(args.nproc, args.repeat, Path(scratch))
     print(markdown(args.nproc, args.repeat, timings))

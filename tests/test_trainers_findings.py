@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from harness.studies.trainers import trainers
 from harness.studies.trainers.assets import LLAMA, write_gpt2, write_llama
-from harness.studies.trainers.study import SCRIPTS
+from harness.studies.trainers.environment import environment, interpreter, write_assets
+from harness.studies.trainers.study import SCRIPTS, missing
 
 pytestmark = pytest.mark.spread
 
@@ -70,14 +71,15 @@ def probed(trainer: trainers.Trainer, setting: str, nproc: int, batch: int, accu
     out = folder / f"{setting}-{nproc}x{accum}".replace("=", "_").replace(" ", "_")
     out.mkdir(parents=True)
     values = {"{assets}": str(assets), "{scripts}": str(SCRIPTS), "{nproc}": str(nproc),
-              "{batch}": str(batch), "{accum}": str(accum)}
+              "{batch}": str(batch), "{accum}": str(accum), "{python}": interpreter(trainer),
+              "{global_batch}": str(trainer.global_batch)}
     command = []
     for part in trainer.argv(trainer.setting(setting)):
         for name, value in values.items():
             part = part.replace(name, value)
         command.append(part)
-    env = {**os.environ, **trainer.env, "TRAINER_PROBE_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join([str(PROBE), os.environ.get("PYTHONPATH", "")])}
+    env = {**environment(trainer), "TRAINER_PROBE_OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(PROBE), environment(trainer)["PYTHONPATH"]])}
     ended = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
                            timeout=timeout, check=False)
     records = {int(path.stem.removeprefix("rank")): torch.load(path)
@@ -293,3 +295,47 @@ def test_lightning_trains_other_samples_at_two_ranks(tmp_path):
                       for name, grad in split[0]["grads"].items()}, names)
         recomputed = flat({name: p.grad for name, p in model.net.named_parameters()}, names)
         assert residual(taken, recomputed) < ROUNDING
+
+
+# ------------------------------------------------------------------- LitGPT
+@pytest.fixture(scope="module")
+def litgpt_assets(tmp_path_factory) -> Path:
+    if missing(trainers.LITGPT_FINETUNE):
+        pytest.skip(missing(trainers.LITGPT_FINETUNE))
+    return write_assets(trainers.LITGPT_FINETUNE, tmp_path_factory.mktemp("litgpt"))
+
+
+@pytest.mark.launches(seconds=30)
+def test_litgpt_takes_each_micro_batchs_own_token_mean(litgpt_assets, tmp_path):
+    """litgpt finetune_full at 1x2: each micro-step's gradient is its own targets' mean
+    over k. Weighing each by its count instead recovers the 1x1 step: the big batch's
+    gradient, rebuilt here from the micro-steps' gradients (the probe's snapshot after
+    each backward) and the targets their losses saw."""
+    trainer = trainers.LITGPT_FINETUNE
+    whole = probed(trainer, "default", 1, 8, 1, tmp_path, litgpt_assets)[0]
+    split = probed(trainer, "default", 1, 4, 2, tmp_path, litgpt_assets)[0]
+    names = sorted(split["grads"])
+    snapshots = [flat(snapshot, names) for snapshot in split["backwards"]]
+    steps = [snapshots[0], snapshots[1] - snapshots[0]]
+    counts = [sum(int((t["target"] != -100).sum()) for t in split["targets"]
+                  if t["forward"] == index) for index in range(2)]
+    big = sum(2 * step * count for step, count in zip(steps, counts, strict=True)) / sum(counts)
+    taken = flat(split["grads"], names)
+    assert counts[0] != counts[1]
+    assert residual(taken, steps[0] + steps[1]) < ROUNDING
+    assert residual(flat(whole["grads"], names), big) < ROUNDING
+    found = residual(taken, big)
+    assert found > 100 * ROUNDING
+    assert found == pytest.approx(committed(trainer.name, "default", "1x2"), rel=AGREES)
+
+
+@pytest.mark.launches(seconds=15)
+def test_litgpt_trains_fsdp_at_two_ranks_which_a_cpu_refuses(litgpt_assets, tmp_path):
+    command = [part.replace("{assets}", str(litgpt_assets)).replace("{nproc}", "2")
+               .replace("{batch}", "4").replace("{global_batch}", "8")
+               .replace("{python}", interpreter(trainers.LITGPT_FINETUNE))
+               for part in trainers.LITGPT_FINETUNE.argv(trainers.Setting("default"))]
+    ended = subprocess.run(command, cwd=tmp_path, env=environment(trainers.LITGPT_FINETUNE),
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert ended.returncode != 0
+    assert "FSDP is only available on GPU" in ended.stdout + ended.stderr

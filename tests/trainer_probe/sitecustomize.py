@@ -5,6 +5,7 @@ the trainer records, until its first ``optimizer.step()``:
 - the model as its first outermost forward found it (``initial``: float64 copies);
 - every forward of that model, its tensor inputs (``forwards``: args and kwargs);
 - every ``F.cross_entropy`` call's targets, with the forward they followed (``targets``);
+- after every backward, the model's gradient accumulated so far (``backwards``);
 - the gradient the step was handed (``grads``, by parameter name, float64), taken on entry
   to the first ``clip_grad_norm_`` where the trainer clips, else on entry to the step, else
   (a step that runs its closure) after it;
@@ -26,7 +27,7 @@ if _OUT:
     )
 
     _state = {"depth": 0, "model": None, "initial": None, "forwards": [], "targets": [],
-              "grads": None}
+              "backwards": [], "grads": None}
 
     def _tensors(value):
         """Tensors in ``value`` (nested lists, tuples, dicts), detached copies, same shape."""
@@ -76,6 +77,21 @@ if _OUT:
                                for name, param in _state["model"].named_parameters()
                                if param.grad is not None}
 
+    _backward = torch.autograd.backward
+
+    def _recorded_backward(*args, **kwargs):
+        """Every backward (Tensor.backward calls this one), then the model's gradient as it
+        accumulated so far: one snapshot per micro-step."""
+        result = _backward(*args, **kwargs)
+        if _state["model"] is not None and _state["grads"] is None:
+            _state["backwards"].append({
+                name: param.grad.detach().to(torch.float64).clone()
+                for name, param in _state["model"].named_parameters()
+                if param.grad is not None})
+        return result
+
+    torch.autograd.backward = _recorded_backward
+
     _clip = torch.nn.utils.clip_grad_norm_
 
     def _recorded_clip(*args, **kwargs):
@@ -96,7 +112,8 @@ if _OUT:
         # Lightning starts its other ranks itself, without RANK: ask the process group.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-        saved = {key: _state[key] for key in ("initial", "forwards", "targets", "grads")}
+        saved = {key: _state[key]
+                 for key in ("initial", "forwards", "targets", "backwards", "grads")}
         torch.save(saved, os.path.join(_OUT, f"rank{rank}.pt"))
         os._exit(0)
 

@@ -21,10 +21,26 @@ if TYPE_CHECKING:
 DEFAULT = "default"
 
 
+#: What a status of a run that measured nothing says, in a few words: the reference's two
+#: runs disagreed, or it failed (with the exception that failed it).
+NOT_REPEATED = "not deterministic"
+
+
+def failure(status: str) -> str:
+    """``two runs of one split differ``, or ``failed: ValueError: ...``."""
+    if NOT_REPEATED in status:
+        return "two runs of one split differ"
+    return "failed: " + status.split(": ", 1)[-1].split("rank 0: ")[-1].split(" (at ")[0]
+
+
+def _measured_nothing(row: dict) -> bool:
+    return not isinstance(row["verdict"], str) or not row["verdict"]
+
+
 def _cell(row: dict) -> str:
-    """``differs 5.4e-05``, ``matches``, or the first words of why it measured nothing."""
-    if not isinstance(row["verdict"], str) or not row["verdict"]:
-        return str(row["status"]).split(":")[0]
+    """``differs 5.4e-05``, ``matches``, or why it measured nothing."""
+    if _measured_nothing(row):
+        return failure(str(row["status"]))
     if row["verdict"] == Equivalence.MATCHES:
         return Equivalence.MATCHES
     return f"{row['verdict']} {small(row['residual'])}"
@@ -64,7 +80,9 @@ def trainer_answers(rows: spec.Rows) -> list[spec.Answer]:
         default = group[group["setting"] == DEFAULT]
         version = default["trainer_version"].iloc[0]
         fixed = fixing_settings(group)
-        answer = ("yes" if _all_match(default) else "no") + f": {_splits(default)}"
+        verdict = "yes" if _all_match(default) else "not measured" if all(
+            map(_measured_nothing, default.to_dict("records"))) else "no"
+        answer = f"{verdict}: {_splits(default)}"
         answers.append(spec.Answer(
             f"{trainer} {version}, as shipped: the big-batch step at every split?", answer,
             _cause(default) or "every split compared with the same command at 1x1",
@@ -129,22 +147,22 @@ def trainers_summary(results: Results) -> str:
     took, missed, failed = [], [], []
     for trainer, group in frame.groupby("trainer", sort=False):
         default = group[group["setting"] == DEFAULT]
-        if default["verdict"].isna().all() or (default["verdict"] == "").all():
-            failed.append(trainer)
+        fixed = fixing_settings(group)
+        fix = f"; every split matched with {words([code(s) for s in fixed], 'or')}" \
+            if fixed else ""
+        if all(map(_measured_nothing, default.to_dict("records"))):
+            failed.append(f"{trainer} ({_splits(default)}{fix})")
         elif _all_match(default):
             took.append(trainer)
         else:
-            fixed = fixing_settings(group)
-            missed.append(f"{trainer} ({_splits(default)}"
-                          + (f"; every split matched with {words([code(s) for s in fixed], 'or')}"
-                             if fixed else "") + ")")
+            missed.append(f"{trainer} ({_splits(default)}{fix})")
     text = "**Trainers as shipped** (`results/trainers/`, each one's own command line):"
     if missed:
         text += f" not the big-batch step: {'; '.join(missed)}."
     if took:
         text += f" The big-batch step at every split: {words(took)}."
     if failed:
-        text += f" Could not run on a CPU as shipped: {words(failed)}."
+        text += f" Nothing to compare: {'; '.join(failed)}."
     return text
 
 

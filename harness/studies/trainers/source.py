@@ -30,14 +30,15 @@ class Source:
             raise ValueError(f"{self}: a distribution, a .py file, a function and a line's "
                              "text are all needed")
 
-    def located(self) -> str:
+    def located(self, site: Path | None = None) -> str:
         """``recipes/full_finetune_single_device.py:693, FullFinetuneRecipeSingleDevice.train``
-        as installed; where the file, the function or the line is not there, what is
+        as installed (here, or in ``site``: the folder another environment installs its
+        packages in); where the file, the function or the line is not there, what is
         missing."""
         where = f"{self.file}, {self.function}"
         try:
-            path = Path(str(importlib.metadata.distribution(self.distribution)
-                            .locate_file(self.file)))
+            path = site / self.file if site is not None else Path(str(
+                importlib.metadata.distribution(self.distribution).locate_file(self.file)))
             lines = path.read_text().splitlines()
         except (importlib.metadata.PackageNotFoundError, OSError):
             return f"{where} (not installed)"

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
 import subprocess
-import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,43 +28,60 @@ import pandas as pd
 
 from harness.adapters.registry import installed_version
 from harness.context import RunContext
+from harness.errors import UsageError
+from harness.options import StudyOptions, option, parse_name_list
 from harness.studies.base import Case, Study
-from harness.studies.trainers.assets import WRITERS
+from harness.studies.trainers.environment import (
+    ROOT,
+    environment,
+    interpreter,
+    site_packages,
+    write_assets,
+)
+from harness.studies.trainers.environment import installed_version as environment_version
 from harness.studies.trainers.schema import COLUMNS
-from harness.studies.trainers.trainers import TRAINERS, Setting, Trainer
+from harness.studies.trainers.trainers import DEFAULT, TRAINERS, Cause, Setting, Trainer
 from harness.verdicts import Equivalence, Status
 
 INSTALL_HINT = "pip install torch==2.13.0 -e '.[trainers]'"
-#: torchrun's variables of the study's own rank: a trainer's launcher must start afresh.
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS")
 #: One trainer run may take this long before grad-check stops it (seconds).
 RUN_TIMEOUT = 300
-
-
 #: The project's example programs, which some trainers run: in a clone (or an editable
 #: install), beside the package.
-SCRIPTS = Path(__file__).resolve().parents[3] / "examples" / "scripts"
+SCRIPTS = ROOT / "examples" / "scripts"
+
+
+def version(trainer: Trainer) -> str | None:
+    """The trainer's installed version where it runs, or None where it is not installed."""
+    if trainer.python_variable:
+        return environment_version(interpreter(trainer), trainer.distribution)
+    if importlib.util.find_spec(trainer.module) is None:
+        return None
+    return installed_version(trainer.distribution)
 
 
 def missing(trainer: Trainer) -> str | None:
-    """Why ``trainer`` cannot run here (its package is not installed, or the example
+    """Why ``trainer`` cannot run here (not installed where it runs, or the example
     programs it runs are not beside the package), or None."""
-    if importlib.util.find_spec(trainer.module) is None:
-        return f"unavailable: {trainer.distribution} is not installed; {INSTALL_HINT}"
+    if trainer.python_variable and not interpreter(trainer):
+        return (f"unavailable: {trainer.python_variable} is not set: name the Python of an "
+                f"environment of {trainer.distribution}'s own (pip install torch==2.13.0 -e "
+                f"'.[{trainer.distribution}]'; it cannot share one with the frameworks)")
+    if version(trainer) is None:
+        where = f" in {interpreter(trainer)}" if trainer.python_variable else ""
+        return f"unavailable: {trainer.distribution} is not installed{where}; {INSTALL_HINT}"
     if any("{scripts}" in part for part in trainer.command) and not SCRIPTS.is_dir():
         return f"unavailable: no {SCRIPTS}: run the study from a clone of the project"
     return None
 
 
 def grad_check_argv(trainer: Trainer, setting: Setting, assets: Path, out: Path) -> list[str]:
-    """``grad-check run`` on the trainer's command at ``setting``, its files filled in."""
+    """``grad-check run`` on the trainer's command at ``setting``, its files filled in, in
+    the trainer's interpreter."""
+    python = interpreter(trainer)
     command = [part.replace("{assets}", str(assets)).replace("{scripts}", str(SCRIPTS))
-               for part in trainer.argv(setting)]
-    return [sys.executable, "-m", "harness.grad_check", "run", "--quiet", "--steps", "1",
+               .replace("{python}", python) for part in trainer.argv(setting)]
+    return [python, "-m", "harness.grad_check", "run", "--quiet", "--steps", "1",
             "--global-batch", str(trainer.global_batch), "--splits", ",".join(trainer.splits),
             "--timeout", str(RUN_TIMEOUT), "--out", str(out), "--", *command]
 
@@ -74,11 +90,10 @@ def run_grad_check(trainer: Trainer, setting: Setting, folder: Path
                    ) -> tuple[pd.DataFrame, str]:
     """The gradient rows ``grad-check run`` wrote for the trainer at ``setting`` (none
     where it wrote no CSV), and its last line on stderr (its one-line error, if any)."""
-    assets = WRITERS[trainer.assets](folder / "assets") if trainer.assets else folder
+    assets = write_assets(trainer, folder / "assets")
     out = folder / "check"
-    env = {name: value for name, value in os.environ.items() if name not in RANK_VARIABLES}
     ended = subprocess.run(grad_check_argv(trainer, setting, assets, out), cwd=folder,
-                           env={**env, **trainer.env}, capture_output=True, text=True,
+                           env=environment(trainer), capture_output=True, text=True,
                            check=False)
     lines = ended.stderr.strip().splitlines()
     csv = out / "script.csv"
@@ -87,12 +102,46 @@ def run_grad_check(trainer: Trainer, setting: Setting, folder: Path
             portable(lines[-1]) if lines else f"grad-check exited with {ended.returncode}")
 
 
+def located(trainer: Trainer, cause: Cause) -> str:
+    """Where ``cause`` is in the trainer's source, as installed where it runs."""
+    if not trainer.python_variable:
+        return cause.source.located()
+    return cause.source.located(site_packages(interpreter(trainer), trainer.distribution))
+
+
 def portable(line: str) -> str:
-    """``grad-check run``'s one-line error as every machine writes it: without its prefix,
-    the temporary folder of its logs, and the folder packages are installed in."""
+    """``grad-check run``'s one-line error as every machine and run writes it: without its
+    prefix, the temporary folder of its logs, the folder packages are installed in, and
+    which rank said it first (the trainers' ranks fail alike: which one is first is a
+    race)."""
     line = line.removeprefix("grad-check run: ").removeprefix("error: ")
+    line = re.sub(r"(^|: )rank \d+: ", r"\1", line)
     line = re.sub(r" \(its output: [^)]*\)", "", line)
     return re.sub(r"[^\s(]*/(site|dist)-packages/", "", line)
+
+
+#: ``--trainer-settings``: every setting compared, or each trainer as shipped alone.
+SETTINGS = ("all", DEFAULT)
+
+
+@dataclass(frozen=True)
+class TrainersOptions(StudyOptions):
+    trainers: tuple[str, ...] = field(default=tuple(TRAINERS), metadata=option(
+        "--trainers", "NAME[,NAME]", "trainers the trainers study runs, of: "
+        + ", ".join(TRAINERS), parse=parse_name_list))
+    settings: str = field(default="all", metadata=option(
+        "--trainer-settings", "{all,default}", "the trainers study's settings: 'all', every "
+        "one compared; 'default', each trainer as shipped alone (the quick form)"))
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.trainers if name not in TRAINERS]
+        if unknown or not self.trainers:
+            raise UsageError(f"--trainers {','.join(self.trainers)!r}: "
+                             f"{', '.join(unknown) or 'none named'}; allowed: "
+                             f"comma-separated names of {', '.join(TRAINERS)}")
+        if self.settings not in SETTINGS:
+            raise UsageError(f"--trainer-settings {self.settings!r}; allowed: "
+                             f"{', '.join(SETTINGS)}")
 
 
 class TrainersStudy(Study):
@@ -102,6 +151,7 @@ class TrainersStudy(Study):
                "as shipped, is the first step the big batch's, and if not, why?")
     example = "python scripts/study.py --nproc 1 --studies trainers"
     columns = COLUMNS
+    Options = TrainersOptions
     #: Minutes of trainer runs, and trainers the base install lacks.
     in_default_run = False
 
@@ -112,10 +162,11 @@ class TrainersStudy(Study):
 
     def cases(self, run: RunContext) -> list[Case]:
         # collective with one participant: on rank 0, one after another (each binds ports).
-        return [Case.of(self.name, participants=1, collective=True, trainer=trainer.name,
+        every = self.options.settings == "all"
+        return [Case.of(self.name, participants=1, collective=True, trainer=trainer.key,
                         setting=setting.name, cost=10.0)
-                for trainer in TRAINERS.values()
-                for setting in (trainer.settings if not missing(trainer) else
+                for trainer in map(TRAINERS.get, self.options.trainers)
+                for setting in (trainer.settings if every and not missing(trainer) else
                                 trainer.settings[:1])]
 
     def run_case(self, case: Case, run: RunContext) -> list[dict[str, Any]] | None:
@@ -135,8 +186,8 @@ class TrainersStudy(Study):
 
 
 def _common(trainer: Trainer, setting: Setting) -> dict[str, Any]:
-    return {"trainer": trainer.name, "trainer_version": installed_version(trainer.distribution)
-            if not missing(trainer) else "", "setting": setting.name,
+    return {"trainer": trainer.name, "trainer_version": version(trainer) or "",
+            "setting": setting.name,
             "global_batch": trainer.global_batch, "cpu_args": " ".join(trainer.cpu_args),
             "command": " ".join(trainer.argv(setting))}
 
@@ -152,9 +203,9 @@ def split_row(trainer: Trainer, setting: Setting, measured: dict[str, Any]) -> d
                                                   "micro_batch", "verdict", "scale",
                                                   "residual", "precision")},
             "cause": cause.text if cause else "",
-            "source": cause.source.located() if cause else "",
+            "source": located(trainer, cause) if cause else "",
             "fix": cause.fix if cause else measured["fix"],
-            "status": f"error: {error}" if error else measured["status"]}
+            "status": f"error: {portable(error)}" if error else measured["status"]}
 
 
 def failed_row(trainer: Trainer, setting: Setting, status: str) -> dict[str, Any]:
@@ -165,7 +216,7 @@ def failed_row(trainer: Trainer, setting: Setting, status: str) -> dict[str, Any
             "accum_steps": math.nan, "micro_batch": math.nan, "verdict": "",
             "scale": math.nan, "residual": math.nan, "precision": "",
             "cause": cause.text if cause else "",
-            "source": cause.source.located() if cause else "",
+            "source": located(trainer, cause) if cause else "",
             "fix": cause.fix if cause else "", "status": status}
 
 

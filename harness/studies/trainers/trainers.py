@@ -8,7 +8,8 @@ named; after it come the arguments that point it at the study's offline assets a
 reduced), then the setting compared (empty for ``default``, the trainer as shipped).
 ``{assets}`` is the folder of the study's tiny models and data (harness/studies/trainers
 /assets.py), ``{scripts}`` the project's example programs (examples/scripts/); ``{batch}``,
-``{accum}`` and ``{nproc}`` are ``grad-check run``'s.
+``{accum}``, ``{nproc}`` and ``{global_batch}`` are ``grad-check run``'s; ``{python}`` the
+interpreter of the trainer's environment.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class Cause:
 
 @dataclass(frozen=True)
 class Trainer:
+    #: Its name in ``--trainers``.
+    key: str
     name: str
     #: The distribution whose version the rows give.
     distribution: str
@@ -70,6 +73,10 @@ class Trainer:
     causes: tuple[Cause, ...] = ()
     global_batch: int = 8
     env: dict[str, str] = field(default_factory=dict)
+    #: The environment variable naming the Python of an environment of the trainer's own,
+    #: for a trainer that cannot share one with the others (``{python}`` in its command);
+    #: unset, this interpreter's.
+    python_variable: str = ""
 
     def __post_init__(self) -> None:
         if not self.settings or self.settings[0].name != DEFAULT:
@@ -122,8 +129,8 @@ def _tune_cause(recipe: str, cls: str) -> Cause:
 _TOI = Setting("train_on_input=False", ("dataset.train_on_input=False",))
 
 TUNE_FULL = Trainer(
-    name="torchtune full_finetune_single_device", distribution="torchtune",
-    module="torchtune", assets="llama",
+    key="torchtune_full", name="torchtune full_finetune_single_device",
+    distribution="torchtune", module="torchtune", assets="llama",
     command=("tune", "run", "full_finetune_single_device", "--config",
              "llama2/7B_full_low_memory", "model._component_=torchtune.models.llama2.llama2"),
     # The low-memory config's optimizer (bitsandbytes' PagedAdamW), optimizer-in-backward
@@ -134,8 +141,8 @@ TUNE_FULL = Trainer(
     causes=(_tune_cause("full_finetune_single_device", "FullFinetuneRecipeSingleDevice"),))
 
 TUNE_LORA = Trainer(
-    name="torchtune lora_finetune_single_device", distribution="torchtune",
-    module="torchtune", assets="llama",
+    key="torchtune_lora", name="torchtune lora_finetune_single_device",
+    distribution="torchtune", module="torchtune", assets="llama",
     command=("tune", "run", "lora_finetune_single_device", "--config",
              "llama2/7B_lora_single_device",
              "model._component_=torchtune.models.llama2.lora_llama2"),
@@ -153,8 +160,8 @@ TUNE_LORA = Trainer(
                   "`seed=0` (any fixed seed)")))
 
 TUNE_DISTRIBUTED = Trainer(
-    name="torchtune full_finetune_distributed", distribution="torchtune",
-    module="torchtune", assets="llama",
+    key="torchtune_distributed", name="torchtune full_finetune_distributed",
+    distribution="torchtune", module="torchtune", assets="llama",
     command=("tune", "run", "--nproc_per_node", "{nproc}", "full_finetune_distributed",
              "--config", "llama2/7B_full", "model._component_=torchtune.models.llama2.llama2"),
     cpu_args=(*_TUNE_ASSETS, *_TUNE_SPLIT),
@@ -171,7 +178,7 @@ TUNE_DISTRIBUTED = Trainer(
 
 # ----------------------------------------------------------------------- TRL
 TRL_SFT = Trainer(
-    name="trl sft", distribution="trl", module="trl", assets="gpt2",
+    key="trl_sft", name="trl sft", distribution="trl", module="trl", assets="gpt2",
     command=("trl", "sft", "--num_processes", "{nproc}", "--model_name_or_path",
              "{assets}/model", "--dataset_name", "{assets}/text"),
     # bf16 is TRL's default; float32 resolves a difference of 1e-3.
@@ -200,19 +207,21 @@ TRL_SFT = Trainer(
 _SPLIT_FLAGS = ("--batch-size", "{batch}", "--grad-accum", "{accum}")
 
 HF_TRAINER = Trainer(
-    name="transformers Trainer", distribution="transformers", module="transformers",
-    assets="", command=("torchrun", "--nproc_per_node", "{nproc}",
-                        "{scripts}/trainer_script.py"),
+    key="hf_trainer", name="transformers Trainer", distribution="transformers",
+    module="transformers", assets="",
+    command=("torchrun", "--nproc_per_node", "{nproc}", "{scripts}/trainer_script.py"),
     cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
 
 ACCELERATE = Trainer(
-    name="accelerate launch", distribution="accelerate", module="accelerate", assets="",
+    key="accelerate", name="accelerate launch", distribution="accelerate",
+    module="accelerate", assets="",
     command=("accelerate", "launch", "--num_processes", "{nproc}",
              "{scripts}/accelerate_loop.py"),
     cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
 
 LIGHTNING_CLI = Trainer(
-    name="lightning LightningCLI", distribution="lightning", module="lightning", assets="",
+    key="lightning_cli", name="lightning LightningCLI", distribution="lightning",
+    module="lightning", assets="",
     command=("python", "{scripts}/lightning_cli.py", "fit", "--trainer.devices", "{nproc}",
              "--trainer.accumulate_grad_batches", "{accum}"),
     cpu_args=("--data.batch_size", "{batch}"), splits=("1x2", "2x1", "2x2"),
@@ -230,11 +239,44 @@ LIGHTNING_CLI = Trainer(
                   "loader's own at every N, N = 1 included"),))
 
 DEEPSPEED_ZERO2 = Trainer(
-    name="deepspeed launcher, ZeRO-2", distribution="deepspeed", module="deepspeed",
-    assets="", command=("deepspeed", "--num_gpus", "{nproc}", "{scripts}/deepspeed_zero.py",
-                        "--stage", "2"),
+    key="deepspeed_zero2", name="deepspeed launcher, ZeRO-2", distribution="deepspeed",
+    module="deepspeed", assets="",
+    command=("deepspeed", "--num_gpus", "{nproc}", "{scripts}/deepspeed_zero.py", "--stage",
+             "2"),
     cpu_args=_SPLIT_FLAGS, splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),))
 
-TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (
-    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT, HF_TRAINER, ACCELERATE, LIGHTNING_CLI,
-    DEEPSPEED_ZERO2)}
+# ----------------------------------------------------------------------- LitGPT
+LITGPT_PYTHON = "GRAD_STUDY_LITGPT_PYTHON"
+
+LITGPT_FINETUNE = Trainer(
+    key="litgpt_finetune", name="litgpt finetune_full", distribution="litgpt",
+    module="litgpt", assets="litgpt",
+    command=("{python}", "-m", "litgpt", "finetune_full", "{assets}/ckpt", "--data", "JSON",
+             "--data.json_path", "{assets}/alpaca.json", "--devices", "{nproc}",
+             "--train.global_batch_size", "{global_batch}", "--train.micro_batch_size",
+             "{batch}"),
+    # 32-true: LitGPT picks bf16 where the CPU supports it; float32 resolves 1e-3.
+    cpu_args=("--precision", "32-true", "--out_dir", "{assets}/out"),
+    splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),),
+    causes=(Cause("normalize by the window's token count",
+                  "each micro-batch's loss is `chunked_cross_entropy`, a mean over its own "
+                  "targets, then divided by the micro-steps (`fabric.backward(loss / "
+                  "train.gradient_accumulation_iters(...))`): micro-batches of other token "
+                  "counts weigh their tokens unequally",
+                  Source("litgpt", "litgpt/finetune/full.py", "fit",
+                         "loss = chunked_cross_entropy("),
+                  "none as a setting: the loss would have to sum the window's per-token "
+                  "losses and divide by the window's count (truncating every sample to one "
+                  "length, `--train.max_seq_length`, only hides it)"),
+            Cause("FSDP is only available on GPU",
+                  "at N > 1 the recipe always trains with Fabric's `FSDPStrategy`, which "
+                  "Lightning refuses on a CPU",
+                  Source("litgpt", "litgpt/finetune/full.py", "setup",
+                         "strategy = FSDPStrategy("),
+                  "none on a CPU: no setting chooses another strategy")),
+    python_variable=LITGPT_PYTHON)
+
+#: Every trainer, by its key, in the order the study runs them.
+TRAINERS: dict[str, Trainer] = {trainer.key: trainer for trainer in (
+    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT, LITGPT_FINETUNE, HF_TRAINER, ACCELERATE,
+    LIGHTNING_CLI, DEEPSPEED_ZERO2)}
