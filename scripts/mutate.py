@@ -299,6 +299,16 @@ MUTATIONS = (
              "if counted is not None and fed:",
              ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_module_counts_are_"
               "the_last_forward_s",)),
+    Mutation("trainers-cause-on-a-match", "harness/studies/trainers/study.py",
+             'if error or measured["verdict"] != Equivalence.MATCHES else None',
+             'if error or measured["verdict"] else None',
+             ("tests/test_trainers_study.py::test_a_difference_is_given_the_cause_its_"
+              "measured_explanation_names",)),
+    Mutation("trainers-source-outside-its-function", "harness/studies/trainers/source.py",
+             "for number in range(first, last + 1):",
+             "for number in range(1, last + 1):",
+             ("tests/test_trainers_study.py::test_a_source_line_is_the_one_inside_its_"
+              "function",)),
     Mutation("lightning-sampler-at-n-1", "harness/grad_check/script/explain.py",
              'if "lightning" in frameworks and len(ours) > 1:',
              'if "lightning" in frameworks:',

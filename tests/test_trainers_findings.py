@@ -32,7 +32,7 @@ from harness.studies.trainers.assets import LLAMA, write_gpt2, write_llama
 from harness.studies.trainers.environment import environment, interpreter, write_assets
 from harness.studies.trainers.study import SCRIPTS, missing
 
-pytestmark = pytest.mark.spread
+pytestmark = [pytest.mark.spread, pytest.mark.trainers]
 
 PROBE = Path(__file__).parent / "trainer_probe"
 RESULTS = Path(__file__).parents[1] / "results" / "trainers" / "trainers.csv"

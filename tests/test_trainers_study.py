@@ -6,6 +6,7 @@ The findings themselves are recomputed independently in tests/test_trainers_find
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def test_every_trainer_starts_as_shipped_and_names_its_settings_once():
 
 
 def test_options_refuse_an_unknown_trainer_or_setting_by_name():
-    assert TrainersOptions().trainers == tuple(TRAINERS)
+    assert TrainersOptions().chosen == list(TRAINERS.values())
+    assert [t.key for t in TrainersOptions(trainers=("trl_sft", "torchtune_full")).chosen] == \
+        ["torchtune_full", "trl_sft"]
     with pytest.raises(UsageError, match=r"--trainers 'trl_sft,nope': nope; allowed: .*"
                                          r"torchtune_full"):
         TrainersOptions(trainers=("trl_sft", "nope"))
@@ -80,6 +83,38 @@ def test_a_source_is_found_by_its_function_and_line_text_in_the_installed_file()
     assert missing_line.located().endswith("(the line `no such text` is not in this version)")
     with pytest.raises(ValueError, match="a .py file"):
         Source("pytest", "main.txt", "f", "x")
+
+
+def test_a_source_line_is_the_one_inside_its_function(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "def f():\n    marker = 1\n\n\nclass B:\n    def f(self):\n        x = 2\n"
+        "        marker = 3\n")
+    source = Source("pkg", "pkg/mod.py", "B.f", "marker =")
+    assert source.located(tmp_path) == "pkg/mod.py:8, B.f"
+    assert Source("pkg", "pkg/mod.py", "f", "marker =").located(tmp_path) == \
+        "pkg/mod.py:2, f"
+    assert Source("pkg", "pkg/mod.py", "B.g", "x").located(tmp_path).endswith(
+        "(no such function in this version)")
+
+
+def test_a_trainer_of_its_own_environment_says_where_it_was_looked_for(monkeypatch):
+    from harness.studies.trainers.trainers import LITGPT_FINETUNE, LITGPT_PYTHON
+
+    monkeypatch.delenv(LITGPT_PYTHON, raising=False)
+    assert missing(LITGPT_FINETUNE) == (
+        f"unavailable: {LITGPT_PYTHON} is not set: name the Python of an environment of "
+        "litgpt's own (pip install torch==2.13.0 -e '.[litgpt]'; it cannot share one with "
+        "the frameworks)")
+    monkeypatch.setenv(LITGPT_PYTHON, "/no/such/python")
+    assert missing(LITGPT_FINETUNE) == (
+        f"unavailable: litgpt is not installed in /no/such/python ({LITGPT_PYTHON}); pip "
+        "install torch==2.13.0 -e '.[litgpt]' there")
+    # An interpreter that has not got it: this one, where litgpt is not installed.
+    if importlib.util.find_spec("litgpt") is None:
+        monkeypatch.setenv(LITGPT_PYTHON, sys.executable)
+        assert missing(LITGPT_FINETUNE).startswith(
+            f"unavailable: litgpt is not installed in {sys.executable}")
 
 
 # ------------------------------------------------------------------ rows and causes
@@ -167,6 +202,7 @@ def installed() -> list[str]:
     return [key for key, trainer in TRAINERS.items() if not missing(trainer)]
 
 
+@pytest.mark.trainers
 @pytest.mark.launches(seconds=300)
 def test_the_quick_form_repeats_the_committed_rows_of_every_installed_trainer(tmp_path):
     """Each installed trainer as shipped, run again: the verdicts and statuses of the

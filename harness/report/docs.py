@@ -102,9 +102,10 @@ def run_line(results: Results) -> str:
 
 
 def times(results: Results) -> str:
-    """Every study's cases and wall time, the default run's and the frameworks run's."""
+    """Every study's cases and wall time: the default run's, the frameworks and the trainers
+    runs'."""
     body = []
-    for sub in ("", "frameworks"):
+    for sub in ("", "frameworks", "trainers"):
         run = results.manifest(sub)
         for study, entry in run.studies.items():
             body.append([code(study), str(entry.cases), f"{entry.wall_time_s:.1f} s",
@@ -215,7 +216,9 @@ def _require_documents(root: Path, folder: Path) -> None:
     from harness.errors import UsageError
 
     missing = [str(p) for p in (*(root / d for d in DOCUMENTS), folder / "run.json",
-                                folder / "frameworks" / "run.json") if not p.is_file()]
+                                folder / "frameworks" / "run.json",
+                                folder / "trainers" / "run.json") if not p.is_file()]
     if missing:
         raise UsageError(f"missing {', '.join(missing)}: --root must be the repository "
-                         f"and --results a finished run with frameworks/ inside")
+                         f"and --results a finished run with frameworks/ and trainers/ "
+                         f"inside")

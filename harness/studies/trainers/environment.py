@@ -46,10 +46,14 @@ def installed_version(python: str, distribution: str) -> str | None:
     """``distribution``'s version as ``python`` has it installed, or None."""
     if not python:
         return None
-    ended = subprocess.run(
-        [python, "-c", "import importlib.metadata, sys\ntry:\n    print(importlib.metadata."
-         f"version({distribution!r}))\nexcept importlib.metadata.PackageNotFoundError:\n"
-         "    sys.exit(1)"], capture_output=True, text=True, check=False)
+    try:
+        ended = subprocess.run(
+            [python, "-c", "import importlib.metadata, sys\ntry:\n    print(importlib."
+             f"metadata.version({distribution!r}))\nexcept importlib.metadata."
+             "PackageNotFoundError:\n    sys.exit(1)"], capture_output=True, text=True,
+            check=False)
+    except OSError:  # no such interpreter
+        return None
     return ended.stdout.strip() if ended.returncode == 0 else None
 
 

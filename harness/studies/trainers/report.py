@@ -65,11 +65,17 @@ def fixing_settings(group: pd.DataFrame) -> list[str]:
 
 
 def _cause(rows: pd.DataFrame) -> str:
+    """Every cause the rows name, once each, with its source line."""
     named = rows[rows["cause"].notna() & (rows["cause"] != "")]
-    if named.empty:
-        return ""
-    row = named.iloc[0]
-    return f"{row['cause']} ({code(row['source'])})"
+    return "; ".join(f"{row['cause']} ({code(row['source'])})"
+                     for row in named.drop_duplicates("cause").to_dict("records"))
+
+
+def _evidence(rows: pd.DataFrame) -> str:
+    """Where the rows name no cause: how many splits were compared, the worst residual."""
+    measured = rows[rows["residual"].notna()]
+    return (f"{len(measured)} splits against the same command at 1x1, worst residual "
+            f"{small(measured['residual'].max())}") if len(measured) else ""
 
 
 def trainer_answers(rows: spec.Rows) -> list[spec.Answer]:
@@ -82,13 +88,33 @@ def trainer_answers(rows: spec.Rows) -> list[spec.Answer]:
         fixed = fixing_settings(group)
         verdict = "yes" if _all_match(default) else "not measured" if all(
             map(_measured_nothing, default.to_dict("records"))) else "no"
-        answer = f"{verdict}: {_splits(default)}"
         answers.append(spec.Answer(
-            f"{trainer} {version}, as shipped: the big-batch step at every split?", answer,
-            _cause(default) or "every split compared with the same command at 1x1",
+            f"{trainer} {version}, as shipped: the big-batch step at every split?",
+            f"{verdict}: {_splits(default)}", _cause(default) or _evidence(default),
             words([code(setting) for setting in fixed], "or") if fixed and not
             _all_match(default) else ""))
     return answers
+
+
+def shipped(rows: spec.Rows) -> list[spec.Finding]:
+    """A sentence per answer the trainers as shipped gave: which took the big-batch step
+    at every split, which did not, which measured nothing; each citing its rows."""
+    default = rows.all[rows.all["setting"] == DEFAULT]
+    outcome = {trainer: "yes" if _all_match(group) else "none" if all(
+        map(_measured_nothing, group.to_dict("records"))) else "no"
+        for trainer, group in default.groupby("trainer", sort=False)}
+    said = {"yes": "took the big-batch step at every split compared",
+            "no": "did not take it at every split",
+            "none": "compared nothing (every run of theirs failed or did not repeat itself)"}
+    findings = []
+    for answer, sentence in said.items():
+        named = [trainer for trainer, got in outcome.items() if got == answer]
+        if named:
+            cited = default[default["trainer"].isin(named)]
+            findings.append(spec.Finding(
+                f"As shipped, {words(named)} {sentence}.",
+                rows.inputs.source(f"setting = default, trainer in {named}", len(cited))))
+    return findings
 
 
 def _records(rows: spec.Rows) -> str | None:
@@ -126,6 +152,7 @@ SECTION = spec.Section(
            "of one global batch (N ranks × k micro-steps) against the same command's at 1x1, "
            "as shipped (`default`) and with the setting compared."),
     answers=(trainer_answers,),
+    findings=(shipped,),
     tables=(_every_row, _causes),
 )
 

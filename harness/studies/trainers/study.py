@@ -67,9 +67,12 @@ def missing(trainer: Trainer) -> str | None:
         return (f"unavailable: {trainer.python_variable} is not set: name the Python of an "
                 f"environment of {trainer.distribution}'s own (pip install torch==2.13.0 -e "
                 f"'.[{trainer.distribution}]'; it cannot share one with the frameworks)")
+    if version(trainer) is None and trainer.python_variable:
+        return (f"unavailable: {trainer.distribution} is not installed in "
+                f"{interpreter(trainer)} ({trainer.python_variable}); pip install "
+                f"torch==2.13.0 -e '.[{trainer.distribution}]' there")
     if version(trainer) is None:
-        where = f" in {interpreter(trainer)}" if trainer.python_variable else ""
-        return f"unavailable: {trainer.distribution} is not installed{where}; {INSTALL_HINT}"
+        return f"unavailable: {trainer.distribution} is not installed; {INSTALL_HINT}"
     if any("{scripts}" in part for part in trainer.command) and not SCRIPTS.is_dir():
         return f"unavailable: no {SCRIPTS}: run the study from a clone of the project"
     return None
@@ -124,10 +127,14 @@ def portable(line: str) -> str:
 SETTINGS = ("all", DEFAULT)
 
 
+#: ``--trainers``' word for every trainer.
+EVERY = "all"
+
+
 @dataclass(frozen=True)
 class TrainersOptions(StudyOptions):
-    trainers: tuple[str, ...] = field(default=tuple(TRAINERS), metadata=option(
-        "--trainers", "NAME[,NAME]", "trainers the trainers study runs, of: "
+    trainers: tuple[str, ...] = field(default=(EVERY,), metadata=option(
+        "--trainers", "NAME[,NAME]", "trainers the trainers study runs: all, or of "
         + ", ".join(TRAINERS), parse=parse_name_list))
     settings: str = field(default="all", metadata=option(
         "--trainer-settings", "{all,default}", "the trainers study's settings: 'all', every "
@@ -135,13 +142,19 @@ class TrainersOptions(StudyOptions):
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.trainers if name not in TRAINERS]
-        if unknown or not self.trainers:
+        if self.trainers != (EVERY,) and (unknown or not self.trainers):
             raise UsageError(f"--trainers {','.join(self.trainers)!r}: "
-                             f"{', '.join(unknown) or 'none named'}; allowed: "
+                             f"{', '.join(unknown) or 'none named'}; allowed: all, or "
                              f"comma-separated names of {', '.join(TRAINERS)}")
         if self.settings not in SETTINGS:
             raise UsageError(f"--trainer-settings {self.settings!r}; allowed: "
                              f"{', '.join(SETTINGS)}")
+
+    @property
+    def chosen(self) -> list[Trainer]:
+        """The trainers named, in the study's order."""
+        return [trainer for key, trainer in TRAINERS.items()
+                if self.trainers == (EVERY,) or key in self.trainers]
 
 
 class TrainersStudy(Study):
@@ -165,7 +178,7 @@ class TrainersStudy(Study):
         every = self.options.settings == "all"
         return [Case.of(self.name, participants=1, collective=True, trainer=trainer.key,
                         setting=setting.name, cost=10.0)
-                for trainer in map(TRAINERS.get, self.options.trainers)
+                for trainer in self.options.chosen
                 for setting in (trainer.settings if every and not missing(trainer) else
                                 trainer.settings[:1])]
 
