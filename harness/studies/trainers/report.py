@@ -47,11 +47,15 @@ def _cell(row: dict) -> str:
 
 
 def _splits(rows: pd.DataFrame) -> str:
-    """``1x2 differs 5.4e-05, 1x4 differs 0.00026``, or why nothing was measured."""
+    """``1x2 differs 5.4e-05, 2x1 and 2x2 matches``: the splits that read alike together; or
+    why nothing was measured."""
     measured = rows[rows["split"].notna() & (rows["split"] != "")]
     if measured.empty:
         return _cell(rows.iloc[0].to_dict())
-    return ", ".join(f"{r['split']} {_cell(r)}" for r in measured.to_dict("records"))
+    alike: dict[str, list[str]] = {}
+    for row in measured.to_dict("records"):
+        alike.setdefault(_cell(row), []).append(row["split"])
+    return ", ".join(f"{' and '.join(splits)} {cell}" for cell, splits in alike.items())
 
 
 def _all_match(rows: pd.DataFrame) -> bool:
