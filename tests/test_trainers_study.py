@@ -150,6 +150,10 @@ def test_a_run_that_measured_nothing_is_a_row_saying_why():
     row = failed_row(TUNE_DISTRIBUTED, TUNE_DISTRIBUTED.settings[0], status)
     assert row["status"] == status and row["verdict"] == "" and math.isnan(row["residual"])
     assert "_setup_model" in row["source"] and row["fix"].startswith("none on a CPU")
+    assert portable("error: the reference 1x1 ran twice and its step 0 gradient differed "
+                    "(1.49 relative, beyond float32's tolerance 0.001): not deterministic") == \
+        ("the reference 1x1 ran twice and its step 0 gradient differed (beyond float32's "
+         "tolerance 0.001): not deterministic")
     unknown = failed_row(TUNE_FULL, TUNE_FULL.settings[0], "error: something else")
     assert unknown["cause"] == unknown["fix"] == ""
 

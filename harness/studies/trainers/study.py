@@ -114,11 +114,13 @@ def located(trainer: Trainer, cause: Cause) -> str:
 
 def portable(line: str) -> str:
     """``grad-check run``'s one-line error as every machine and run writes it: without its
-    prefix, the temporary folder of its logs, the folder packages are installed in, and
-    which rank said it first (the trainers' ranks fail alike: which one is first is a
-    race)."""
+    prefix, the temporary folder of its logs, the folder packages are installed in, which
+    rank said it first (the trainers' ranks fail alike: which one is first is a race), and
+    how far a run that does not repeat itself strayed (a random number)."""
     line = line.removeprefix("grad-check run: ").removeprefix("error: ")
     line = re.sub(r"(^|: )rank \d+: ", r"\1", line)
+    # How far two runs of a trainer that does not repeat itself fell apart is itself random.
+    line = re.sub(r"differed \([^ ]+ relative, beyond", "differed (beyond", line)
     line = re.sub(r" \(its output: [^)]*\)", "", line)
     return re.sub(r"[^\s(]*/(site|dist)-packages/", "", line)
 
