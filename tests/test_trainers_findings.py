@@ -115,12 +115,23 @@ def tune_micro_steps(record: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return steps
 
 
-def tune_gradient(initial: dict, weighted: list) -> dict[str, torch.Tensor]:
-    """The gradient of ``sum(weight * summed cross-entropy)`` over ``(tokens, targets),
-    weight``, of torchtune's tiny Llama from ``initial``, in float64."""
-    from torchtune.models.llama2 import llama2
+#: The model each recipe trains: its config's builder at the study's sizes.
+TUNE_MODELS = {
+    "torchtune_full": ("llama2", {}),
+    "torchtune_lora": ("lora_llama2", {
+        "lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "apply_lora_to_output": False, "lora_rank": 8, "lora_alpha": 16,
+        "lora_dropout": 0.0}),
+}
 
-    model = llama2(**LLAMA).double()
+
+def tune_gradient(key: str, initial: dict, weighted: list) -> dict[str, torch.Tensor]:
+    """The gradient of ``sum(weight * summed cross-entropy)`` over ``(tokens, targets),
+    weight``, of recipe ``key``'s tiny Llama from ``initial``, in float64."""
+    import torchtune.models.llama2 as builders
+
+    name, options = TUNE_MODELS[key]
+    model = getattr(builders, name)(**LLAMA, **options).double()
     model.load_state_dict(plain(initial))
     loss = sum(weight * F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                         targets.reshape(-1), ignore_index=-100,
@@ -132,27 +143,31 @@ def tune_gradient(initial: dict, weighted: list) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.launches(seconds=20)
-def test_torchtune_counts_each_rows_first_label_before_the_shift(llama_assets, tmp_path):
-    """full_finetune_single_device as shipped (train_on_input=True) at 1x2: the gradient is
-    sum_i (c_i + rows_i) * mean_i / sum_i (c_i + rows_i), c_i the labels its loss
-    averages, not the big batch's sum_i c_i * mean_i / sum_i c_i."""
-    trainer = trainers.TUNE_FULL
-    whole = probed(trainer, "default", 1, 8, 1, tmp_path, llama_assets)[0]
-    split = probed(trainer, "default", 1, 4, 2, tmp_path, llama_assets)[0]
+@pytest.mark.parametrize(("key", "setting"), [("torchtune_full", "default"),
+                                              ("torchtune_lora", "seed=0")])
+def test_torchtune_counts_each_rows_first_label_before_the_shift(key, setting, llama_assets,
+                                                                 tmp_path):
+    """full_finetune_single_device as shipped, and the LoRA recipe seeded (train_on_input
+    =True, alpaca_dataset's default) at 1x2: the gradient is sum_i (c_i + rows_i) * mean_i /
+    sum_i (c_i + rows_i), c_i the labels its loss averages, not the big batch's
+    sum_i c_i * mean_i / sum_i c_i."""
+    trainer = trainers.TRAINERS[key]
+    whole = probed(trainer, setting, 1, 8, 1, tmp_path, llama_assets)[0]
+    split = probed(trainer, setting, 1, 4, 2, tmp_path, llama_assets)[0]
     steps = tune_micro_steps(split)
     counts = [int((targets != -100).sum()) for _, targets in steps]
     rows = [tokens.shape[0] for tokens, _ in steps]
-    big = tune_gradient(split["initial"], [(s, 1 / sum(counts)) for s in steps])
+    big = tune_gradient(key, split["initial"], [(s, 1 / sum(counts)) for s in steps])
     before = [count + row for count, row in zip(counts, rows, strict=True)]
-    predicted = tune_gradient(split["initial"], [
+    predicted = tune_gradient(key, split["initial"], [
         (s, (b / c) / sum(before)) for s, c, b in zip(steps, counts, before, strict=True)])
-    names = sorted(big)
+    names = sorted(plain(split["grads"]))  # what the recipe trains (LoRA: the adapters)
     taken = flat(plain(split["grads"]), names)
     assert residual(flat(plain(whole["grads"]), names), flat(big, names)) < ROUNDING
     assert residual(taken, flat(predicted, names)) < ROUNDING
     found = residual(taken, flat(big, names))
     assert found > 2 * ROUNDING  # small (5e-5), and real
-    assert found == pytest.approx(committed(trainer.name, "default", "1x2"), rel=AGREES)
+    assert found == pytest.approx(committed(trainer.name, setting, "1x2"), rel=AGREES)
 
 
 @pytest.mark.launches(seconds=20)
