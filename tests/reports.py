@@ -47,7 +47,7 @@ def committed_report(tmp_path_factory, name: str) -> Rendered:
     with FileLock(str(shared / f"{key}.lock")):
         if not summary.exists():
             shutil.copytree(ROOT / name, copy, ignore=shutil.ignore_patterns(
-                "figures", "REPORT.md", "frameworks"))
+                "figures", "REPORT.md", "frameworks", "trainers"))
             done = subprocess.run([sys.executable, "-c", RENDER, str(copy)], capture_output=True,
                                   text=True, cwd=ROOT)
             assert done.returncode == 0, done.stderr

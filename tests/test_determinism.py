@@ -25,8 +25,11 @@ from tests.test_diagnostics import SMALL as SMALL_DIAGNOSTICS
 
 WORLD = 2
 #: frameworks runs only at 2 ranks, starts four frameworks (~40 s) and is launched once
-#: by tests/test_frameworks_study.py; training has its own determinism test.
-STUDIES_HERE = [name for name in STUDIES if name not in ("training", "frameworks")]
+#: by tests/test_frameworks_study.py; trainers runs the trainers' own launchers for minutes,
+#: and its quick form is compared with the committed rows by tests/test_trainers_study.py;
+#: training has its own determinism test.
+STUDIES_HERE = [name for name in STUDIES
+                if name not in ("training", "frameworks", "trainers")]
 #: Every CSV those studies write (the update study writes one per experiment).
 TABLES = [table for name in STUDIES_HERE for table in STUDIES[name].tables()]
 ARGS = ["--studies", ",".join(STUDIES_HERE), "--world-sizes", "2", "--accum-steps", "2",
