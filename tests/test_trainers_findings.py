@@ -345,12 +345,18 @@ def test_litgpt_takes_each_micro_batchs_own_token_mean(litgpt_assets, tmp_path):
 
 
 @pytest.mark.launches(seconds=15)
-def test_litgpt_trains_fsdp_at_two_ranks_which_a_cpu_refuses(litgpt_assets, tmp_path):
-    command = [part.replace("{assets}", str(litgpt_assets)).replace("{nproc}", "2")
+@pytest.mark.parametrize(("trainer", "nproc", "said"), [
+    (trainers.LITGPT_FINETUNE, 2, "FSDP is only available on GPU"),
+    (trainers.LITGPT_PRETRAIN, 1, "from litdata import optimize")])
+def test_litgpt_stops_before_training_where_its_row_says(trainer, nproc, said, litgpt_assets,
+                                                        tmp_path):
+    """finetune_full at N = 2 trains FSDP, which Lightning refuses on a CPU; pretrain at any
+    N imports litdata, which its extra cannot hold on a CPU."""
+    command = [part.replace("{assets}", str(litgpt_assets)).replace("{nproc}", str(nproc))
                .replace("{batch}", "4").replace("{global_batch}", "8")
-               .replace("{python}", interpreter(trainers.LITGPT_FINETUNE))
-               for part in trainers.LITGPT_FINETUNE.argv(trainers.Setting("default"))]
-    ended = subprocess.run(command, cwd=tmp_path, env=environment(trainers.LITGPT_FINETUNE),
+               .replace("{python}", interpreter(trainer))
+               for part in trainer.argv(trainers.Setting("default"))]
+    ended = subprocess.run(command, cwd=tmp_path, env=environment(trainer),
                            capture_output=True, text=True, timeout=300, check=False)
     assert ended.returncode != 0
-    assert "FSDP is only available on GPU" in ended.stdout + ended.stderr
+    assert said in ended.stdout + ended.stderr

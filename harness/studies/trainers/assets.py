@@ -110,14 +110,14 @@ def write_gpt2(folder: Path) -> Path:
 
 #: The tiny LitGPT model: pythia-14m's architecture (LitGPT's `Config` defaults), shrunk.
 LITGPT = {"name": "tiny-pythia", "block_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 32,
-          "padding_multiple": 64}
+          "vocab_size": 320, "padding_multiple": 64}
 
 
 def write_litgpt(folder: Path) -> Path:
     """LitGPT's assets under ``folder``: a checkpoint folder (``ckpt/``: ``lit_model.pth``,
-    ``model_config.yaml`` and a BPE tokenizer, ``tokenizer.json``) and the alpaca-format
-    data set (``alpaca.json``); the tokenizer learns the rows through LitGPT's own alpaca
-    prompt."""
+    ``model_config.yaml`` and a BPE tokenizer, ``tokenizer.json``), the alpaca-format data
+    set (``alpaca.json``) and the text rows for pretraining (``text/train.txt``); the
+    tokenizer learns the rows through LitGPT's own alpaca prompt."""
     import torch
     from litgpt.config import Config
     from litgpt.model import GPT
@@ -129,18 +129,21 @@ def write_litgpt(folder: Path) -> Path:
     checkpoint = folder / "ckpt"
     checkpoint.mkdir(parents=True, exist_ok=True)
     (folder / "alpaca.json").write_text(json.dumps(rows, indent=0))
+    (folder / "text").mkdir(exist_ok=True)
+    (folder / "text" / "train.txt").write_text("\n".join(row["text"] for row in text_rows()))
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     tokenizer.train_from_iterator(
         [Alpaca().apply(prompt=row["instruction"], **row) + row["output"] for row in rows],
-        trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"],
+        trainers.BpeTrainer(vocab_size=LITGPT["vocab_size"],
+                            special_tokens=["<unk>", "<s>", "</s>"],
                             show_progress=False))
     tokenizer.save(str(checkpoint / "tokenizer.json"))
     (checkpoint / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
          "unk_token": "<unk>", "add_bos_token": True}))
-    config = Config(vocab_size=tokenizer.get_vocab_size(), **LITGPT)
+    config = Config(**LITGPT)
     save_config(config, checkpoint)
     torch.manual_seed(0)
     torch.save(GPT(config).state_dict(), checkpoint / "lit_model.pth")

@@ -14,8 +14,10 @@ interpreter of the trainer's environment.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+from harness.studies.trainers.assets import LITGPT
 from harness.studies.trainers.source import Source
 
 #: The setting that runs a trainer exactly as shipped.
@@ -276,7 +278,31 @@ LITGPT_FINETUNE = Trainer(
                   "none on a CPU: no setting chooses another strategy")),
     python_variable=LITGPT_PYTHON)
 
+LITGPT_PRETRAIN = Trainer(
+    key="litgpt_pretrain", name="litgpt pretrain", distribution="litgpt", module="litgpt",
+    assets="litgpt",
+    # The model's name is required; --model_config's sizes replace pythia-14m's.
+    command=("{python}", "-m", "litgpt", "pretrain", "pythia-14m", "--model_config",
+             json.dumps(LITGPT),
+             "--initial_checkpoint_dir", "{assets}/ckpt", "--tokenizer_dir", "{assets}/ckpt",
+             "--data", "TextFiles", "--data.train_data_path", "{assets}/text", "--devices",
+             "{nproc}", "--train.global_batch_size", "{global_batch}",
+             "--train.micro_batch_size", "{batch}"),
+    # csv: the default logger, tensorboard, is not installed (finetune_full's default is csv).
+    cpu_args=("--precision", "32-true", "--logger_name", "csv", "--out_dir", "{assets}/out"),
+    splits=("1x2", "2x1", "2x2"), settings=(Setting(DEFAULT),),
+    causes=(Cause("No module named 'litdata'",
+                  "pretraining tokenizes its text with litdata (`TextFiles.prepare_data` "
+                  "imports its `optimize`), which the [litgpt] extra leaves out: litdata "
+                  "requires torchvision, whose PyPI wheel for torch 2.13.0 does not load with "
+                  "the CPU build",
+                  Source("litgpt", "litgpt/data/text_files.py", "TextFiles.prepare_data",
+                         "from litdata import optimize"),
+                  "none on a CPU from PyPI: a torchvision built for the CPU torch, then "
+                  "`pip install litdata`"),),
+    python_variable=LITGPT_PYTHON)
+
 #: Every trainer, by its key, in the order the study runs them.
 TRAINERS: dict[str, Trainer] = {trainer.key: trainer for trainer in (
-    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT, LITGPT_FINETUNE, HF_TRAINER, ACCELERATE,
-    LIGHTNING_CLI, DEEPSPEED_ZERO2)}
+    TUNE_FULL, TUNE_LORA, TUNE_DISTRIBUTED, TRL_SFT, LITGPT_FINETUNE, LITGPT_PRETRAIN,
+    HF_TRAINER, ACCELERATE, LIGHTNING_CLI, DEEPSPEED_ZERO2)}
