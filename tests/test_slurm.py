@@ -2,16 +2,16 @@
 Slurm, and their checks.
 
 The tests marked ``slurm`` start a cluster of their own with
-scripts/slurm/local_cluster.sh (munged, slurmctld, slurmd; its own ports and
-folder) and stop it afterwards, failed or not. The others run the batch script
-directly with a Slurm job's environment and a stand-in ``srun``, which needs no
-Slurm: they check what the script decides before anything is launched.
+scripts/slurm/local_cluster.sh (munged, slurmctld, slurmd; its own namespaces and
+folder: tests/test_slurm_cluster.py) and stop it afterwards, failed or not. The others
+run the batch script directly with a Slurm job's environment and a stand-in ``srun``,
+which needs no Slurm: they check what the script decides before anything is launched.
+Two nodes: tests/test_slurm_nodes.py; faults across them: tests/test_slurm_faults.py.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,73 +21,35 @@ import pytest
 
 from harness.studies import STUDIES
 from tests.distributed import run_cli
-from tests.launch import ROOT, free_port
+from tests.launch import ROOT
 from tests.scheduling import launching
+from tests.test_slurm_cluster import (
+    Cluster,
+    clean_environment,
+    finish,
+    skip_without_a_cluster,
+    submit,
+)
 
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "study.sbatch"
-CLUSTER_SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
-SLURM_TOOLS = ("sbatch", "scontrol", "sinfo", "squeue", "scancel", "srun", "slurmctld",
-               "slurmd", "munged")
 ARGS = ["--studies", "reduction", "--strategies", "ddp,dp-emulated", "--quiet", "--no-report"]
 RANKS = 2
 
 
-def _slurm_missing_reason() -> str | None:
-    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
-    if missing:
-        return (f"Slurm is not installed (no {', '.join(missing)}); "
-                "apt-get install slurmctld slurmd slurm-client munge")
-    if os.geteuid() != 0:
-        return "the local Slurm cluster needs root: slurmd starts job steps through setuid"
-    return None
-
-
 @pytest.fixture(scope="module")
-@launching(seconds=5)
-def slurm_env(tmp_path_factory):
-    """The environment of a client of a freshly started one-node cluster."""
-    reason = _slurm_missing_reason()
-    if reason:
-        pytest.skip(reason)
-    folder = tmp_path_factory.mktemp("slurm") / "cluster"
-    try:
-        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(folder)],
-                                 capture_output=True, text=True, timeout=180)
-        assert started.returncode == 0, f"the local cluster did not start:\n{started.stderr}"
-        yield {**_clean_environment(), "SLURM_CONF": str(folder / "slurm.conf")}
-    finally:
-        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(folder)], timeout=180,
-                       check=False)
+@launching(seconds=3)
+def slurm_cluster(tmp_path_factory):
+    """A freshly started one-node cluster, its node of RANKS CPUs."""
+    skip_without_a_cluster()
+    cluster = Cluster.start(tmp_path_factory.mktemp("slurm") / "cluster", nodes=1, cpus=RANKS)
+    yield cluster
+    cluster.stop()
 
 
-def _clean_environment() -> dict[str, str]:
-    # A test suite that itself runs inside a Slurm job must not pass that job on.
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STUDY_"))}
-
-
-def submit(env: dict[str, str], folder: Path, *args: str, ranks: int) -> subprocess.Popen:
-    """``sbatch --wait`` the study script, started: :func:`finish` waits for it."""
-    job_env = {**env, "STUDY_NPROC_PER_NODE": str(ranks), "STUDY_PYTHON": sys.executable,
-               "STUDY_RESULTS": str(folder / "results"), "STUDY_RDZV_PORT": str(free_port()),
-               "OMP_NUM_THREADS": "1"}
-    # One CPU per job: the cluster is this machine, which may have only two.
-    command = ["sbatch", "--wait", "--parsable", "--cpus-per-task=1",
-               f"--output={folder}/slurm-%j.out", str(SBATCH_SCRIPT), *args]
-    return subprocess.Popen(command, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(submitted: subprocess.Popen, folder: Path) -> tuple[int, str, str]:
-    """The exit code of a :func:`submit`, the job id and the job's output."""
-    stdout, stderr = submitted.communicate(timeout=300)
-    job_id = stdout.strip().split(";")[0]
-    assert job_id.isdigit(), f"sbatch gave no job id:\n{stdout}\n{stderr}"
-    return submitted.returncode, job_id, (folder / f"slurm-{job_id}.out").read_text()
-
-
-def sbatch(env: dict[str, str], folder: Path, *args: str, ranks: int) -> tuple[int, str, str]:
+def sbatch(cluster: Cluster, folder: Path, *args: str, ranks: int) -> tuple[int, str, str]:
     """``sbatch --wait`` the study script; its exit code, the job id and the job's output."""
-    return finish(submit(env, folder, *args, ranks=ranks), folder)
+    return finish(submit(cluster, folder, SBATCH_SCRIPT, *args,
+                         env={"STUDY_NPROC_PER_NODE": str(ranks)}), folder)
 
 
 def reference_run(out: Path) -> pd.DataFrame:
@@ -98,8 +60,9 @@ def reference_run(out: Path) -> pd.DataFrame:
 
 @pytest.mark.slurm
 @pytest.mark.launches(seconds=13)
-def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_path):
-    submitted = submit(slurm_env, tmp_path, *ARGS, ranks=RANKS)
+def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_cluster, tmp_path):
+    # The job's defaults: its node whole, a rank per CPU of it.
+    submitted = submit(slurm_cluster, tmp_path, SBATCH_SCRIPT, *ARGS)
     # Measured while the job waits for its turn, and for sbatch's next look at it.
     reference = reference_run(tmp_path / "reference")
     code, job_id, output = finish(submitted, tmp_path)
@@ -107,7 +70,8 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
     # The endpoint comes from the job's node list, through scontrol.
     assert (f"study.sbatch: job {job_id}: 1 node(s) x {RANKS} rank(s) = {RANKS} ranks"
             in output)
-    assert "rendezvous c10d at localhost:" in output
+    assert "rendezvous c10d at node1:" in output
+    assert f"study.sbatch: job {job_id} done: ranks 0, 1 on node1" in output
 
     results = tmp_path / "results" / job_id
     frame = pd.read_csv(results / "reduction.csv", dtype={"slurm_job_id": str})
@@ -118,8 +82,10 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
 
     assert list(frame.verdict) == list(reference.verdict)
     # Not the verdicts alone: every measured number is the same, bit for bit.
-    pd.testing.assert_frame_equal(frame.drop(columns="slurm_job_id"),
-                                  reference.drop(columns="slurm_job_id"), check_exact=True)
+    where = ["slurm_job_id", "ran_on"]  # the job's node1, the forked run's own host
+    pd.testing.assert_frame_equal(frame.drop(columns=where), reference.drop(columns=where),
+                                  check_exact=True)
+    assert all(cell.split(",")[0].endswith("@node1") for cell in frame.ran_on)
     # And from first principles: DDP averages (rank_weight 1/N), smooth models only.
     ddp = frame[(frame.strategy == "ddp") & (frame.model != "mlp-batchnorm")]
     assert ddp.rank_weight.to_numpy() == pytest.approx(1 / ddp.world_size.to_numpy(), rel=1e-9)
@@ -127,8 +93,8 @@ def test_sbatch_wait_gives_the_verdicts_of_a_run_without_slurm(slurm_env, tmp_pa
 
 @pytest.mark.slurm
 @pytest.mark.launches(seconds=4)
-def test_world_sizes_the_job_cannot_hold_fail_the_job_with_one_line(slurm_env, tmp_path):
-    code, job_id, output = sbatch(slurm_env, tmp_path, "--world-sizes", "1,3", ranks=2)
+def test_world_sizes_the_job_cannot_hold_fail_the_job_with_one_line(slurm_cluster, tmp_path):
+    code, job_id, output = sbatch(slurm_cluster, tmp_path, "--world-sizes", "1,3", ranks=2)
     assert code == 2, "sbatch --wait returns the job's exit code"
     assert output.splitlines() == [
         "study.sbatch: error: --world-sizes: 3 is more than this job's 2 ranks "
@@ -149,7 +115,7 @@ def run_script(tmp_path: Path, *args: str, srun: str = "exit 0",
     fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "{tmp_path}/srun.args"\n'
                     f"{srun}\n")
     fake.chmod(0o755)
-    env = {**_clean_environment(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    env = {**clean_environment(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "STUDY_PYTHON": sys.executable, "STUDY_RESULTS": str(tmp_path / "results"),
            "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "STUDY_RDZV_ENDPOINT": "node1:29400", "STUDY_NPROC_PER_NODE": "3",
@@ -165,12 +131,12 @@ def test_each_node_gets_one_torchrun_agent_meeting_on_the_first_node(tmp_path):
     srun_args = (tmp_path / "srun.args").read_text().splitlines()
     launcher = srun_args[:srun_args.index(sys.executable)]
     torchrun = srun_args[srun_args.index(sys.executable):]
-    assert {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    assert {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--wait=20",
             "--cpus-per-task=3"} <= set(launcher)
     assert torchrun == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                         "--nproc_per_node=3", "--rdzv_backend=c10d",
                         "--rdzv_endpoint=node1:29400", "--rdzv_id=7",
-                        str(ROOT / "scripts" / "study.py"), "--out",
+                        str(ROOT / "scripts" / "slurm" / "rank_on_node.py"), "--out",
                         str(tmp_path / "results" / "7"), "--studies", "reduction"]
 
 
@@ -221,33 +187,31 @@ CHECK_RUN_ARGS = ["--global-batch", "8", "--splits", "2x1", "--reference-once", 
 
 @pytest.mark.slurm
 @pytest.mark.launches(seconds=9)
-def test_check_run_sbatch_gives_the_rows_of_the_same_run_without_slurm(slurm_env, tmp_path):
+def test_check_run_sbatch_gives_the_rows_of_the_same_run_without_slurm(slurm_cluster,
+                                                                       tmp_path):
     """Every rank an srun step of the job (fresh interpreters loading the capture through
     the startup hook); the rows in CHECK_RESULTS/<job id>/ are those of the same check
     with its ranks forked here, number for number."""
     from tests.script_runs import run_check
 
-    job_env = {**slurm_env, "CHECK_PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-               "CHECK_RESULTS": str(tmp_path / "results")}
-    submitted = subprocess.Popen(
-        ["sbatch", "--wait", "--parsable", "--cpus-per-task=1",
-         f"--output={tmp_path}/slurm-%j.out", str(CHECK_RUN_SCRIPT), *CHECK_RUN_ARGS],
-        cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    submitted = submit(slurm_cluster, tmp_path, CHECK_RUN_SCRIPT, *CHECK_RUN_ARGS)
     # Measured while the job waits for its turn, and for sbatch's next look at it.
     without = run_check(CHECK_RUN_ARGS, tmp_path / "without")
     code, job_id, output = finish(submitted, tmp_path)
     assert code == 0, output
-    assert (f"check-run.sbatch: job {job_id}: ranks on node(s) localhost, the check and its "
-            f"store on localhost, rows in {tmp_path / 'results' / job_id}") in output
+    assert (f"check-run.sbatch: job {job_id}: ranks on node(s) node1, the check and its "
+            f"store on node1, rows in {tmp_path / 'results' / job_id}") in output
     rows = pd.read_csv(tmp_path / "results" / job_id / "script.csv")
     # The rows and every run's output; the captures removed.
     assert sorted(os.listdir(tmp_path / "results" / job_id)) == ["logs", "script.csv"]
     assert without.code == 0 and set(rows["verdict"]) == {"matches"}
-    pd.testing.assert_frame_equal(rows, without.rows, check_exact=True)
+    assert set(rows["ran_on"]) == {"0@node1,1@node1"}
+    pd.testing.assert_frame_equal(rows.drop(columns="ran_on"), without.rows.drop(columns="ran_on"),
+                                  check_exact=True)
 
 
 def test_check_run_sbatch_outside_a_job_is_one_line(tmp_path):
-    env = {**_clean_environment(), "CHECK_PYTHON": sys.executable}
+    env = {**clean_environment(), "CHECK_PYTHON": sys.executable}
     done = subprocess.run(["bash", str(CHECK_RUN_SCRIPT), *CHECK_RUN_ARGS], env=env,
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
