@@ -64,3 +64,12 @@ def rank_micro_batches(job: Job, rank: int) -> list:
         mine = list(range(first + rank, first + job.samples, world))
         micro_batches += [take(mine[start:start + size]) for start in range(0, len(mine), size)]
     return micro_batches
+
+
+def label_counts(window: Any) -> tuple[int, int]:
+    """The window's labels other than :data:`IGNORE`: all of them, and those after the
+    causal shift (``labels[..., 1:]``, the tokens a causal LM predicts)."""
+    if not isinstance(window, dict) or "labels" not in window:
+        return 0, 0
+    labels = window["labels"]
+    return int(labels.ne(IGNORE).sum()), int(labels[..., 1:].ne(IGNORE).sum())

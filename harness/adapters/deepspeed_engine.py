@@ -28,7 +28,7 @@ from torch import nn
 
 from harness.adapters import registry
 from harness.adapters.data import rank_micro_batches
-from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.registry import Applied, Framework, FrameworkSetting, Job
 from harness.adapters.step_capture import (
     StepCapture,
     parameter_grads,
@@ -42,13 +42,13 @@ from harness.check.setup import make_optimizer
 #: told to allow it: part of what those settings pass.
 UNTESTED = {"zero_allow_untested_optimizer": True}
 SETTINGS = (
-    Setting(registry.DEFAULT, core=True),
-    Setting("gradient_clipping=0", {"gradient_clipping": 0.0}, core=True),
-    Setting("zero1", {"zero_optimization": {"stage": 1}, **UNTESTED}, core=True),
-    Setting("zero2", {"zero_optimization": {"stage": 2}, **UNTESTED}, core=True),
-    Setting("prescale_gradients", {"prescale_gradients": True}),
-    Setting("gradient_predivide_factor=2", {"gradient_predivide_factor": 2.0}),
-    Setting("zero2+gradient_predivide_factor=2",
+    FrameworkSetting(registry.DEFAULT, core=True),
+    FrameworkSetting("gradient_clipping=0", {"gradient_clipping": 0.0}, core=True),
+    FrameworkSetting("zero1", {"zero_optimization": {"stage": 1}, **UNTESTED}, core=True),
+    FrameworkSetting("zero2", {"zero_optimization": {"stage": 2}, **UNTESTED}, core=True),
+    FrameworkSetting("prescale_gradients", {"prescale_gradients": True}),
+    FrameworkSetting("gradient_predivide_factor=2", {"gradient_predivide_factor": 2.0}),
+    FrameworkSetting("zero2+gradient_predivide_factor=2",
             {"zero_optimization": {"stage": 2}, **UNTESTED, "gradient_predivide_factor": 2.0}),
 )
 #: Never reached: DeepSpeed prints its progress every this many steps (its banner only).

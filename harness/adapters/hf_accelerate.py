@@ -17,14 +17,14 @@ from torch.utils.data import DataLoader
 
 from harness.adapters import registry
 from harness.adapters.data import Samples, data_set
-from harness.adapters.registry import Applied, Code, Job, Setting
+from harness.adapters.registry import Applied, Code, FrameworkSetting, Job
 from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check.setup import make_optimizer
 
 SETTINGS = (
-    Setting(registry.DEFAULT, core=True),
+    FrameworkSetting(registry.DEFAULT, core=True),
     # The loader's batch is then N micro-batches, which Accelerate splits over the ranks.
-    Setting("split_batches", {"split_batches": True}),
+    FrameworkSetting("split_batches", {"split_batches": True}),
 )
 
 

@@ -39,16 +39,17 @@ from torch import nn
 
 from harness.adapters import registry
 from harness.adapters.data import Samples, data_set
-from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.registry import Applied, Framework, FrameworkSetting, Job
 from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check import batches
 from harness.check.setup import make_optimizer
 from harness.tolerances import check_tolerance, close
 
 SETTINGS = (
-    Setting(registry.DEFAULT, core=True),
-    Setting("max_grad_norm=0", {"max_grad_norm": 0.0}, core=True),
-    Setting("average_tokens_across_devices=False", {"average_tokens_across_devices": False}),
+    FrameworkSetting(registry.DEFAULT, core=True),
+    FrameworkSetting("max_grad_norm=0", {"max_grad_norm": 0.0}, core=True),
+    FrameworkSetting("average_tokens_across_devices=False",
+                     {"average_tokens_across_devices": False}),
 )
 #: The keyword the Trainer passes the window's count under.
 COUNT = "num_items_in_batch"

@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from harness.adapters import registry
 from harness.adapters.data import Samples, data_set
-from harness.adapters.registry import Applied, Code, Framework, Job, Setting
+from harness.adapters.registry import Applied, Code, Framework, FrameworkSetting, Job
 from harness.adapters.step_capture import parameter_grads, parameter_values, watch_step
 from harness.check.setup import make_optimizer
 
 #: Lightning clips only with ``gradient_clip_val``, which is None by default.
-SETTINGS = (Setting(registry.DEFAULT, core=True),)
+SETTINGS = (FrameworkSetting(registry.DEFAULT, core=True),)
 #: Lightning's loggers announce devices, strategies and hints on every fit.
 QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 

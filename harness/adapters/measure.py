@@ -30,17 +30,19 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters.columns import COLUMNS
-from harness.adapters.fixes import framework_fix
-from harness.adapters.registry import Applied, Framework, Job, Setting
+from harness.adapters.data import IGNORE, label_counts
+from harness.adapters.registry import Applied, Framework, FrameworkSetting, Job
 from harness.adapters.step_capture import CapturedStep, StepCapture, watching_losses
 from harness.check import batches
+from harness.check.causes.evidence import FrameworkStep
 from harness.check.compare import Comparison, Pair, compare
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
 from harness.check.judge import (
-    Cause,
     Compared,
     Judged,
     Memory,
+    Seeing,
+    Seen,
     at_full_precision,
     judge_step,
     judged_row,
@@ -132,7 +134,7 @@ def training_dtype(framework: Framework, setup: Setup, wanted: torch.dtype) -> t
     return torch.float64
 
 
-def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
+def measure(framework: Framework, setting: FrameworkSetting, setup: Setup, accum_steps: int,
             dtype: torch.dtype) -> list[dict[str, Any]] | None:
     """Train on every rank (a collective); rank 0 returns one row per step and point, the
     others None. A framework that raises gives one ``error`` row with its exception.
@@ -147,7 +149,7 @@ def measure(framework: Framework, setting: Setting, setup: Setup, accum_steps: i
     return None if judged is None else [judged_row(COLUMNS, row) for row in judged]
 
 
-def measured_once(framework: Framework, setting: Setting, setup: Setup, accum_steps: int,
+def measured_once(framework: Framework, setting: FrameworkSetting, setup: Setup, accum_steps: int,
                   dtype: torch.dtype) -> list[Judged] | None:
     """:func:`measure`'s judgements of one training, as the setup says (autocast or not);
     each carries its training's own cells (what was passed, what it took)."""
@@ -175,7 +177,7 @@ def measured_once(framework: Framework, setting: Setting, setup: Setup, accum_st
     return FrameworkJudge(framework, job, applied, captures).judged(identity)
 
 
-def _identity(framework: Framework, setting: Setting, job: Job, applied: Applied,
+def _identity(framework: Framework, setting: FrameworkSetting, job: Job, applied: Applied,
               captures: list[StepCapture]) -> dict[str, Any]:
     return {"framework": framework.name, "framework_version": framework.version(),
             "setting": setting.name, "code": applied.code, "world_size": job.world_size,
@@ -257,7 +259,7 @@ class FrameworkJudge:
                         for point in POINTS]
             rows, memory = judge_step(step, compared, precision,
                                       replace(facts, learning_rates=self.plain[step].lrs),
-                                      memory, cause=self._cause(step, recipes))
+                                      memory, seen=self._seen(step, recipes))
             judged += rows
         return judged
 
@@ -274,14 +276,20 @@ class FrameworkJudge:
                "recipe_scale": recipe.scale, "recipe_residual": recipe.residual}
         return Compared(point, plain, ranks_agree=spread <= rtol, own=own)
 
-    def _cause(self, step: int, recipes: dict[str, Comparison]) -> Cause:
-        """The fix a row's two comparisons point to (harness/adapters/fixes.py)."""
-        def cause(measured: Compared, facts: Facts, _judged) -> str:
-            return framework_fix(measured.point, measured.comparison, recipes[measured.point],
-                                 facts, self.framework, self.applied,
-                                 self._learning_rates(step), self.job)
+    def _seen(self, step: int, recipes: dict[str, Comparison]) -> Seeing:
+        """What only a framework's step shows of a row's cause (harness/check/causes/): its
+        recipe's comparison, its clip, its learning rates and the counts it passed."""
+        applied = self.applied
 
-        return cause
+        def seeing(measured: Compared) -> Seen:
+            return Seen(framework=FrameworkStep(
+                recipes[measured.point], self.framework.name, self.framework.clip_setting,
+                self.framework.clip_off, self.framework.schedules, applied.clip,
+                applied.counts_passed, applied.count_ignored,
+                label_counts(self.job.windows[0]), IGNORE, self._learning_rates(step),
+                self.job.setup.make_model))
+
+        return seeing
 
     def _learning_rates(self, step: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """The learning rates the framework's optimizer used and the big batch's."""

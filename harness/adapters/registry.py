@@ -39,7 +39,7 @@ NO_FRAMEWORK_RUNS = {
 
 
 @dataclass(frozen=True)
-class Setting:
+class FrameworkSetting:
     """One configuration of a framework: a short name for the rows (no spaces or commas,
     so that ``--frameworks NAME:SETTING`` can name it) and what it changes."""
 
@@ -60,7 +60,7 @@ class Job:
     """One framework run: the user's setup, the setting, k, the dtype to train in."""
 
     setup: Setup
-    setting: Setting
+    setting: FrameworkSetting
     #: k: micro-steps per optimizer step.
     accum_steps: int
     #: The framework's (or the run's, where narrower): the model is cast to it.
@@ -127,7 +127,7 @@ class Framework:
     module: str
     #: The distribution whose version the rows record.
     distribution: str
-    settings: tuple[Setting, ...]
+    settings: tuple[FrameworkSetting, ...]
     train: Train
     #: The dtype the framework trains in: float64 where it allows it (verdicts in float64).
     dtype: torch.dtype = torch.float64
@@ -146,7 +146,7 @@ class Framework:
     reduces_in_buckets: bool = True
     find_unused: str = "pass find_unused_parameters=True to its DDP"
 
-    def setting(self, name: str) -> Setting:
+    def setting(self, name: str) -> FrameworkSetting:
         return next(s for s in self.settings if s.name == name)
 
     def missing(self) -> str | None:
@@ -168,11 +168,11 @@ class Framework:
         return None
 
     def version(self) -> str:
-        return installed_version(self.distribution)
+        return distribution_version(self.distribution)
 
 
 @functools.cache
-def installed_version(distribution: str) -> str:
+def distribution_version(distribution: str) -> str:
     """The distribution's version, read once: reading package metadata scans every
     installed distribution (24 ms a case here, as long as the check's own ddp case)."""
     try:

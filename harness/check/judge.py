@@ -21,20 +21,26 @@ from typing import Any, NamedTuple
 
 import torch
 
-from harness.check.compare import Comparison, worst_tensors
-from harness.check.fix import Facts, suggest
-from harness.check.precision import (
-    above_float32_rounding,
-    coarser_than_float32,
-    tolerance,
-    unresolved_below,
+from harness.check import causes
+from harness.check.causes import (
+    carried_update,
+    no_gradient,
+    no_update,
+    precision_unresolved,
+    update_beyond_precision,
 )
+from harness.check.causes.evidence import (
+    Evidence,
+    FrameworkStep,
+    MatrixStep,
+    ScriptStep,
+)
+from harness.check.compare import Comparison, worst_tensors
+from harness.check.fix import Facts
+from harness.check.precision import above_float32_rounding, tolerance
 from harness.columns import Column
 from harness.tolerances import FLOAT32_ROUNDING, dtype_name
 from harness.verdicts import Equivalence, Status, skipped
-
-#: A point as a sentence names it.
-WHAT = {"grad": "gradient", "params": "update", "buffers": "buffers"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class Judged:
     ranks_differ: bool = False
     #: The tolerance judged at, where it is not the precision's (Compared.rtol).
     rtol: float | None = None
+    #: The id of the cause ``fix`` says (harness/check/causes/), "" where none.
+    cause: str = ""
 
     @property
     def verdict(self) -> str:
@@ -107,15 +115,22 @@ class Judged:
         return math.nan if self.autocast_residual is None else self.autocast_residual
 
 
-#: A front-end's own cause of a row's difference, tried before the engine's fixes: the
-#: fix text ("" for none), or None to leave the row to :func:`~harness.check.fix.suggest`.
-#: It is given the rows of the step judged so far (the update's cause may depend on
-#: whether the gradient matched).
-Cause = Callable[[Compared, Facts, Sequence[Judged]], "str | None"]
+@dataclass(frozen=True)
+class Seen:
+    """What only a front-end measured of a point, for its causes (harness/check/causes/
+    evidence.py): a script's run, a framework's step, the Setup matrix's micro-step."""
+
+    script: ScriptStep | None = None
+    framework: FrameworkStep | None = None
+    matrix: MatrixStep | None = None
 
 
-def no_cause(_compared: Compared, _facts: Facts, _judged: Sequence[Judged]) -> str | None:
-    return None
+#: A front-end's own evidence of a point it compared.
+Seeing = Callable[[Compared], Seen]
+
+
+def nothing_seen(_compared: Compared) -> Seen:
+    return Seen()
 
 
 @dataclass(frozen=True)
@@ -135,32 +150,28 @@ class JudgedStep(NamedTuple):
 
 
 def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, facts: Facts,
-               memory: Memory = Memory(), cause: Cause = no_cause, say_unresolved: bool = False,
-               rank_zero_only: bool = False) -> JudgedStep:
+               memory: Memory = Memory(), seen: Seeing = nothing_seen,
+               say_unresolved: bool = False, rank_zero_only: bool = False,
+               explaining: bool = True) -> JudgedStep:
     """The rows of one step, in the order of ``compared``, and the memory the next step of
     the case is judged with (``memory``: the one this step's judgement returned before).
 
     A point where both sides were all zero compared nothing, and says so instead of a
-    verdict. ``say_unresolved``: a ``matches`` at a precision coarser than float32 says what
-    its tolerance cannot resolve (for a front-end that runs no twin without autocast).
+    verdict. ``seen``: what the front-end measured of each point besides (its causes read
+    it). ``say_unresolved``: a ``matches`` at a precision coarser than float32 says what its
+    tolerance cannot resolve (for a front-end that runs no twin without autocast).
     ``rank_zero_only``: the front-end compared rank 0's tensors alone, so ranks that
-    disagree are the row's verdict."""
+    disagree are the row's verdict. ``explaining``: look for the rows' causes (only the
+    rank that writes rows does: a cause may forward pieces)."""
     facts = replace(facts, rtol=tolerance(precision), gradient_scale=memory.gradient_scale)
     judged: list[Judged] = []
     for measured in compared:
-        if measured.comparison.nothing:
-            judged.append(nothing_compared(step, measured, precision, facts))
-            continue
-        facts = replace(facts, ranks_agree=measured.ranks_agree)
         gradient = next((row for row in judged if row.point == "grad"), None)
-        if say_unresolved and beyond_its_precision(measured, precision, gradient):
-            judged.append(unresolved_update(step, measured, precision, gradient))
-        elif say_unresolved and carries_gradient_difference(measured, gradient):
-            judged.append(carried_update(step, measured, precision, gradient))
-        else:
-            judged.append(judged_by_cause(step, measured, precision, facts,
-                                          cause(measured, facts, judged), say_unresolved,
-                                          rank_zero_only))
+        if not measured.comparison.nothing:
+            facts = replace(facts, ranks_agree=measured.ranks_agree)
+        evidence = evidence_of(step, measured, precision, facts, gradient, seen)
+        judged.append(judged_point(evidence, measured, say_unresolved, rank_zero_only,
+                                   explaining))
         if (step == 0 and measured.point == "grad"
                 and measured.comparison.verdict is Equivalence.SCALED):
             memory = Memory(gradient_scale=measured.comparison.scale)
@@ -168,106 +179,77 @@ def judge_step(step: int, compared: Sequence[Compared], precision: torch.dtype, 
     return JudgedStep(judged, memory)
 
 
-def judged_by_cause(step: int, measured: Compared, precision: torch.dtype, facts: Facts,
-                    fix: str | None, say_unresolved: bool, rank_zero_only: bool) -> Judged:
-    """A row whose fix is the front-end's cause, else the engine's (None: no cause of the
-    front-end's own); a match left open by its precision says what it leaves open."""
-    if fix is None:
-        fix = suggest(measured.point, measured.comparison, facts)
+def evidence_of(step: int, measured: Compared, precision: torch.dtype, facts: Facts,
+                gradient: Judged | None, seen: Seeing) -> Evidence:
+    """What the causes of one point read: the judge's view of it and the front-end's."""
+    own = seen(measured)
+    return Evidence(step, measured.point, measured.comparison, facts, precision,
+                    gradient.comparison if gradient else None,
+                    gradient.verdict if gradient else "", gradient.status if gradient else "",
+                    own.script, own.framework, own.matrix)
+
+
+def judged_point(evidence: Evidence, measured: Compared, say_unresolved: bool,
+                 rank_zero_only: bool, explaining: bool) -> Judged:
+    """A point's row, by the judge's rules and then the first cause that applies."""
+    if measured.comparison.nothing:
+        return nothing_compared(evidence, measured)
+    if say_unresolved and update_beyond_precision.CAUSE.applies(evidence):
+        return unresolved_update(evidence, measured)
+    if say_unresolved and carried_update.CAUSE.applies(evidence):
+        return carried(evidence, measured)
+    explained = causes.explain(evidence) if explaining else causes.UNEXPLAINED
+    cause, fix = explained.cause, explained.fix
     status = Status.OK
-    residual = measured.comparison.residual
-    if say_unresolved and measured.comparison.verdict is Equivalence.MATCHES and not fix:
-        fix = unresolved_below(precision, facts.rtol, residual, measured.point)
-        if above_float32_rounding(precision, residual, measured.point):
+    comparison, precision = measured.comparison, evidence.precision
+    if (say_unresolved and not fix and explaining
+            and precision_unresolved.CAUSE.applies(evidence)):
+        cause, fix = precision_unresolved.CAUSE.id, precision_unresolved.CAUSE.fix(evidence)
+        if above_float32_rounding(precision, comparison.residual, measured.point):
             status = Status.UNRESOLVED  # never a match above the rounding of what ran
-    return Judged(step, measured.point, measured.comparison, precision, fix, status,
+    return Judged(evidence.step, measured.point, comparison, precision, fix, status,
                   ranks_agree=measured.ranks_agree, own=measured.own,
                   ranks_differ=rank_zero_only and measured.ranks_agree is False,
-                  rtol=measured.rtol)
+                  rtol=measured.rtol, cause=cause)
 
 
-def beyond_its_precision(measured: Compared, precision: torch.dtype,
-                         gradient: Judged | None) -> bool:
-    """An update off at scale 1 in a precision coarser than float32, right after a gradient
-    of the same step that matched, on ranks that agree: in such a run an adaptive
-    optimizer's magnified rounding (TRL's bf16 defaults with packing: the gradient 0.0017
-    off, AdamW's update 0.068; both below 1e-5 in float32) and a difference of the
-    optimizer's own look alike. A front-end with a twin at full precision lets the twin
-    decide instead."""
+def carried(evidence: Evidence, measured: Compared) -> Judged:
+    """An update that carries its gradient's difference (harness/check/causes/
+    carried_update.py): it reads as its gradient does (``differs``, or ``unresolved``),
+    judged at what a gradient's rounding leaves."""
     comparison = measured.comparison
-    return (measured.point == "params" and coarser_than_float32(precision)
-            and comparison.verdict is Equivalence.DIFFERS
-            and abs(comparison.scale - 1.0) <= tolerance(precision)
-            and measured.ranks_agree is not False
-            and gradient is not None and gradient.status == Status.OK
-            and gradient.verdict == Equivalence.MATCHES)
-
-
-def carries_gradient_difference(measured: Compared, gradient: Judged | None) -> bool:
-    """An update within its own bound (``FLOAT32_ROUNDING["params"]``, which holds what an
-    adaptive optimizer can magnify float32's rounding to) right after a gradient of the
-    same step known not to be the big batch's (``differs``, or ``unresolved`` above its
-    rounding), and itself off by more than a gradient's rounding: the gradient's difference
-    passed into the step undamped (SGD's update is the gradient times the lr), so the
-    update is not known to match either. An update that an optimizer damped below the
-    gradient's rounding is measured to match and keeps its verdict."""
-    return (measured.point == "params" and gradient is not None
-            and measured.comparison.verdict is Equivalence.MATCHES
-            and measured.comparison.residual > FLOAT32_ROUNDING["grad"]
-            and (gradient.status == Status.UNRESOLVED
-                 or (gradient.status == Status.OK
-                     and gradient.verdict == Equivalence.DIFFERS)))
-
-
-def carried_update(step: int, measured: Compared, precision: torch.dtype,
-                   gradient: Judged) -> Judged:
-    """The update of :func:`carries_gradient_difference`: it reads as its gradient does
-    (``differs``, or ``unresolved``), the gradient named as the cause."""
-    comparison = measured.comparison
-    fix = (f"the update is off by {comparison.residual:.3g}, as the step's gradient is "
-           f"({gradient.residual:.3g}): it follows from that gradient, whose cause is this "
-           "step's cause; the update's own bound, which holds what an adaptive optimizer "
-           "can make of rounding, does not make it a match")
-    unresolved = gradient.status == Status.UNRESOLVED
-    return Judged(step, measured.point,
+    unresolved = evidence.gradient_status == Status.UNRESOLVED
+    return Judged(evidence.step, measured.point,
                   comparison if unresolved else replace(comparison, verdict=Equivalence.DIFFERS),
-                  precision, fix, Status.UNRESOLVED if unresolved else Status.OK,
+                  evidence.precision, carried_update.CAUSE.fix(evidence),
+                  Status.UNRESOLVED if unresolved else Status.OK,
                   ranks_agree=measured.ranks_agree, own=measured.own,
-                  rtol=FLOAT32_ROUNDING["grad"])  # judged at what a gradient's rounding leaves
+                  rtol=FLOAT32_ROUNDING["grad"], cause=carried_update.CAUSE.id)
 
 
-def unresolved_update(step: int, measured: Compared, precision: torch.dtype,
-                      gradient: Judged) -> Judged:
-    name = dtype_name(precision)
-    fix = (f"the update is {measured.comparison.residual:.2g} off, beyond {name}'s tolerance "
-           f"{tolerance(precision):.2g}, after a gradient that matched (residual "
-           f"{gradient.residual:.2g}): an adaptive optimizer (Adam) magnifies {name}'s "
-           "rounding of the gradient in its step, and a run in "
-           f"{name} cannot tell that from a difference of the optimizer's state or settings: "
-           "run once in float32 to resolve it")
-    return Judged(step, measured.point, measured.comparison, precision, fix,
-                  Status.UNRESOLVED, ranks_agree=measured.ranks_agree, own=measured.own)
+def unresolved_update(evidence: Evidence, measured: Compared) -> Judged:
+    """An update its precision cannot resolve after a matching gradient (harness/check/
+    causes/update_beyond_precision.py)."""
+    return Judged(evidence.step, measured.point, measured.comparison, evidence.precision,
+                  update_beyond_precision.CAUSE.fix(evidence), Status.UNRESOLVED,
+                  ranks_agree=measured.ranks_agree, own=measured.own,
+                  cause=update_beyond_precision.CAUSE.id)
 
 
-def nothing_compared(step: int, measured: Compared, precision: torch.dtype,
-                     facts: Facts) -> Judged:
+def nothing_compared(evidence: Evidence, measured: Compared) -> Judged:
     """A point all zero on both sides: no verdict (a run that compared nothing is not a
     match), unless the step's learning rate was 0, where no update is expected."""
-    if measured.point == "grad":
-        status, fix = Status.NO_GRADIENT, (
-            "the gradient is all zero, here and in the big batch alike: nothing was compared "
-            "(a loss with no gradient, e.g. a cross-entropy over a single class; every "
-            "parameter frozen; a gradient zeroed before it was read)")
-    elif facts.learning_rates and all(rate == 0 for rate in facts.learning_rates):
-        status, fix = skipped("the learning rate was 0 at this step (a warm-up from 0): no "
-                              "update to compare"), ""
-    else:
-        status, fix = Status.NO_UPDATE, (
-            "the step moved no parameter, here and in the big batch alike, at a learning "
-            "rate other than 0: nothing was compared (a clip to 0, a gradient zeroed before "
-            "the step, a step the optimizer skipped)")
-    return Judged(step, measured.point, None, precision, fix, status,
-                  ranks_agree=measured.ranks_agree, own=measured.own)
+    status, cause = Status.NO_UPDATE, no_update.CAUSE
+    if no_gradient.CAUSE.applies(evidence):
+        status, cause = Status.NO_GRADIENT, no_gradient.CAUSE
+    elif not no_update.CAUSE.applies(evidence):
+        return Judged(evidence.step, measured.point, None, evidence.precision, "",
+                      skipped("the learning rate was 0 at this step (a warm-up from 0): no "
+                              "update to compare"),
+                      ranks_agree=measured.ranks_agree, own=measured.own)
+    return Judged(evidence.step, measured.point, None, evidence.precision,
+                  cause.fix(evidence), status, ranks_agree=measured.ranks_agree,
+                  own=measured.own, cause=cause.id)
 
 
 def judged_row(columns: Sequence[Column], judged: Judged, **cells: Any) -> dict[str, Any]:

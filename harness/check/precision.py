@@ -1,4 +1,4 @@
-"""The precision a row is judged at, and what a difference means where nothing is split.
+"""The precision a row is judged at.
 
 A float64 check of a loss that casts to float32 (Hugging Face's causal-LM loss calls
 ``logits.float()``) rounds like float32 in every case: judged at float64's tolerance,
@@ -13,10 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
-from harness.check.compare import Comparison
 from harness.check.setup import Setup
-from harness.tolerances import FLOAT32_ROUNDING, check_tolerance, dtype_name
-from harness.verdicts import Equivalence
+from harness.tolerances import FLOAT32_ROUNDING, check_tolerance
 
 
 def lowest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -42,21 +40,6 @@ def tolerance(dtype: torch.dtype) -> float:
         return check_tolerance(torch.bfloat16)
 
 
-def unsplit_fix(point: str, comparison: Comparison, setup: Setup) -> str:
-    """At N = 1, k = 1 the case feeds the whole batch to one micro-step, as the reference
-    does: a difference cannot come from any split."""
-    if comparison.verdict is Equivalence.MATCHES:
-        return ""
-    cause = ("the custom micro_step computes something other than Setup.loss (or the "
-             "reference is not deterministic)" if setup.micro_step is not None else
-             "the reference is not deterministic: the same loss on the same batch gave "
-             "another result")
-    what = {"grad": "gradient", "params": "update"}.get(point, point)
-    return (f"nothing is split at N = 1, k = 1, yet the {what} differs from the big "
-            f"batch's (scale {comparison.scale:.6g}, residual {comparison.residual:.3g}): "
-            f"{cause}")
-
-
 def coarser_than_float32(dtype: torch.dtype) -> bool:
     """bfloat16, float16 and the float8 types: rounding that float32 resolves."""
     return torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
@@ -67,19 +50,3 @@ def above_float32_rounding(dtype: torch.dtype, residual: float, point: str) -> b
     though within its tolerance: not known to be the big batch's step."""
     bound = FLOAT32_ROUNDING.get(point) if dtype == torch.float32 else None
     return bound is not None and residual > bound
-
-
-def unresolved_below(dtype: torch.dtype, rtol: float, residual: float = 0.0,
-                     point: str = "grad") -> str:
-    """What a ``matches`` leaves open where no twin without autocast was run (``grad-check
-    run``: the script is the user's): at a precision coarser than float32, any split off
-    by less than the tolerance; in float32, one whose residual is above float32's rounding
-    (``FLOAT32_ROUNDING``), which only a run in float64 resolves."""
-    if coarser_than_float32(dtype):
-        return (f"in {dtype_name(dtype)} a split off by less than {rtol:.2g} matches too: run "
-                "once in float32 to resolve it")
-    bound = FLOAT32_ROUNDING.get(point) if dtype == torch.float32 else None
-    if bound is None or not residual > bound:
-        return ""
-    return (f"residual {residual:.2g} is within float32's tolerance {rtol:.2g} but above its "
-            f"rounding (~{bound:.0e}): not rounding; run once in float64 to resolve it")

@@ -124,22 +124,6 @@ def watching_gradient_edits(seen: set[str]) -> Iterator[None]:
         _WATCHES.pop()
 
 
-def micro_step_edit_fix(edits: set[str]) -> str:
-    """The fix for a micro-step that edits the gradient it is accumulating, or steps an LR
-    scheduler (k times per window where the big batch steps it once)."""
-    if "an LR scheduler's step()" in edits:
-        return ("step the scheduler once per optimizer step (Setup.make_scheduler's is "
-                "stepped after each): micro_step calls an LR scheduler's step(), once per "
-                "micro-step, k times per window")
-    if "GradScaler" in edits:
-        return ("scale and unscale once per window: micro_step uses a GradScaler, so each "
-                "micro-step's gradient is scaled or unscaled on its own; set "
-                "Setup.grad_scaler=True and return the unscaled loss")
-    shown = " and ".join(sorted(edits))
-    return (f"clip once per window, in before_step: micro_step calls {shown}, which clips "
-            "the gradient of each micro-step (and rank) so far, not the window's")
-
-
 class WholeStep:
     """One model's step: its forwards under autocast, its backwards through the scaler,
     then unscale, ``before_step``, the optimizer step (skipped by the scaler on a
