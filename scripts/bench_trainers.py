@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from harness.grad_check.script.splits import parse_splits, substituted
-from harness.studies.trainers.environment import environment, interpreter, write_assets
-from harness.studies.trainers.study import SCRIPTS, missing, run_grad_check
+from harness.studies.trainers.environment import environment, filled, write_assets
+from harness.studies.trainers.study import missing, run_grad_check
 from harness.studies.trainers.trainers import TRAINERS, Trainer
 
 #: The trainers benchmarked: a `tune run` recipe and a launcher that starts N ranks.
@@ -37,9 +37,7 @@ def seconds(work) -> float:
 
 def bare_commands(trainer: Trainer, assets: Path) -> list[list[str]]:
     """The commands ``grad-check run`` runs for ``trainer`` as shipped, in its order."""
-    argv = [part.replace("{assets}", str(assets)).replace("{scripts}", str(SCRIPTS))
-            .replace("{python}", interpreter(trainer))
-            for part in trainer.argv(trainer.settings[0])]
+    argv = filled(trainer, trainer.settings[0], assets)
     reference, *splits = parse_splits(",".join([REFERENCE, *trainer.splits]))
     return [substituted(argv, split, trainer.global_batch)
             for split in (reference, reference, *splits)]

@@ -29,8 +29,14 @@ import torch.nn.functional as F
 
 from harness.studies.trainers import trainers
 from harness.studies.trainers.assets import LLAMA, write_gpt2, write_llama
-from harness.studies.trainers.environment import environment, interpreter, write_assets
-from harness.studies.trainers.study import SCRIPTS, missing
+from harness.studies.trainers.environment import (
+    environment,
+    filled,
+    interpreter,
+    write_assets,
+)
+from harness.studies.trainers.study import missing
+from tests.ports import launchers_port
 
 pytestmark = [pytest.mark.spread, pytest.mark.trainers]
 
@@ -64,24 +70,32 @@ def plain(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {plain_name(name): tensor for name, tensor in tensors.items()}
 
 
+def bare(trainer: trainers.Trainer, setting: str, nproc: int, batch: int, accum: int,
+         assets: Path) -> list[str]:
+    """The trainer's command at ``setting`` and split ``nproc x accum`` (``batch`` per
+    micro-step), every placeholder filled in."""
+    split = {"{nproc}": str(nproc), "{batch}": str(batch), "{accum}": str(accum),
+             "{global_batch}": str(trainer.global_batch)}
+    command = []
+    for part in filled(trainer, trainer.setting(setting), assets):
+        for name, value in split.items():
+            part = part.replace(name, value)
+        command.append(part)
+    return command
+
+
 def probed(trainer: trainers.Trainer, setting: str, nproc: int, batch: int, accum: int,
            folder: Path, assets: Path, timeout: float = 300) -> dict[int, dict]:
     """The trainer's command at ``setting`` and split ``nproc x accum`` (``batch`` per
     micro-step), run bare with the probe: its records, by rank."""
     out = folder / f"{setting}-{nproc}x{accum}".replace("=", "_").replace(" ", "_")
     out.mkdir(parents=True)
-    values = {"{assets}": str(assets), "{scripts}": str(SCRIPTS), "{nproc}": str(nproc),
-              "{batch}": str(batch), "{accum}": str(accum), "{python}": interpreter(trainer),
-              "{global_batch}": str(trainer.global_batch)}
-    command = []
-    for part in trainer.argv(trainer.setting(setting)):
-        for name, value in values.items():
-            part = part.replace(name, value)
-        command.append(part)
+    command = bare(trainer, setting, nproc, batch, accum, assets)
     env = {**environment(trainer), "TRAINER_PROBE_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(PROBE), environment(trainer)["PYTHONPATH"]])}
-    ended = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
-                           timeout=timeout, check=False)
+    with launchers_port(command, nproc):
+        ended = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True,
+                               timeout=timeout, check=False)
     records = {int(path.stem.removeprefix("rank")): torch.load(path)
                for path in out.glob("rank*.pt")}
     assert len(records) == nproc, ended.stdout[-3000:] + ended.stderr[-3000:]
@@ -191,11 +205,10 @@ def test_torchtune_distributed_logs_memory_stats_on_a_cpu_whatever_it_is_told(ll
                                                                               tmp_path):
     """full_finetune_distributed stops before training: it logs memory statistics after
     loading the model without asking ``log_peak_memory_stats``, and that raises on a CPU."""
-    command = [part.replace("{assets}", str(llama_assets)).replace("{nproc}", "1")
-               .replace("{batch}", "8").replace("{accum}", "1")
-               for part in trainers.TUNE_DISTRIBUTED.argv(trainers.Setting("default"))]
-    ended = subprocess.run([*command, "log_peak_memory_stats=False"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300, check=False)
+    command = bare(trainers.TUNE_DISTRIBUTED, "default", 1, 8, 1, llama_assets)
+    with launchers_port(command, 1):
+        ended = subprocess.run([*command, "log_peak_memory_stats=False"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300, check=False)
     assert ended.returncode != 0
     output = ended.stdout + ended.stderr
     assert "in _setup_model" in output
@@ -347,16 +360,322 @@ def test_litgpt_takes_each_micro_batchs_own_token_mean(litgpt_assets, tmp_path):
 @pytest.mark.launches(seconds=15)
 @pytest.mark.parametrize(("trainer", "nproc", "said"), [
     (trainers.LITGPT_FINETUNE, 2, "FSDP is only available on GPU"),
-    (trainers.LITGPT_PRETRAIN, 1, "from litdata import optimize")])
+    (trainers.LITGPT_PRETRAIN, 2, "FSDP is only available on GPU")])
 def test_litgpt_stops_before_training_where_its_row_says(trainer, nproc, said, litgpt_assets,
                                                         tmp_path):
-    """finetune_full at N = 2 trains FSDP, which Lightning refuses on a CPU; pretrain at any
-    N imports litdata, which its extra cannot hold on a CPU."""
-    command = [part.replace("{assets}", str(litgpt_assets)).replace("{nproc}", str(nproc))
-               .replace("{batch}", "4").replace("{global_batch}", "8")
-               .replace("{python}", interpreter(trainer))
-               for part in trainer.argv(trainers.Setting("default"))]
+    """finetune_full and pretrain at N = 2 train FSDP, which Lightning refuses on a CPU."""
+    if missing(trainer):
+        pytest.skip(missing(trainer))
+    command = bare(trainer, "default", nproc, 4, 8 // (4 * nproc), litgpt_assets)
     ended = subprocess.run(command, cwd=tmp_path, env=environment(trainer),
                            capture_output=True, text=True, timeout=300, check=False)
     assert ended.returncode != 0
     assert said in ended.stdout + ended.stderr
+
+
+# ------------------------------------------------------------------- ultralytics
+@pytest.fixture(scope="module")
+def yolo_assets(tmp_path_factory) -> Path:
+    if missing(trainers.YOLO):
+        pytest.skip(missing(trainers.YOLO))
+    return write_assets(trainers.YOLO, tmp_path_factory.mktemp("yolo"))
+
+
+#: ultralytics' documented defaults (ultralytics/cfg/default.yaml) that its first step reads.
+YOLO_WEIGHT_DECAY, YOLO_NBS = 0.0005, 64
+#: The batches probed: the rows' 16 and 64, one that does not divide nbs, one above it.
+YOLO_BATCHES = (16, 24, 64, 128)
+
+
+@pytest.fixture(scope="module")
+def yolo_first_steps(yolo_assets, tmp_path_factory) -> dict[tuple[str, int], dict]:
+    """yolo train's first optimizer step, probed, as shipped at the rows' batches and with
+    warmup_epochs=0 at every batch of YOLO_BATCHES."""
+    folder = tmp_path_factory.mktemp("yolo-steps")
+    runs = [("default", 16), ("default", 64),
+            *(("warmup_epochs=0", batch) for batch in YOLO_BATCHES)]
+    return {(setting, batch): probed(trainers.YOLO, setting, 1, batch, 1,
+                                     folder / f"{batch}", yolo_assets)[0]
+            for setting, batch in runs}
+
+
+@pytest.mark.launches(seconds=70)
+def test_yolo_steps_after_one_batch_during_its_warm_up(yolo_first_steps):
+    """yolo train batch=16 (nbs 64) as shipped steps after one backward (warm-up ramps
+    accumulate from 1), with warmup_epochs=0 after round(64 / 16) = 4; at batch=64 after
+    one. The probe counts the backwards before the first optimizer step."""
+    backwards = {(setting, batch): len(yolo_first_steps[setting, batch]["backwards"])
+                 for setting in ("default", "warmup_epochs=0") for batch in (16, 64)}
+    assert backwards == {("default", 16): 1, ("default", 64): 1,
+                         ("warmup_epochs=0", 16): 4, ("warmup_epochs=0", 64): 1}
+
+
+def _group(record: dict, name: str) -> dict:
+    """The parameter group ultralytics names ``name`` (weight, bn, bias), as the probe saw
+    it at the first step."""
+    return next(group for group in record["groups"] if group.get("param_group") == name)
+
+
+@pytest.mark.launches(seconds=70)
+def test_yolo_first_update_moves_nothing_as_shipped_and_its_decay_follows_nbs(
+        yolo_first_steps):
+    """What yolo train's first update is, beyond its gradient (the rows' finding):
+    - as shipped its warm-up starts every group's learning rate at 0 (optimizer=auto picks
+      AdamW and sets warmup_bias_lr to 0): the first step moves no parameter at batch 16
+      or 64, whatever its gradient;
+    - with warmup_epochs=0 every batch steps at one learning rate, and the decayed group's
+      weight decay is weight_decay * batch * round(nbs / batch) / nbs: the shipped value
+      where the batch divides nbs (16, 64), 1.125 times it at 24 (3 batches of 24 = 72),
+      2 times at 128 (no accumulation below one batch: 128 / 64);
+    so at 16 against 64 the update differs only by the gradient."""
+    for batch in (16, 64):
+        shipped = yolo_first_steps["default", batch]
+        assert {group["lr"] for group in shipped["groups"]} == {0.0}
+        assert all(not update.any() for group in shipped["updates"] for update in group)
+    rates = {batch: [group["lr"] for group in yolo_first_steps["warmup_epochs=0", batch]
+                     ["groups"]] for batch in YOLO_BATCHES}
+    assert len({tuple(rate) for rate in rates.values()}) == 1 and rates[16][0] > 0
+    decays = {}
+    for batch in YOLO_BATCHES:
+        record = yolo_first_steps["warmup_epochs=0", batch]
+        decays[batch] = _group(record, "weight")["weight_decay"]
+        nominal = YOLO_WEIGHT_DECAY * batch * max(round(YOLO_NBS / batch), 1) / YOLO_NBS
+        assert decays[batch] == pytest.approx(nominal, rel=1e-12), batch
+        assert _group(record, "bias")["weight_decay"] == 0.0
+        assert any(update.any() for group in record["updates"] for update in group)
+    assert decays[16] == decays[64] < decays[24] < decays[128]
+
+
+# ------------------------------------------------------------------- every row's command
+def _measured_rows() -> list[dict]:
+    """The committed rows that measured a split: each one's command, N and k."""
+    rows = pd.read_csv(RESULTS, keep_default_na=False)
+    rows = rows[rows["verdict"] != ""]
+    return rows[["trainer", "setting", "split", "world_size", "accum_steps", "command"]
+                ].to_dict("records")
+
+
+def _bare_line(row: dict, assets: Path) -> tuple[dict[str, str], list[str], trainers.Trainer]:
+    """A committed row's command, split into its variables and its arguments, the
+    machine's folders filled in."""
+    import shlex
+
+    from harness.studies.trainers.environment import SCRIPTS, interpreter
+
+    trainer = next(t for t in trainers.TRAINERS.values() if t.name == row["trainer"])
+
+    line = row["command"].replace("{assets}", str(assets)).replace("{scripts}", str(SCRIPTS))
+    line = line.replace("{python}", interpreter(trainer))
+    words = shlex.split(line)
+    variables = {}
+    while words and "=" in words[0] and words[0].split("=")[0].isidentifier() and \
+            words[0].split("=")[0].isupper():
+        name, _, value = words.pop(0).partition("=")
+        variables[name] = value
+    return variables, words, trainer
+
+
+@pytest.mark.launches(seconds=400)
+@pytest.mark.parametrize("row", _measured_rows() if RESULTS.exists() else [],
+                         ids=lambda row: f"{row['trainer']}/{row['setting']}/{row['split']}")
+def test_a_rows_command_run_bare_runs_its_n_ranks_and_k_micro_steps(row, tmp_path):
+    """Each committed row's command, copied as it is and run bare with the probe (no
+    grad-check): its ranks are the row's N, each with world size N, and each took the
+    row's k backwards before its first step (torchtune's and LitGPT's recipes and the
+    frameworks' programs: one backward per micro-step)."""
+    trainer = next(t for t in trainers.TRAINERS.values() if t.name == row["trainer"])
+    if missing(trainer):
+        pytest.skip(missing(trainer))
+    assets = write_assets(trainer, tmp_path / "assets")
+    variables, command, trainer = _bare_line(row, assets)
+    out = tmp_path / "probe"
+    out.mkdir()
+    env = {**environment(trainer), **variables, "TRAINER_PROBE_OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(PROBE), environment(trainer)["PYTHONPATH"]])}
+    with launchers_port(command, int(float(row["world_size"]))):
+        ended = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
+                               text=True, timeout=600, check=False)
+    records = [torch.load(path) for path in sorted(out.glob("rank*.pt"))]
+    said = ended.stdout[-2000:] + ended.stderr[-2000:]
+    assert len(records) == int(float(row["world_size"])), said
+    assert {record["world_size"] for record in records} == {int(float(row["world_size"]))}, said
+    # yolo train as shipped steps after one batch in its warm-up, whatever k its batch
+    # derives (test_yolo_steps_after_one_batch_during_its_warm_up): its rows' finding.
+    taken = 1 if (row["trainer"], row["setting"]) == (trainers.YOLO.name, "default") \
+        else int(float(row["accum_steps"]))
+    assert {len(record["backwards"]) for record in records} == {taken}, said
+
+
+# ------------------------------------------------------------------- sentence-transformers
+@pytest.fixture(scope="module")
+def bert_assets(tmp_path_factory) -> Path:
+    if missing(trainers.SENTENCE_TRANSFORMERS):
+        pytest.skip(missing(trainers.SENTENCE_TRANSFORMERS))
+    return write_assets(trainers.SENTENCE_TRANSFORMERS, tmp_path_factory.mktemp("bert"))
+
+
+def ranking_gradient(assets: Path, initial: dict, windows: list[list[dict]]
+                     ) -> dict[str, torch.Tensor]:
+    """The gradient of the mean over ``windows`` of the in-batch ranking loss (each
+    anchor's cosine similarity x 20 to every positive of its window, cross-entropy against
+    its own), the texts mean-pooled over their tokens, of the tiny BERT from ``initial``,
+    in float64: each window is a list of (anchors' features, positives' features)."""
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(assets / "bert").double()
+    model.load_state_dict({name.split("model.", 1)[1]: value for name, value in
+                           plain(initial).items() if ".model." in f".{name}"}, strict=False)
+
+    def embedded(features: dict) -> torch.Tensor:
+        mask = features["attention_mask"].unsqueeze(-1).double()
+        hidden = model(**{key: value for key, value in features.items()
+                          if key in ("input_ids", "attention_mask", "token_type_ids")}
+                       ).last_hidden_state
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+    loss = 0
+    for window in windows:
+        anchors = torch.cat([embedded(a) for a, _ in window])
+        positives = torch.cat([embedded(p) for _, p in window])
+        scores = 20 * F.normalize(anchors, dim=-1) @ F.normalize(positives, dim=-1).T
+        loss = loss + F.cross_entropy(scores, torch.arange(len(scores))) / len(windows)
+    loss.backward()
+    return {f"0.model.{name}": param.grad for name, param in model.named_parameters()
+            if param.grad is not None}
+
+
+@pytest.mark.launches(seconds=40)
+def test_sentence_transformers_ranks_each_micro_batch_against_itself(bert_assets, tmp_path):
+    """SentenceTransformerTrainer with MultipleNegativesRankingLoss at 1x2: the gradient is
+    the mean of each micro-batch's own in-batch ranking loss (its 3 negatives), not the big
+    batch's (7 negatives), recomputed here from the recorded texts' tokens."""
+    trainer = trainers.SENTENCE_TRANSFORMERS
+    whole = probed(trainer, "default", 1, 8, 1, tmp_path, bert_assets)[0]
+    split = probed(trainer, "default", 1, 4, 2, tmp_path, bert_assets)[0]
+    # Each micro-step's one forward takes both sides' features: [anchors, positives].
+    pairs = [tuple(forward["args"][0]) for forward in split["forwards"]]
+    assert len(pairs) == 2
+
+    def encoder(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The BERT's tensors by ``0.model.<name>``: the probe's outermost module is the
+        loss, which holds the (DDP-wrapped) SentenceTransformer as ``model``."""
+        return {name[name.index("0.model."):]: tensor for name, tensor in tensors.items()
+                if "0.model." in name}
+
+    for record in (whole, split):
+        record["grads"], record["initial"] = encoder(record["grads"]), \
+            encoder(record["initial"])
+    names = sorted(split["grads"])
+    big = ranking_gradient(bert_assets, split["initial"], [pairs])
+    predicted = ranking_gradient(bert_assets, split["initial"], [[pair] for pair in pairs])
+    taken = flat(plain(split["grads"]), names)
+    assert residual(flat(plain(whole["grads"]), names), flat(big, names)) < ROUNDING
+    assert residual(taken, flat(predicted, names)) < ROUNDING
+    found = residual(taken, flat(big, names))
+    assert found > 1000 * ROUNDING
+    # The size is not compared with the committed row's: the bare run's window gives 0.180
+    # here where grad-check's 1x2 gave 0.198 (an open difference between the two runs'
+    # windows, not the mechanism, which the two assertions above reproduce to rounding).
+    assert committed(trainer.name, "default", "1x2") > 1000 * ROUNDING
+
+
+
+# ------------------------------------------------------------------- timm
+@pytest.fixture(scope="module")
+def image_assets(tmp_path_factory) -> Path:
+    if missing(trainers.TIMM):
+        pytest.skip(missing(trainers.TIMM))
+    return write_assets(trainers.TIMM, tmp_path_factory.mktemp("images"))
+
+
+@pytest.mark.launches(seconds=240)
+def test_timm_augments_by_worker_and_mixes_by_batch(image_assets, tmp_path):
+    """timm's pieces at 1x2 against 1x1, the images each first window fed: other values
+    with the augmentation alone (by 4 workers) and with Mixup alone; the same with both off,
+    and with the augmentation alone drawn without workers (-j 0): the worker, not the
+    augmentation itself, makes it depend on the micro-batch."""
+    def fed(extra: tuple[str, ...], batch: int, accum: int, name: str) -> torch.Tensor:
+        trainer = replace(trainers.TIMM, settings=(trainers.Setting(trainers.DEFAULT),
+                                                   trainers.Setting("probe", extra)))
+        record = probed(trainer, "probe", 1, batch, accum, tmp_path / name, image_assets)[0]
+        return torch.cat([forward["args"][0] for forward in record["forwards"]])
+
+    off = ("--mixup", "0", "--cutmix", "0")
+    alike = {}
+    for name, extra in {"augmented": off, "mixed": ("--no-aug",),
+                        "neither": ("--no-aug", *off), "no workers": (*off, "-j", "0")}.items():
+        whole, split = fed(extra, 16, 1, f"{name}-1"), fed(extra, 8, 2, f"{name}-2")
+        assert whole.shape == split.shape == (16, 3, 32, 32)
+        alike[name] = torch.equal(whole, split)
+    assert alike == {"augmented": False, "mixed": False, "neither": True, "no workers": True}
+
+
+# ------------------------------------------------------------------- the Trainer's history
+@pytest.mark.launches(seconds=60)
+@pytest.mark.parametrize(("key", "divided"), [("hf_trainer_4_45_2", True),
+                                              ("hf_trainer_4_46_0", False)])
+def test_the_trainer_before_its_fix_takes_each_micro_batchs_token_mean(key, divided, tmp_path):
+    """The Trainer at 1x2 of its releases 4.45.2 and 4.46.0, on GPT-2: each micro-step's
+    gradient (the probe's snapshot after each backward) is its own tokens' mean, divided by
+    k in 4.45.2 and not in 4.46.0. Weighing each by its count (times k where divided)
+    rebuilds the 1x1 step; what the step took is their plain sum."""
+    trainer = trainers.TRAINERS[key]
+    if missing(trainer):
+        pytest.skip(missing(trainer))
+    whole = probed(trainer, "default", 1, 8, 1, tmp_path, tmp_path)[0]
+    split = probed(trainer, "default", 1, 4, 2, tmp_path, tmp_path)[0]
+    names = sorted(split["grads"])
+    snapshots = [flat(snapshot, names) for snapshot in split["backwards"]]
+    steps = [snapshots[0], snapshots[1] - snapshots[0]]
+    counts = [int((forward["kwargs"]["labels"][:, 1:] != -100).sum())
+              for forward in split["forwards"]]
+    factor = 2 if divided else 1
+    big = sum(factor * step * count for step, count in zip(steps, counts, strict=True)) / \
+        sum(counts)
+    taken = flat(split["grads"], names)
+    assert counts[0] != counts[1]
+    assert residual(taken, steps[0] + steps[1]) < ROUNDING
+    assert residual(flat(whole["grads"], names), big) < ROUNDING
+    scale = float(taken @ big / (big @ big))
+    assert scale == pytest.approx(1 if divided else 2, rel=0.05)
+    assert residual(taken, big) == pytest.approx(committed(trainer.name, "default", "1x2"),
+                                                 rel=AGREES)
+
+
+@pytest.mark.launches(seconds=150)
+def test_litgpt_pretrains_on_other_blocks_at_another_micro_batch(litgpt_assets, tmp_path):
+    """litgpt pretrain at micro-batch 4 (1x2) takes other token blocks in its first window
+    than at 8 (1x1), with one DataLoader worker too: TextFiles' loader drops the last
+    partial batch (`drop_last=True`), and litdata's shuffle then deals its items by the
+    batch size. litdata alone shows it: the first 8 items of the same StreamingDataset
+    differ between batch sizes 4 and 8 with drop_last, and not without."""
+    trainer = trainers.LITGPT_PRETRAIN
+    if missing(trainer):
+        pytest.skip(missing(trainer))
+    assets = write_assets(trainer, tmp_path / "assets")
+    one = replace(trainer, settings=(trainers.Setting(trainers.DEFAULT),
+                                     trainers.Setting("one worker", ("--data.num_workers", "1"))))
+
+    def blocks(record: dict) -> set[tuple[int, ...]]:
+        return {tuple(row) for forward in record["forwards"]
+                for row in forward["args"][0].tolist()}
+
+    whole = probed(one, "one worker", 1, 8, 1, tmp_path / "whole", assets)[0]
+    split = probed(one, "one worker", 1, 4, 2, tmp_path / "split", assets)[0]
+    assert len(blocks(whole)) == len(blocks(split)) == 8
+    assert blocks(whole) != blocks(split)
+    script = "\n".join((
+        "import sys", "from litdata import StreamingDataLoader, StreamingDataset, TokensLoader",
+        "def first(batch, drop_last):",
+        "    data = StreamingDataset(sys.argv[1], item_loader=TokensLoader(block_size=33),",
+        "                            shuffle=True, seed=42, drop_last=drop_last)",
+        "    rows = []",
+        "    for got in StreamingDataLoader(data, batch_size=batch, num_workers=1,",
+        "                                   drop_last=drop_last):",
+        "        rows += [tuple(row.tolist()) for row in got]",
+        "        if len(rows) >= 8:",
+        "            return sorted(rows[:8])",
+        "print([first(4, drop) == first(8, drop) for drop in (True, False)])"))
+    ended = subprocess.run([interpreter(trainer), "-c", script, str(assets / "text" / "train")],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert ended.stdout.strip().splitlines()[-1:] == ["[False, True]"], ended.stderr[-2000:]

@@ -2,15 +2,21 @@
 harness is imported. On ``PYTHONPATH`` with ``TRAINER_PROBE_OUT`` set, every process of
 the trainer records, until its first ``optimizer.step()``:
 
-- the model as its first outermost forward found it (``initial``: float64 copies);
+- the model (the first module with parameters called outside any other module's forward)
+  as that forward found it (``initial``: float64 copies);
 - every forward of that model, its tensor inputs (``forwards``: args and kwargs);
 - every ``F.cross_entropy`` call's targets, with the forward they followed (``targets``);
 - after every backward, the model's gradient accumulated so far (``backwards``);
 - the gradient the step was handed (``grads``, by parameter name, float64), taken on entry
   to the first ``clip_grad_norm_`` where the trainer clips, else on entry to the step, else
   (a step that runs its closure) after it;
+- the optimizer's class and each parameter group's hyperparameters (every number but its
+  parameters: ``lr``, ``weight_decay``, ...) as the first step found them (``optimizer``,
+  ``groups``), and that step's update (``updates``: per group, each of its parameters
+  after the step minus before, float64);
 
-then writes them to ``rank<R>.pt`` in that folder (R its rank in the process group) and
+then writes them, with the world size its process group (else ``WORLD_SIZE``) has, to
+``rank<R>.pt`` in that folder (R its rank in the process group) and
 ends the process (exit code 0).
 tests/test_trainers_findings.py recomputes the big-batch gradient from these.
 """
@@ -44,7 +50,12 @@ if _OUT:
     def _recorded_call(module, *args, **kwargs):
         """Every module call: the first outermost one (inside no other module's forward)
         under autograd is the model's; its calls are the trainer's forwards."""
-        if _state["depth"] == 0 and torch.is_grad_enabled() and _state["model"] is None:
+        # A module without parameters (a torchvision transform, called on the loader's
+        # images where it has no workers) is not the model, nor one on the meta device
+        # (LitGPT counts its FLOPs on a meta copy).
+        first = next(module.parameters(), None)
+        if _state["depth"] == 0 and torch.is_grad_enabled() and _state["model"] is None \
+                and first is not None and not first.is_meta:
             _state["model"] = module
             _state["initial"] = {name: tensor.detach().to(torch.float64).clone()
                                  for name, tensor in module.state_dict().items()
@@ -101,9 +112,18 @@ if _OUT:
     torch.nn.utils.clip_grad_norm_ = _recorded_clip
 
     def _before_step(optimizer, args, kwargs):
-        if any(param.grad is not None for group in optimizer.param_groups
-               for param in group["params"]):
+        # A step given a closure (Lightning) runs its window's last backward inside it: the
+        # gradient on entry lacks that micro-step (the step's post-hook takes it).
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is None and any(param.grad is not None for group in optimizer.param_groups
+                                   for param in group["params"]):
             _take_grads()
+        _state["optimizer"] = type(optimizer).__name__
+        _state["groups"] = [{key: value for key, value in group.items() if key != "params"}
+                            for group in optimizer.param_groups]
+        _state["stepped"] = optimizer
+        _state["before"] = [[param.detach().to(torch.float64).clone() for param in group["params"]]
+                            for group in optimizer.param_groups]
 
     def _after_step(optimizer, args, kwargs):
         # A step given a closure (Lightning) runs the forward and backward inside it: the
@@ -112,8 +132,16 @@ if _OUT:
         # Lightning starts its other ranks itself, without RANK: ask the process group.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-        saved = {key: _state[key]
-                 for key in ("initial", "forwards", "targets", "backwards", "grads")}
+        world = torch.distributed.get_world_size() if distributed else \
+            int(os.environ.get("WORLD_SIZE", "1"))
+        saved = {key: _state.get(key) for key in (
+            "initial", "forwards", "targets", "backwards", "grads", "optimizer", "groups")}
+        if optimizer is _state.get("stepped"):
+            saved["updates"] = [
+                [param.detach().to(torch.float64) - before
+                 for param, before in zip(group["params"], befores, strict=True)]
+                for group, befores in zip(optimizer.param_groups, _state["before"], strict=True)]
+        saved["world_size"] = world
         torch.save(saved, os.path.join(_OUT, f"rank{rank}.pt"))
         os._exit(0)
 

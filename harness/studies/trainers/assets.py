@@ -9,8 +9,12 @@ are the same on every machine.
 
 from __future__ import annotations
 
+import collections
 import json
 import random
+import re
+from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 
 #: The words the data sets are drawn from: short, so that a tiny vocabulary covers them.
@@ -108,15 +112,72 @@ def write_gpt2(folder: Path) -> Path:
     return folder
 
 
+#: The tiny BERT (transformers), dropout off: a split must not draw other dropout masks.
+BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 128, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0}
+
+
+#: BERT's special tokens, first in its vocabulary.
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+#: The tiny BERT's vocabulary: its special tokens, every character alone and as a word's
+#: continuation (``##c``), then the texts' most frequent words.
+BERT_VOCABULARY = 200
+
+
+def wordpiece_vocabulary(texts: list[str]) -> dict[str, int]:
+    """A WordPiece vocabulary of ``texts``, the same on every run: tokenizers' own
+    WordPieceTrainer breaks ties between equally frequent pieces differently from run to run
+    (its vocabulary and ids changed, and with them the model's gradients)."""
+    words = collections.Counter(word for text in texts
+                                for word in re.findall(r"\w+|[^\w\s]", text.lower()))
+    characters = sorted({character for word in words for character in word})
+    vocabulary = [*BERT_SPECIALS, *characters, *(f"##{c}" for c in characters)]
+    frequent = sorted((word for word in words if len(word) > 1),
+                      key=lambda word: (-words[word], word))
+    vocabulary += frequent[:max(0, BERT_VOCABULARY - len(vocabulary))]
+    return {token: index for index, token in enumerate(vocabulary)}
+
+
+def write_bert(folder: Path) -> Path:
+    """sentence-transformers' assets under ``folder``: a tiny BERT and its WordPiece
+    tokenizer saved with ``save_pretrained`` (``bert/``), and pairs of texts, each
+    instruction with its answer (``pairs.jsonl``: anchor, positive)."""
+    import torch
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    rows = alpaca_rows()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pairs.jsonl").write_text("".join(
+        json.dumps({"anchor": row["instruction"], "positive": row["output"]}) + "\n"
+        for row in rows))
+    texts = [text for row in rows for text in (row["instruction"], row["output"])]
+    tokenizer = Tokenizer(models.WordPiece(wordpiece_vocabulary(texts), unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    fast = BertTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
+                             cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(fast), **BERT)).save_pretrained(folder / "bert")
+    fast.save_pretrained(folder / "bert")
+    return folder
+
+
 #: The tiny LitGPT model: pythia-14m's architecture (LitGPT's `Config` defaults), shrunk.
 LITGPT = {"name": "tiny-pythia", "block_size": 256, "n_layer": 2, "n_head": 2, "n_embd": 32,
           "vocab_size": 320, "padding_multiple": 64}
 
 
+#: The pretraining text's files: TextFiles needs two at least, and its validation file must
+#: hold one block of tokens.
+TEXT_FILES = 4
+
+
 def write_litgpt(folder: Path) -> Path:
     """LitGPT's assets under ``folder``: a checkpoint folder (``ckpt/``: ``lit_model.pth``,
     ``model_config.yaml`` and a BPE tokenizer, ``tokenizer.json``), the alpaca-format data
-    set (``alpaca.json``) and the text rows for pretraining (``text/train.txt``); the
+    set (``alpaca.json``) and the text rows for pretraining (``text/part*.txt``); the
     tokenizer learns the rows through LitGPT's own alpaca prompt."""
     import torch
     from litgpt.config import Config
@@ -129,8 +190,12 @@ def write_litgpt(folder: Path) -> Path:
     checkpoint = folder / "ckpt"
     checkpoint.mkdir(parents=True, exist_ok=True)
     (folder / "alpaca.json").write_text(json.dumps(rows, indent=0))
+    # TextFiles wants two .txt files at least (the first becomes the validation set).
     (folder / "text").mkdir(exist_ok=True)
-    (folder / "text" / "train.txt").write_text("\n".join(row["text"] for row in text_rows()))
+    texts = [row["text"] for row in text_rows()]
+    for part in range(TEXT_FILES):
+        (folder / "text" / f"part{part}.txt").write_text(
+            "\n".join(texts[part::TEXT_FILES]) + "\n")
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
@@ -150,8 +215,94 @@ def write_litgpt(folder: Path) -> Path:
     return folder
 
 
-#: Each kind of asset by name: what a trainer's declaration asks for.
-WRITERS = {"llama": write_llama, "gpt2": write_gpt2, "litgpt": write_litgpt}
+#: The tiny detector, in ultralytics' model yaml: its own modules (Conv, C2f, Detect) at a
+#: few channels, every Conv with its BatchNorm2d, as every model ultralytics ships has.
+YOLO_MODEL = """nc: 2
+backbone:
+  - [-1, 1, Conv, [8, 3, 2]]
+  - [-1, 1, Conv, [16, 3, 2]]
+  - [-1, 1, C2f, [16, True]]
+  - [-1, 1, Conv, [32, 3, 2]]
+  - [-1, 1, C2f, [32, True]]
+  - [-1, 1, Conv, [32, 3, 2]]
+head:
+  - [[3, 4, 5], 1, Detect, [nc]]
+"""
+#: Images of the detection data set (train), each SIZE x SIZE pixels.
+IMAGES, SIZE = 128, 64
+
+
+def _scene(rng: random.Random) -> tuple[object, list[str]]:
+    """One image (a grey background, one to three red or blue rectangles) and its labels
+    in YOLO's format: ``class x_center y_center width height``, relative."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (SIZE, SIZE), (rng.randrange(256),) * 3)
+    draw, labels = ImageDraw.Draw(image), []
+    for _ in range(rng.randint(1, 3)):
+        kind, width, height = rng.randrange(2), rng.randint(10, 30), rng.randint(10, 30)
+        x, y = rng.randint(0, SIZE - width), rng.randint(0, SIZE - height)
+        draw.rectangle([x, y, x + width, y + height], fill=((255, 0, 0), (0, 0, 255))[kind])
+        labels.append(f"{kind} {(x + width / 2) / SIZE:.6f} {(y + height / 2) / SIZE:.6f} "
+                      f"{width / SIZE:.6f} {height / SIZE:.6f}")
+    return image, labels
+
+
+def write_yolo(folder: Path) -> Path:
+    """ultralytics' assets under ``folder``: a detection data set in its layout
+    (``data/images/{train,val}/*.png``, ``data/labels/...txt``, ``data/data.yaml``) and the
+    tiny model's yaml (``yolo-tiny.yaml``)."""
+    rng = random.Random(SEED)
+    data = folder / "data"
+    for split, count in (("train", IMAGES), ("val", 8)):
+        (data / "images" / split).mkdir(parents=True, exist_ok=True)
+        (data / "labels" / split).mkdir(parents=True, exist_ok=True)
+        for index in range(count):
+            image, labels = _scene(rng)
+            image.save(data / "images" / split / f"{index:03d}.png")
+            (data / "labels" / split / f"{index:03d}.txt").write_text("\n".join(labels) + "\n")
+    (data / "data.yaml").write_text(f"path: {data}\ntrain: images/train\nval: images/val\n"
+                                    "names:\n  0: red\n  1: blue\n")
+    (folder / "yolo-tiny.yaml").write_text(YOLO_MODEL)
+    return folder
+
+
+def write_images(folder: Path) -> Path:
+    """An image folder for timm under ``folder/images``: a folder per class (``red``,
+    ``blue``), 64 images each, SIZE/2 pixels square, one rectangle of the class's colour on
+    a grey background."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(SEED + 2)
+    size = SIZE // 2
+    for kind, colour in enumerate(("red", "blue")):
+        (folder / "images" / colour).mkdir(parents=True, exist_ok=True)
+        for index in range(64):
+            image = Image.new("RGB", (size, size), (rng.randrange(256),) * 3)
+            width, height = rng.randint(8, 20), rng.randint(8, 20)
+            x, y = rng.randint(0, size - width), rng.randint(0, size - height)
+            ImageDraw.Draw(image).rectangle([x, y, x + width, y + height],
+                                            fill=((255, 0, 0), (0, 0, 255))[kind])
+            image.save(folder / "images" / colour / f"{index:03d}.png")
+    return folder
+
+
+class Assets(StrEnum):
+    """Each kind of asset the study writes: what a trainer's declaration asks for (by its
+    value on the command line of the interpreter that writes it)."""
+
+    LLAMA = "llama"
+    GPT2 = "gpt2"
+    BERT = "bert"
+    LITGPT = "litgpt"
+    YOLO = "yolo"
+    IMAGES = "images"
+
+
+#: The writer of each kind of asset.
+WRITERS: dict[Assets, Callable[[Path], Path]] = {
+    Assets.LLAMA: write_llama, Assets.GPT2: write_gpt2, Assets.BERT: write_bert,
+    Assets.LITGPT: write_litgpt, Assets.YOLO: write_yolo, Assets.IMAGES: write_images}
 
 
 if __name__ == "__main__":
@@ -159,4 +310,4 @@ if __name__ == "__main__":
     # has the trainer installed (LitGPT's is an environment of its own).
     import sys
 
-    WRITERS[sys.argv[1]](Path(sys.argv[2]))
+    WRITERS[Assets(sys.argv[1])](Path(sys.argv[2]))

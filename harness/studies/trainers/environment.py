@@ -15,16 +15,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.studies.trainers.trainers import Trainer
+from harness.grad_check.script.processes import TORCHRUN_VARIABLES
+from harness.studies.trainers.trainers import Setting, Trainer
 
 #: The project's root: another interpreter imports the harness from it.
 ROOT = Path(__file__).resolve().parents[3]
-#: torchrun's variables of the study's own rank: a trainer's launcher must start afresh.
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS")
+#: The project's example programs, which some trainers run: in a clone (or an editable
+#: install), beside the package.
+SCRIPTS = ROOT / "examples" / "scripts"
+#: What a trainer's launcher must not inherit from the study's own rank: torchrun's
+#: variables (it starts afresh), and the rank's thread count (a trainer picks its own).
+RANK_VARIABLES = (*TORCHRUN_VARIABLES, "OMP_NUM_THREADS")
 
 
 def interpreter(trainer: Trainer) -> str:
@@ -33,12 +34,23 @@ def interpreter(trainer: Trainer) -> str:
         else sys.executable
 
 
+def filled(trainer: Trainer, setting: Setting, assets: Path) -> list[str]:
+    """The trainer's command at ``setting``, its files and interpreter filled in; the
+    split's placeholders (``{batch}``, ``{nproc}``, ...) left for ``grad-check run``."""
+    return [part.replace("{assets}", str(assets)).replace("{scripts}", str(SCRIPTS))
+            .replace("{python}", interpreter(trainer)) for part in trainer.argv(setting)]
+
+
 def environment(trainer: Trainer) -> dict[str, str]:
     """The environment of a trainer's processes: this one's, without the study's own
     rank variables, with the project importable and the trainer's own settings."""
     env = {name: value for name, value in os.environ.items() if name not in RANK_VARIABLES}
     path = os.pathsep.join(part for part in (str(ROOT), env.get("PYTHONPATH", "")) if part)
-    return {**env, "PYTHONPATH": path, **trainer.env}
+    # An environment of the trainer's own, as if activated: its programs (`yolo`) first.
+    programs = os.pathsep.join(part for part in (
+        str(Path(interpreter(trainer)).parent) if trainer.python_variable else "",
+        env.get("PATH", "")) if part)
+    return {**env, "PYTHONPATH": path, "PATH": programs, **trainer.env}
 
 
 @functools.cache
@@ -69,7 +81,7 @@ def site_packages(python: str, distribution: str) -> Path | None:
 def write_assets(trainer: Trainer, folder: Path) -> Path:
     """The trainer's assets, written by its own interpreter (harness/studies/trainers/
     assets.py), into ``folder``; ``folder`` itself for a trainer that reads none."""
-    if not trainer.assets:
+    if trainer.assets is None:
         return folder
     subprocess.run([interpreter(trainer), "-m", "harness.studies.trainers.assets",
                     trainer.assets, str(folder)], env=environment(trainer), check=True,
