@@ -54,6 +54,8 @@ TRAILING_COLUMNS = (
     Column("launch_world_size", "ranks", "ranks in the whole launch (N)"),
     Column("slurm_job_id", "", "`SLURM_JOB_ID` when run inside Slurm, else empty"),
     Column("torch_version", "", "`torch.__version__`"),
+    Column("ran_on", "`rank@host,...`", "the ranks the case ran on, each with its host's name: "
+           "its slot's ranks for a case of several, the rank that ran it for one process"),
     Column("status", "", "`ok`, or why the case was not measured (e.g. `skipped: needs 2 CUDA "
            "devices, has 0`)"),
 )
@@ -122,6 +124,10 @@ PRECISION = Column("precision", "`float64`, `float32`, `bfloat16`, `float16`",
                    "the lowest precision the step really ran in (the model's type, the "
                    "autocast type, the type of every loss the user's code returned): the "
                    "row's tolerance is that precision's", judged=lambda j: j.precision_name)
+CAUSE = Column("cause", "id",
+               "why the row differs, as a stable id: one of the causes declared in "
+               "harness/check/causes/ (its `fix` says it in words); empty when it matches or no "
+               "cause explains it", judged=lambda j: j.cause)
 FIX = Column("fix", "text", "what to change, read from the measurement; empty when it matches",
              judged=lambda j: j.fix)
 STATUS = Column("status", Status.words(), Status.described(),
@@ -132,7 +138,7 @@ DECLARED_ONCE = ("verdict", "status")
 ERROR = Column("error", "text", "the exception of a case that failed (`Type: first sentence`), "
                "else empty", judged=lambda j: j.error)
 JUDGED: tuple[Column, ...] = (STEP, POINT, VERDICT, SCALE, RESIDUAL, WORST_TENSORS, RANKS_AGREE,
-                              PRECISION, FIX, STATUS, ERROR)
+                              PRECISION, CAUSE, FIX, STATUS, ERROR)
 
 #: Rows of a check that may run under autocast (the Setup matrix and the frameworks').
 AUTOCAST_RESIDUAL = Column(

@@ -14,7 +14,7 @@ from harness.tolerances import relative_tolerance
 #: Columns every CSV row carries, describing where and how it was measured.
 CONTEXT_COLUMNS = (
     "backend", "device", "dtype", "hosts", "nodes", "ranks_per_node", "launch_world_size",
-    "slurm_job_id", "torch_version",
+    "slurm_job_id", "torch_version", "ran_on",
 )
 
 
@@ -30,6 +30,8 @@ class RunContext:
     groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     #: Distinct hostnames among the launch's ranks.
     hosts: int = 1
+    #: Each rank's hostname, in rank order.
+    hostnames: tuple[str, ...] = ()
     #: First rank of the slot the current collective case runs on (the runner sets it).
     first_rank: int = 0
 
@@ -52,6 +54,14 @@ class RunContext:
     @property
     def seed(self) -> int:
         return self.config.seed
+
+    def ran_on(self, case) -> str:
+        """Where ``case`` ran, ``rank@host`` for each of its ranks: its slot's, for a
+        collective case; the rank that ran it, for one process."""
+        ranks = (range(self.first_rank, self.first_rank + case.participants)
+                 if case.collective else (self.rank,))
+        names = self.hostnames or (self.launch.hostname,) * self.launch.world_size
+        return ",".join(f"{rank}@{names[rank]}" for rank in ranks)
 
     def reports(self, case) -> bool:
         """Whether this rank returns the rows of ``case``: the rank running a

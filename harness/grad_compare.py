@@ -64,9 +64,10 @@ def rules() -> str:
         f"count by one unit, a float32 or bfloat16 rounding error by another rounding: "
         f"{declared or 'none'}); anything else (verdicts, status, booleans, text) must be the "
         "same text.",
-        "A row only one folder has is a difference too (a case measured on one side only). "
-        "The run.json settings and run context are shown side by side, not judged. At most "
-        f"{MAX_SHOWN} differences are listed, then the counts.",
+        "A row only one folder has is a difference too (a case measured on one side only), "
+        "unless --common-rows: then it is counted, not compared. The run.json settings and "
+        f"run context are shown side by side, not judged. At most {MAX_SHOWN} differences are "
+        "listed (--all: every one), then the counts.",
         "Exit code: 0 when the findings agree, 1 when they do not, 2 for bad input (a folder "
         "that is not a results folder, an unreadable run.json or CSV, no study in common), "
         "with one line naming it.",
@@ -143,6 +144,10 @@ class FolderComparison:
     schema: list[tuple[str, str, str]] = field(default_factory=list)
     #: Declared absolute tolerances applied, by (study, column).
     declared: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: ``--common-rows``: a row only one side has is counted here (by side), not a difference
+    #: (a quick form's rows against the full run's).
+    common_rows: bool = False
+    only_in: Counter = field(default_factory=Counter)
 
     @property
     def agree(self) -> bool:
@@ -184,6 +189,9 @@ def compare_study(study: str, a: ResultsFolder, b: ResultsFolder, into: FolderCo
     rows_in_case = Counter(case_id for case_id, _ in {**left, **right})
     for key in {**left, **right}:
         label = _row_label(key, rows_in_case[key[0]])
+        if into.common_rows and (key not in left or key not in right):
+            into.only_in["A" if key in left else "B"] += 1
+            continue
         if key not in left or key not in right:
             into.differences.append(Difference(
                 study, label, "(row)", "present" if key in left else "absent",
@@ -232,8 +240,10 @@ def studies_to_compare(a: ResultsFolder, b: ResultsFolder, asked: str | None) ->
     return list(dict.fromkeys(names))
 
 
-def compare_folders(a: ResultsFolder, b: ResultsFolder, studies: Sequence[str]) -> FolderComparison:
-    comparison = FolderComparison(studies=list(studies), rtol=tolerance_for(a, b))
+def compare_folders(a: ResultsFolder, b: ResultsFolder, studies: Sequence[str],
+                    common_rows: bool = False) -> FolderComparison:
+    comparison = FolderComparison(studies=list(studies), rtol=tolerance_for(a, b),
+                                  common_rows=common_rows)
     for study in studies:
         compare_study(study, a, b, comparison)
     return comparison
@@ -260,7 +270,10 @@ def _side_by_side(title: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]
     return ["", f"{title} (shown, not judged):", *_table(["", "A", "B"], rows)]
 
 
-def report(a: ResultsFolder, b: ResultsFolder, comparison: FolderComparison) -> str:
+def report(a: ResultsFolder, b: ResultsFolder, comparison: FolderComparison,
+           every: bool = False) -> str:
+    """The comparison as printed: the first :data:`MAX_SHOWN` differences, or ``every``
+    one (``--all``)."""
     lines = [f"A = {a.path}", f"B = {b.path}"]
     lines += _side_by_side("run.json settings that differ", a.settings(), b.settings())
     lines += _side_by_side("run context", a.facts(), b.facts())
@@ -274,11 +287,15 @@ def report(a: ResultsFolder, b: ResultsFolder, comparison: FolderComparison) -> 
         lines += ["", "columns only one side has (not compared):",
                   *_table(["study", "column", ""], rows)]
     if comparison.differences:
-        shown = comparison.differences[:MAX_SHOWN]
+        shown = comparison.differences if every else comparison.differences[:MAX_SHOWN]
         rows = [[d.study, d.case_id, d.column, _cell(d.a), _cell(d.b)] for d in shown]
         lines += ["", "differences:", *_table(["study", "case_id", "column", "A", "B"], rows)]
-        if len(comparison.differences) > MAX_SHOWN:
-            lines.append(f"... and {len(comparison.differences) - MAX_SHOWN} more")
+        if len(comparison.differences) > len(shown):
+            lines.append(f"... and {len(comparison.differences) - len(shown)} more "
+                         "(--all lists every one)")
+    if comparison.only_in:
+        lines += ["", "rows only one side has (--common-rows: not compared): " + ", ".join(
+            f"{count} only in {side}" for side, count in sorted(comparison.only_in.items()))]
     lines += ["", _counts(comparison), _verdict(comparison)]
     return "\n".join(lines)
 
@@ -318,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--studies", metavar="NAME[,NAME]",
                         help="compare only these studies (each must be in both folders; "
                              "default: every study both ran)")
+    parser.add_argument("--common-rows", action="store_true",
+                        help="compare only the rows both folders hold (a quick form against "
+                             "the full run); the others are counted, not differences")
+    parser.add_argument("--all", action="store_true", dest="every",
+                        help=f"list every difference (default: the first {MAX_SHOWN})")
     return parser
 
 
@@ -325,9 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         a, b = ResultsFolder.load(args.a), ResultsFolder.load(args.b)
-        comparison = compare_folders(a, b, studies_to_compare(a, b, args.studies))
+        comparison = compare_folders(a, b, studies_to_compare(a, b, args.studies),
+                                     args.common_rows)
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return USAGE_EXIT
-    print(report(a, b, comparison))
+    print(report(a, b, comparison, args.every))
     return 0 if comparison.agree else 1

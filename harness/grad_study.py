@@ -12,7 +12,6 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from harness.config import MATRICES, STRATEGIES, RunConfig, add_dtype_flag, add_timeout_flag
 from harness.errors import UsageError, launched_by_harness, refuse
@@ -27,7 +26,9 @@ from harness.options import (
     parse_int_list,
     parse_name_list,
     parse_nproc,
+    parse_out,
 )
+from harness.out_lock import out_lock
 from harness.placement import (
     BACKENDS,
     DEVICES,
@@ -86,7 +87,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--studies", metavar="NAME[,NAME]", default=None,
                         help="studies to run, in this order (default: "
                              f"{','.join(default_studies())})")
-    parser.add_argument("--world-sizes", metavar="K[,K]", default="",
+    parser.add_argument("--world-sizes", metavar="K[,K]", default=None,
                         help="world sizes to measure, each on ranks 0..K-1 of this launch "
                              "(default: 1..N for N launched ranks), e.g. 1,2,3")
     parser.add_argument("--strategies", metavar="NAME[,NAME]", default=",".join(STRATEGIES),
@@ -175,12 +176,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     config = RunConfig(
         studies=studies,
         known_studies=tuple(_studies()),
-        world_sizes=parse_int_list(args.world_sizes, "--world-sizes") if args.world_sizes else (),
+        world_sizes=(parse_int_list(args.world_sizes, "--world-sizes")
+                     if args.world_sizes is not None else ()),
         strategies=parse_name_list(args.strategies, "--strategies"),
         backend=args.backend,
         device=args.device,
         dtype=args.dtype,
-        out=Path(args.out),
+        out=parse_out(args.out),
         seed=parse_int(args.seed, "--seed"),
         matrix=args.matrix,
         timeout=parse_float(args.timeout, "--timeout"),
@@ -191,6 +193,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     check_out_folder(config.out)
     return replace(config, study_options=study_options_from_args(args, config.studies))
+
+
+def failure_line(error: Exception) -> str:
+    """A rank's line for an error outside any case: a file it could not write (a full
+    disk) said with its path and the way on, else the error's type and text."""
+    from harness.results import WriteError
+
+    if isinstance(error, WriteError):
+        return (f"{error.line()}; once there is room, --resume finishes the run in the same "
+                "--out")
+    return f"{type(error).__name__}: {error}"
 
 
 def list_studies() -> str:
@@ -211,7 +224,10 @@ def _launch(config: RunConfig, nproc_flag: str, argv: list[str]) -> int:
     config.resolved_world_sizes(planned)
     choose_placement(config.backend, config.device, planned)
     say_if_oversubscribed(nproc, PROG)
-    return launch_ranks(nproc, argv, PROG, timeout=config.timeout)
+    # The launcher holds --out for the run; its ranks, forked after, do not (harness/runner.py
+    # holds it where nothing else does: under torchrun, rank 0).
+    with out_lock(config.out, "grad-study"):
+        return launch_ranks(nproc, argv, PROG, timeout=config.timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # as its last line, torchrun in its summary (harness/failure.py). A case's failure
         # was reported where it happened, naming the case.
         if not getattr(error, "reported", False):
-            line = f"{type(error).__name__}: {error}"
+            line = failure_line(error)
             report_failure(launch.rank, line)
             if not launched_by_harness():
                 print(f"{PROG}: error: rank {launch.rank} failed: {line}", file=sys.stderr,

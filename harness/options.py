@@ -10,8 +10,11 @@ flag, the value and what is allowed. Defaults live in the dataclass alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,11 +31,36 @@ MAX_TIMEOUT_S = 86_400.0
 #: PowerSGD in the hooks study and takes seeds below 2**32; torch generators take seeds
 #: below 2**64, and harness.seeding mixes the seed with a case key well inside that.
 MAX_SEED = 2**32 - 1
+#: What a number on the command line is written as: ASCII digits alone. Python's int() and
+#: float() also take other scripts' digits ('１２', '٣') and underscores ('1_0'), which no
+#: user types on purpose and which would reach the rows as a value nobody wrote.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+                     r"|inf|infinity|nan)", re.IGNORECASE)
+
+
+def strict_int(text: str) -> int:
+    """``int(text)`` of ASCII digits with an optional sign (surrounding blanks allowed);
+    ValueError for anything else, the empty text included."""
+    if not _INTEGER.fullmatch(text.strip()):
+        raise ValueError(text)
+    return int(text)
+
+
+def strict_float(text: str) -> float:
+    """``float(text)`` of an ASCII decimal number (or inf, nan: their consumers refuse them
+    by name); ValueError for anything else, the empty text included."""
+    if not _NUMBER.fullmatch(text.strip()):
+        raise ValueError(text)
+    return float(text)
 
 
 def _parse_list(text: str, flag: str, convert: Callable[[str], Any], noun: str,
                 example: str) -> tuple:
-    """Each comma-separated item through ``convert``; one line naming the bad item otherwise."""
+    """Each comma-separated item through ``convert``; one line naming the bad item otherwise
+    (an empty text too: a flag given is a flag meant, never its default)."""
+    if not text.strip():
+        raise UsageError(f"{flag} is empty; allowed: comma-separated {noun}s, e.g. {example}")
     values = []
     for item in (part.strip() for part in text.split(",")):
         try:
@@ -46,12 +74,12 @@ def _parse_list(text: str, flag: str, convert: Callable[[str], Any], noun: str,
 
 def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4); a one-line error naming the flag and the bad item otherwise."""
-    return _parse_list(text, flag, int, "integer", "1,2,4")
+    return _parse_list(text, flag, strict_int, "integer", "1,2,4")
 
 
 def parse_float_list(text: str, flag: str) -> tuple[float, ...]:
     """'0.1,1' -> (0.1, 1.0); a one-line error naming the flag and the bad item otherwise."""
-    return _parse_list(text, flag, float, "number", "0.01,0.1,1")
+    return _parse_list(text, flag, strict_float, "number", "0.01,0.1,1")
 
 
 def parse_name_list(text: str, flag: str) -> tuple[str, ...]:
@@ -67,16 +95,26 @@ def parse_name_list(text: str, flag: str) -> tuple[str, ...]:
 
 def parse_int(text: str, flag: str) -> int:
     try:
-        return int(text)
+        return strict_int(text)
     except ValueError:
-        raise UsageError(f"{flag} {text!r} is not an integer") from None
+        raise UsageError(f"{flag} {text!r} is not an integer; allowed: ASCII digits with "
+                         "an optional sign, e.g. 4") from None
 
 
 def parse_float(text: str, flag: str) -> float:
     try:
-        return float(text)
+        return strict_float(text)
     except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a number") from None
+        raise UsageError(f"{flag} {text!r} is not a number; allowed: an ASCII decimal "
+                         "number, e.g. 0.5 or 1e-3") from None
+
+
+def parse_out(text: str, flag: str = "--out") -> Path:
+    """``--out DIR``: a folder's name; the empty text is refused (it would name the current
+    folder, and write the results among whatever is there)."""
+    if not text.strip():
+        raise UsageError(f"{flag} is empty; allowed: a folder's name, e.g. {flag} results")
+    return Path(text)
 
 
 def check_positive(flag: str, value: int) -> None:
@@ -112,10 +150,31 @@ def check_out_folder(out: Path) -> None:
                          "(it is created when missing)")
     existing = next(folder for folder in (out, *out.parents) if folder.exists())
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".out-probe-", dir=existing))
+        probe_writing(existing)
     except OSError as error:
+        room = " with free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         raise UsageError(f"--out {str(out)!r} cannot be created or written: {error.strerror} "
-                         f"in {str(existing)!r}; allowed: a folder you can write") from None
+                         f"in {str(existing)!r}; allowed: a folder you can write{room}") from None
+
+
+#: Bytes the probe writes: a file system too full to hold them cannot hold a row either.
+PROBE_BYTES = 4096
+
+
+def probe_writing(folder: Path) -> None:
+    """Create a folder and a file of :data:`PROBE_BYTES` in ``folder``, flushed to disk,
+    then remove both: OSError where any of it fails (no permission, a read-only or full
+    file system; a folder alone still fits where a file's bytes no longer do)."""
+    probe = tempfile.mkdtemp(prefix=".out-probe-", dir=folder)
+    try:
+        with open(os.path.join(probe, "probe"), "wb") as handle:
+            handle.write(b"\0" * PROBE_BYTES)
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(probe, "probe"))
+        os.rmdir(probe)
 
 
 def check_positive_unique(flag: str, values: Sequence[int], upper: int | None = None) -> None:
@@ -164,7 +223,17 @@ class NoOptions(StudyOptions):
 class CommandParser(argparse.ArgumentParser):
     """argparse for every command of the harness: an error raises UsageError (one line,
     exit 2, like every other bad input) and only the rank that speaks (rank 0, or a
-    process outside torchrun) prints ``--help``."""
+    process outside torchrun) prints ``--help``.
+
+    A value that starts with a minus and a digit (``--splits -1x1``, ``--seed -1e3``) is the
+    flag's value, refused by its own check with what is allowed, not an unknown option
+    ("expected one argument"): no flag of the harness's looks like ``-1``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse reads '-1x1' as an option unless it looks like a negative number by this
+        # pattern (its own matches '-1' and '-1.5' alone).
+        self._negative_number_matcher = re.compile(r"^-[0-9.]")
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(message)

@@ -43,8 +43,15 @@ from multiprocessing import reduction
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from harness.dies_with_launcher import LAUNCHER_VARIABLE
 from harness.errors import error_file, timed_out_in_collective
 from harness.failure import case_file
+
+#: The module the fork server imports before its preload (its name, as preload takes it).
+DIES_WITH_LAUNCHER = "harness.dies_with_launcher"
+#: c10's log level for the ranks: what they log in C++ before raising (a lost peer, a
+#: store they cannot reach) they also raise, and their launcher names the first failure.
+CPP_LOG_LEVEL, RANKS_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL", "FATAL"
 
 #: Seconds the other ranks get to end by themselves once one has failed (a rank that lost
 #: its peer fails at once, with its own line and exit code), before they are stopped.
@@ -176,7 +183,7 @@ def run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], 
 
     A KeyboardInterrupt here (Ctrl-C) stops the ranks and goes on to the caller.
     """
-    with working_in(cwd or os.getcwd()), _importing_this_harness():
+    with working_in(cwd or os.getcwd()), fork_server_environment():
         return _run_ranks(nproc, target, args_of, folder, preload, timeout)
 
 
@@ -194,27 +201,39 @@ def working_in(folder: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _importing_this_harness() -> Iterator[None]:
-    """PYTHONPATH led by :data:`HARNESS_ROOT` inside: a fork server started now takes this
-    process's environment, not its ``sys.path``, so that it imports the same harness
-    whatever folder it starts in (a checkout that is not installed, or installed from
-    elsewhere)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([HARNESS_ROOT, *filter(None, [before])])
+def fork_server_environment() -> Iterator[None]:
+    """The environment a fork server started inside takes (it takes this process's, not its
+    ``sys.path``), and its ranks with it:
+
+    - PYTHONPATH led by :data:`HARNESS_ROOT`, so that it imports the same harness whatever
+      folder it starts in (a checkout that is not installed, or installed from elsewhere);
+    - this process named as its launcher, which it dies with (harness/dies_with_launcher.py);
+    - c10's C++ log level (``TORCH_CPP_LOG_LEVEL``, :data:`RANKS_CPP_LOG_LEVEL` unless set),
+      which c10 reads once, when the server imports torch: a rank whose peer was
+      interrupted or failed first logs gloo's "connectFullMesh failed ... Connection closed
+      by peer" on the console as it raises the same error, beside the one line its launcher
+      ends with (which names the rank that failed first)."""
+    told = {"PYTHONPATH": os.pathsep.join([HARNESS_ROOT, *filter(None, [
+        os.environ.get("PYTHONPATH")])]), LAUNCHER_VARIABLE: str(os.getpid()),
+        CPP_LOG_LEVEL: os.environ.get(CPP_LOG_LEVEL, RANKS_CPP_LOG_LEVEL)}
+    before = {name: os.environ.get(name) for name in told}
+    os.environ.update(told)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_ranks(nproc: int, target: Callable[..., None], args_of: Callable[[int], tuple],
                folder: Path, preload: Sequence[str],
                timeout: float | None) -> Failure | None:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(preload))
+    # First: the server dies with this process even while it imports the rest.
+    context.set_forkserver_preload([DIES_WITH_LAUNCHER, *preload])
     read_fd, write_fd = os.pipe()  # not inherited by what this process execs
     watch = LauncherWatch(read_fd)
     # Not daemons: a rank may start processes of its own (a DataLoader's workers).

@@ -17,6 +17,7 @@ alone for a while).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -33,6 +34,7 @@ from harness.context import RunContext
 from harness.errors import UsageError, launched_by_harness, refuse
 from harness.failure import report_failure, running_case, withdraw_on_stop
 from harness.manifest import RunManifest, StudyEntry, json_ready, results_settings, settings_hash
+from harness.out_lock import out_lock
 from harness.placement import Launch, Placement
 from harness.progress import Progress
 from harness.results import MANIFEST, Journal, write_csv_atomic, write_text_atomic
@@ -102,16 +104,30 @@ class Runner:
         hostnames: list[str] = [""] * self.launch.world_size
         dist.all_gather_object(hostnames, self.launch.hostname, group=self.idle_group)
         return RunContext(self.config, self.launch, self.placement, self.world_sizes,
-                          groups, hosts=len(set(hostnames)))
+                          groups, hosts=len(set(hostnames)), hostnames=tuple(hostnames))
 
-    def _resumed_rows(self, journal: Journal) -> dict[str, list[dict]]:
-        """Every rank reads its own journal; all learn every finished case (or why not).
+    def _hold_out(self, held: contextlib.ExitStack) -> UsageError | None:
+        """--out for this run alone, held by rank 0 until the run ends, unless the launcher
+        that started the ranks holds it (``--nproc``); why not, where another run holds it."""
+        if not self.leader or launched_by_harness():
+            return None
+        try:
+            held.enter_context(out_lock(self.config.out, "grad-study"))
+        except UsageError as error:
+            return error
+        return None
+
+    def _resumed_rows(self, journal: Journal, refused: UsageError | None = None
+                      ) -> dict[str, list[dict]]:
+        """Every rank reads its own journal; all learn every finished case (or why not:
+        ``refused``, this rank's reason to run nothing).
 
         Journals are per rank because single-process cases finish on whichever
         rank ran them -- and on multi-node runs the ranks may share no folder.
         """
         try:
-            mine: dict | UsageError = journal.load() if self.config.resume else {}
+            mine: dict | UsageError = refused or (
+                journal.load() if self.config.resume else {})
         except UsageError as error:
             mine = error
         everyone: list[Any] = [None] * self.launch.world_size
@@ -132,10 +148,15 @@ class Runner:
         withdraw_on_stop(self.launch.rank)
         started = time.time()
         ctx = self._init_distributed()
+        with contextlib.ExitStack() as held:
+            return self._run_holding(ctx, started, self._hold_out(held))
+
+    def _run_holding(self, ctx: RunContext, started: float,
+                     refused: UsageError | None) -> int:
         self.settings = results_settings(self.config, self.placement, self.world_sizes)
         journal = Journal(self.config.out, settings_hash(self.settings), self.launch.rank)
         try:
-            done = self._resumed_rows(journal)
+            done = self._resumed_rows(journal, refused)
         except UsageError as error:
             return self._refuse(error)
         try:
@@ -239,7 +260,8 @@ class Runner:
             device = own.pop("device", None)
             status = own.pop("status", "ok")
             rows.append({"study": study.name, "case_id": case.id, **own,
-                         **ctx.context_columns(device), "status": status})
+                         **ctx.context_columns(device), "ran_on": ctx.ran_on(case),
+                         "status": status})
         return rows
 
     # ---------------------------------------------------------------- output

@@ -56,7 +56,7 @@ MUTATIONS = (
              "Equivalence.MATCHES if close(fit.scale, 1.0, rtol) else Equivalence.SCALED",
              "Equivalence.MATCHES if close(fit.scale, fit.scale, rtol) else Equivalence.SCALED",
              ("tests/test_verdicts.py::test_equivalence_verdict_on_the_scale",)),
-    Mutation("fix-divide-or-multiply", "harness/check/fix.py",
+    Mutation("fix-divide-or-multiply", "harness/check/causes/words.py",
              "if scale > 1:", "if scale < 1:",
              ("tests/test_mutation_targets.py",)),
     Mutation("split-rank-major", "harness/check/batches.py",
@@ -92,10 +92,10 @@ MUTATIONS = (
              "        if True:\n            self._began = self._step_state()",
              ("tests/test_check_step.py::test_one_process_playing_n_ranks_steps_a_micro_step_"
               "scheduler_as_each_rank_would",)),
-    Mutation("trainer-counts-unshifted", "harness/adapters/fixes.py",
+    Mutation("trainer-counts-unshifted", "harness/adapters/data.py",
              "int(labels[..., 1:].ne(IGNORE).sum())", "int(labels.ne(IGNORE).sum())",
              ("tests/test_frameworks_fixes.py",)),
-    Mutation("script-samples-as-a-set", "harness/grad_check/script/explain.py",
+    Mutation("script-samples-as-a-set", "harness/check/causes/samples.py",
              "if counted(ours, padding) == counted(theirs, padding):",
              "if set(counted(ours, padding)) == set(counted(theirs, padding)):",
              ("tests/test_check_script.py::test_a_sample_fed_twice_is_another_set_of_samples",)),
@@ -155,9 +155,9 @@ MUTATIONS = (
              "key=lambda d: torch.finfo(d).bits)",
              ("tests/test_check_precision.py::test_the_lowest_precision_is_the_coarsest_"
               "rounding_in_any_order",)),
-    Mutation("clip-fix-misplaced-abs", "harness/adapters/fixes.py",
-             "if abs(recipe.scale - 1) < CLIPPED_ALIKE:",
-             "if abs(recipe.scale) - 1 < CLIPPED_ALIKE:",
+    Mutation("clip-fix-misplaced-abs", "harness/check/causes/framework_clip_hides_scale.py",
+             "abs(evidence.framework.recipe.scale - 1) < CLIPPED_ALIKE",
+             "abs(evidence.framework.recipe.scale) - 1 < CLIPPED_ALIKE",
              ("tests/test_frameworks_fixes.py::test_a_binding_clip_does_not_explain_a_recipe_"
               "scaled_below_1",)),
     Mutation("trainer-counts-last-window", "harness/adapters/hf_trainer.py",
@@ -165,7 +165,7 @@ MUTATIONS = (
              "return tuple(counts[-accum_steps:]) or None",
              ("tests/test_frameworks_fixes.py::test_the_trainers_count_is_read_from_step_0s_"
               "window",)),
-    Mutation("unresolved-whatever-the-scale", "harness/check/judge.py",
+    Mutation("unresolved-whatever-the-scale", "harness/check/causes/update_beyond_precision.py",
              "and abs(comparison.scale - 1.0) <= tolerance(precision)",
              "and abs(comparison.scale - 1.0) <= 1.0",
              ("tests/test_check_script.py::test_a_bfloat16_update_off_after_a_matching_gradient_"
@@ -175,14 +175,14 @@ MUTATIONS = (
              'if (measured.point == "grad"',
              ("tests/test_mutation_targets.py::test_only_step_0s_scaled_gradient_is_the_cause_"
               "later_rows_follow_from",)),
-    Mutation("unresolved-after-a-scaled-gradient", "harness/check/judge.py",
-             "and gradient.verdict == Equivalence.MATCHES)",
-             "and gradient.verdict != Equivalence.DIFFERS)",
+    Mutation("unresolved-after-a-scaled-gradient",
+             "harness/check/causes/update_beyond_precision.py",
+             "and evidence.gradient_verdict == Equivalence.MATCHES)",
+             "and evidence.gradient_verdict != Equivalence.DIFFERS)",
              ("tests/test_mutation_targets.py::test_an_update_off_after_a_scaled_gradient_"
               "differs_even_in_bfloat16",)),
-    Mutation("skipped-at-any-groups-lr-0", "harness/check/judge.py",
-             "all(rate == 0 for rate in facts.learning_rates)",
-             "any(rate == 0 for rate in facts.learning_rates)",
+    Mutation("skipped-at-any-groups-lr-0", "harness/check/causes/no_update.py",
+             "all(rate == 0 for rate in rates)", "any(rate == 0 for rate in rates)",
              ("tests/test_mutation_targets.py::test_an_update_that_moved_nothing_is_skipped_"
               "only_where_every_group_had_learning_rate_0",)),
     Mutation("no-update-passes", "harness/verdicts.py",
@@ -198,9 +198,9 @@ MUTATIONS = (
              'FLOAT32_ROUNDING = {"grad": 1.5e-4, "params": 1e-5}',
              ("tests/test_mutation_targets.py::test_float32_rounds_an_update_coarser_than_its_"
               "gradient",)),
-    Mutation("clip-factor-inverted", "harness/grad_check/script/records.py",
-             "return received / before if before > 0 else math.nan",
-             "return before / received if before > 0 else math.nan",
+    Mutation("clip-factor-inverted", "harness/check/causes/evidence.py",
+             'return received / before if before > 0 else float("nan")',
+             'return before / received if before > 0 else float("nan")',
              ("tests/test_mutation_targets_script.py::test_the_clip_factor_is_what_the_clip_"
               "multiplied_the_gradient_by",)),
     Mutation("kept-gradient-by-gradient-id", "harness/grad_check/script/capture.py",
@@ -208,14 +208,14 @@ MUTATIONS = (
              "before = [self.window.kept.get(id(grad), grad)",
              ("tests/test_mutation_targets_script.py::test_the_gradient_is_read_as_it_was_"
               "before_the_clip",)),
-    Mutation("no-forwards-a-partial-window", "harness/grad_check/script/split_judge.py",
-             "short = any(0 < count < split.accum_steps for count in forwards)",
-             "short = any(count < split.accum_steps for count in forwards)",
+    Mutation("no-forwards-a-partial-window", "harness/check/causes/partial_window.py",
+             "short = any(0 < count < script.accum_steps for count in script.forwards)",
+             "short = any(count < script.accum_steps for count in script.forwards)",
              ("tests/test_mutation_targets_script.py::test_a_rank_whose_forwards_went_unseen_"
               "is_no_partial_window",)),
-    Mutation("clip-note-at-the-tighter-tolerance", "harness/grad_check/script/split_judge.py",
-             "if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):",
-             "if not close(received, 1.0, min(facts.rtol, CLIPPED_ALIKE)):",
+    Mutation("clip-note-at-the-tighter-tolerance", "harness/check/causes/clip_hid_scale.py",
+             "return close(received, 1.0, max(evidence.facts.rtol, CLIPPED_ALIKE))",
+             "return close(received, 1.0, min(evidence.facts.rtol, CLIPPED_ALIKE))",
              ("tests/test_mutation_targets_script.py::test_a_binding_clip_hid_the_scale_up_to_"
               "its_own_epsilon_even_in_float64",)),
     Mutation('hang-idle-from-the-oldest-move', 'harness/grad_check/script/failures.py',
@@ -246,7 +246,7 @@ MUTATIONS = (
              'raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None',
              'raise Interrupted(STOPPED_EXIT, "interrupted") from None',
              ('tests/test_check_script.py::test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code',)),
-    Mutation('n-equal-to-k-always-named-k', 'harness/check/fix.py',
+    Mutation('n-equal-to-k-always-named-k', 'harness/check/causes/words.py',
              'return f"{number} = {tie if both else expression}"',
              'return f"{number} = {expression}"',
              ('tests/test_check_script.py::test_a_scale_the_splits_show_to_follow_n_names_n_where_n_equals_k',)),
@@ -270,7 +270,7 @@ MUTATIONS = (
              'return module.training or any(inner.training for inner in module.modules()',
              'return module.training and any(inner.training for inner in module.modules()',
              ('tests/test_mutation_targets_script.py::test_a_training_forward_through_a_wrapper_left_in_eval_mode_feeds_its_samples',)),
-    Mutation('no-indices-drawn-alike', 'harness/grad_check/script/explain.py',
+    Mutation('no-indices-drawn-alike', 'harness/check/causes/samples.py',
              'return bool(ours) and collections.Counter(ours) == collections.Counter(theirs)',
              'return collections.Counter(ours) == collections.Counter(theirs)',
              ('tests/test_check_script.py::test_other_values_for_the_references_dataset_items_are_an_augmentation_not_the_sampler',)),
@@ -280,13 +280,13 @@ MUTATIONS = (
              ("tests/test_check_script_naming.py::test_a_model_wrapped_in_ddp_inside_a_task_"
               "module_keeps_its_names",)),
     Mutation("tune-run-always-a-launcher", "harness/grad_check/script/launchers.py",
-             "return launcher if own_arguments(launcher, command) else None",
-             "return launcher",
+             "if self.only_with_arguments and not own_arguments(launcher, command):",
+             "if False:",
              ("tests/test_check_script_commands.py::test_a_launcher_at_the_head_of_the_command_"
               "is_recognised",)),
-    Mutation("update-bound-hides-its-gradient", "harness/check/judge.py",
-             "and measured.comparison.residual > FLOAT32_ROUNDING[\"grad\"]",
-             "and measured.comparison.residual > FLOAT32_ROUNDING[\"params\"]",
+    Mutation("update-bound-hides-its-gradient", "harness/check/causes/carried_update.py",
+             "and evidence.comparison.residual > FLOAT32_ROUNDING[\"grad\"]",
+             "and evidence.comparison.residual > FLOAT32_ROUNDING[\"params\"]",
              ("tests/test_check_script.py::test_a_float32_residual_above_its_rounding_is_never_"
               "a_match",)),
     Mutation("loss-counts-left-out", "harness/grad_check/script/tracked.py",
@@ -300,20 +300,75 @@ MUTATIONS = (
              ("tests/test_mutation_targets_script.py::test_the_labels_a_loss_module_counts_are_"
               "the_last_forward_s",)),
     Mutation("trainers-cause-on-a-match", "harness/studies/trainers/study.py",
-             'if error or measured["verdict"] != Equivalence.MATCHES else None',
-             'if error or measured["verdict"] else None',
-             ("tests/test_trainers_study.py::test_a_difference_is_given_the_cause_its_"
-              "measured_explanation_names",)),
+             'elif measured["verdict"] != Equivalence.MATCHES:',
+             'elif measured["verdict"]:',
+             ("tests/test_trainers_study.py::test_a_difference_is_given_the_cause_whose_id_"
+              "grad_check_named",)),
+    Mutation("trainers-settings-all-and-default-swapped", "harness/studies/trainers/study.py",
+             'every = self.options.settings == "all"',
+             'every = self.options.settings == DEFAULT',
+             ("tests/test_trainers_study.py::test_all_runs_every_setting_compared_and_default_"
+              "each_trainer_as_shipped",)),
     Mutation("trainers-source-outside-its-function", "harness/studies/trainers/source.py",
              "for number in range(first, last + 1):",
              "for number in range(1, last + 1):",
              ("tests/test_trainers_study.py::test_a_source_line_is_the_one_inside_its_"
               "function",)),
-    Mutation("lightning-sampler-at-n-1", "harness/grad_check/script/explain.py",
-             'if "lightning" in frameworks and len(ours) > 1:',
-             'if "lightning" in frameworks:',
+    Mutation("lightning-sampler-at-n-1", "harness/check/causes/lightning_sampler.py",
+             'and len(evidence.script.records) > 1)', ')',
              ("tests/test_check_script.py::test_other_samples_under_lightning_at_n_above_1_name_"
               "its_distributed_sampler",)),
+    Mutation("factors-contradicting-powers-kept", "harness/grad_check/script/factors.py",
+             "if len(seen) == 1}", "if len(seen) >= 1}",
+             ("tests/test_mutation_targets_script.py::test_a_value_both_n_and_k_is_named_"
+              "neither_where_the_splits_contradict",)),
+    Mutation("dropout-of-probability-0-active", "harness/grad_check/script/naming.py",
+             "and module.p > 0 and module.training}}", "and module.p >= 0 and module.training}}",
+             ("tests/test_mutation_targets_script.py::test_a_dropout_of_probability_0_is_no_"
+              "active_dropout",)),
+    Mutation("float32-gradient-at-the-updates-rounding",
+             "harness/check/causes/update_learning_rate.py",
+             'return gradient.residual <= FLOAT32_ROUNDING["grad"]',
+             'return gradient.residual <= FLOAT32_ROUNDING["params"]',
+             ("tests/test_mutation_targets_script.py::test_a_float32_gradient_off_by_more_than_"
+              "its_rounding_is_not_called_rounding",)),
+    Mutation("rank-line-only-over-another", "harness/grad_check/script/ending.py",
+             "if not path.exists():", "if path.exists():",
+             ("tests/test_mutation_targets_script.py::test_a_rank_keeps_the_first_line_"
+              "recorded_for_it",)),
+    Mutation("case-named-by-its-last-failing-row", "harness/check/outcome.py",
+             "failing.setdefault(case_of(row), why)", "failing[case_of(row)] = why",
+             ("tests/test_mutation_targets.py::test_a_case_is_named_by_its_first_failing_row_"
+              "not_its_last",)),
+    Mutation("integers-of-any-digits", "harness/options.py",
+             "if not _INTEGER.fullmatch(text.strip()):", "if not text.strip():",
+             ("tests/test_odd_input.py::test_an_integer_is_ascii_digits_with_an_optional_sign",)),
+    Mutation("journal-damaged-line-ends-it", "harness/results.py",
+             "if entry is None and number == len(lines):", "if entry is None:",
+             ("tests/test_results.py::test_a_journal_this_run_did_not_write_is_refused_naming_"
+              "its_file",)),
+    Mutation("write-error-names-its-stand-in", "harness/results.py",
+             "named = error.filename if error.filename not in (None, str(temporary)) else target",
+             "named = error.filename if error.filename is not None else target",
+             ("tests/test_results.py::test_a_failed_rename_names_the_file_meant_not_the_"
+              "temporary_one",)),
+    Mutation("left-even-with-its-summary", "harness/grad_check/script/failures.py",
+             'if code == 0 and not (folder / f"rank{rank}.pt").exists()]', "if code == 0]",
+             ("tests/test_mutation_targets_script.py::test_a_rank_left_is_one_that_exited_0_"
+              "without_its_summary_while_others_did_not",)),
+    Mutation("joining-world-size-ignored", "harness/grad_check/script/guard.py",
+             "asked = told if world_size in (None, -1) else world_size", "asked = told",
+             ("tests/test_mutation_targets_script.py::test_a_rank_joining_another_world_size_"
+              "than_its_splits_is_refused",)),
+    Mutation("not-finite-every-floating-piece", "harness/grad_check/script/points.py",
+             "and holds_not_finite(piece.tensor)))", "and not holds_not_finite(piece.tensor)))",
+             ("tests/test_mutation_targets_script.py::test_the_tensors_named_not_finite_are_"
+              "those_holding_a_nan_or_an_infinity",)),
+    Mutation("holds-one-step-short", "harness/grad_check/script/records.py",
+             "and all(self.steps(o) >= steps for o in",
+             "and all(self.steps(o) >= steps - 1 for o in",
+             ("tests/test_mutation_targets_script.py::test_a_run_holds_its_steps_only_where_"
+              "every_rank_took_every_one",)),
 )
 
 

@@ -142,9 +142,11 @@ def _start_the_fork_server() -> None:
 
     from harness.grad_check.api import PRELOADED as CHECK_API_PRELOADED
     from harness.launcher import PRELOADED
+    from harness.ranks import DIES_WITH_LAUNCHER, fork_server_environment
 
-    forkserver.set_forkserver_preload([*PRELOADED, *CHECK_API_PRELOADED])
-    forkserver.ensure_running()
+    forkserver.set_forkserver_preload([DIES_WITH_LAUNCHER, *PRELOADED, *CHECK_API_PRELOADED])
+    with fork_server_environment():  # as the launcher's own server starts (harness/ranks.py)
+        forkserver.ensure_running()
 
 
 def _use_the_parents_fork_server() -> None:

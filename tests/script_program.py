@@ -22,11 +22,23 @@
 - ``sleeps-after-backward-on-rank-1``: rank 1 sleeps forever once its first backward is
   done (its gradients all-reduced), while rank 0 goes on into the step;
 - ``segfaults-at-step-1-on-rank-1``: rank 1 is killed by SIGSEGV in its first micro-step
-  of step 1, after step 0 finished everywhere.
+  of step 1, after step 0 finished everywhere;
+- ``exits-0-on-rank-1``: rank 1 ends with exit code 0 once it has joined the process
+  group, before its first step, while rank 0 goes on into DDP's all-reduce;
+- ``exits-0-before-joining-on-rank-1``: rank 1 ends with exit code 0 before it joins,
+  while rank 0 waits for it to;
+- ``joins-one-rank-too-many``: from N > 1 on, every rank joins with
+  ``world_size=WORLD_SIZE + 1``;
+- ``starts-a-daemon``: rank 0 starts ``sleep`` in a session of its own (``setsid``), as a
+  script starting a server does, and writes its pid to ``--pid-dir``;
+- ``not-finite-at-n2``: at N = 2 the loss of step 0 is NaN; ``not-finite``: at every N;
+- ``fails-after-training``: the loop runs all its steps, then the script raises (an
+  evaluation that fails).
 
 The loop takes k from ``--grad-accum``, or, as real trainers do, from ``--total-batch``
 (llm.c, LitGPT: k = total / (b x N)) or from ``--grad-accum-all`` (nanoGPT: k x N, divided
-by N). ``--finished FILE`` writes FILE when the loop has run all ``--steps``.
+by N). ``--finished FILE`` writes FILE when the loop has run all ``--steps``;
+``--fill-at-n2 DIR``: at N = 2, rank 0 fills DIR's file system before it trains.
 """
 
 import argparse
@@ -34,6 +46,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +60,9 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 CASES = ("sound", "clock-seeded", "per-rank-shuffle", "never-steps", "fails-on-rank-1",
          "without-ddp", "hangs-on-rank-1", "fsdp2", "exits-3-on-rank-1", "always-distributed",
          "joins-twice", "forks-and-hangs", "sleeps-after-backward-on-rank-1",
-         "segfaults-at-step-1-on-rank-1")
+         "segfaults-at-step-1-on-rank-1", "exits-0-on-rank-1",
+         "exits-0-before-joining-on-rank-1", "joins-one-rank-too-many", "starts-a-daemon",
+         "not-finite-at-n2", "not-finite", "fails-after-training")
 
 
 def arguments() -> argparse.Namespace:
@@ -60,7 +75,16 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--finished", type=Path)
     parser.add_argument("--pid-dir", type=Path)
+    parser.add_argument("--fill-at-n2", type=Path)
     return parser.parse_args()
+
+
+def fill(folder: Path) -> None:
+    """Zeros into ``folder`` until its file system takes no more."""
+    with open(folder / "filler", "ab", buffering=0) as handle, \
+            contextlib.suppress(OSError):
+        while handle.write(b"\0" * 4096):
+            pass
 
 
 def forks_and_hangs(pid_dir: Path) -> None:
@@ -79,11 +103,20 @@ def main() -> None:
     if args.case == "forks-and-hangs":
         forks_and_hangs(args.pid_dir)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed or args.case in ("always-distributed", "joins-twice"):
+    if args.case == "exits-0-before-joining-on-rank-1" and os.environ.get("RANK") == "1":
+        sys.exit(0)
+    if args.case == "starts-a-daemon" and os.environ.get("RANK", "0") == "0":
+        daemon = subprocess.Popen(["setsid", "sleep", "600"], stdin=subprocess.DEVNULL)
+        (args.pid_dir / f"{daemon.pid}.pid").write_text("daemon\n")
+    if args.case == "joins-one-rank-too-many" and distributed:
+        dist.init_process_group("gloo", world_size=int(os.environ["WORLD_SIZE"]) + 1)
+    elif distributed or args.case in ("always-distributed", "joins-twice"):
         dist.init_process_group("gloo")
     if args.case == "joins-twice" and os.fork() == 0:
         dist.init_process_group("gloo")  # the same RANK, the same store
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if args.fill_at_n2 is not None and world_size == 2 and rank == 0:
+        fill(args.fill_at_n2)
     if args.total_batch is not None:
         args.grad_accum = args.total_batch // (args.batch_size * world_size)
     if args.grad_accum_all is not None:
@@ -114,6 +147,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSEGV)
             if args.case == "fails-on-rank-1" and rank == 1:
                 raise RuntimeError("rank 1 lost its data shard")
+            if args.case == "exits-0-on-rank-1" and rank == 1:
+                sys.exit(0)
             if args.case == "exits-3-on-rank-1" and rank == 1:
                 time.sleep(0.5)  # rank 0 is in its all-reduce by now
                 sys.exit(3)
@@ -125,6 +160,9 @@ def main() -> None:
             with sync:
                 x, y = next(batches)
                 loss = nn.functional.mse_loss(model(x).squeeze(1), y) / args.grad_accum
+                if step == 0 and (args.case == "not-finite" or (
+                        args.case == "not-finite-at-n2" and world_size == 2)):
+                    loss = loss * float("nan")
                 loss.backward()
             while args.case == "sleeps-after-backward-on-rank-1" and rank == 1:
                 time.sleep(1)
@@ -133,6 +171,8 @@ def main() -> None:
         optimizer.zero_grad()
     if args.finished is not None:
         args.finished.write_text("finished\n")
+    if args.case == "fails-after-training":
+        raise RuntimeError("the evaluation after training failed")
 
 
 if __name__ == "__main__":

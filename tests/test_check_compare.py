@@ -296,14 +296,19 @@ def test_a_model_that_cannot_be_deep_copied_is_built_anew_at_the_templates_state
 
 
 def test_ranks_that_disagree_without_a_known_cause_are_the_fix():
-    from harness.check.fix import Facts, differs_fix
+    from harness.check.causes import explain
+    from harness.check.causes.evidence import Evidence
+    from harness.check.fix import Facts
 
     reference = tensors(7, *SHAPES)
     measured = {k: v * 1.5 if k == "t0" else v for k, v in reference.items()}
     result = judged(measured, reference)
     facts = Facts(reduces_in_buckets=True, world_size=2, accum_steps=1, ranks_agree=False)
-    assert "the ranks hold different values after DDP's all-reduce" in differs_fix(result, facts)
-    assert "ranks hold" not in differs_fix(result, replace(facts, ranks_agree=True))
+    apart = explain(Evidence(0, "grad", result, facts))
+    assert apart.cause == "ranks-disagree"
+    assert "the ranks hold different values after DDP's all-reduce" in apart.fix
+    agreeing = explain(Evidence(0, "grad", result, replace(facts, ranks_agree=True)))
+    assert "ranks hold" not in agreeing.fix and agreeing.cause == "no-single-scale"
 
 
 def _check_cli(rank: int, world_size: int, argv: list[str]) -> int:

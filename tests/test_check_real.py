@@ -31,7 +31,8 @@ from torch import nn
 from examples.mlp import make_adam_setup, mean_loss, sum_loss
 from harness.check import Setup
 from harness.check.batches import pieces_needed
-from harness.check.fix import Facts, scale_fix
+from harness.check.causes.words import scale_fix
+from harness.check.fix import Facts
 from harness.check.load import validated_setup
 from harness.check.outcome import exit_code, failing_cases
 from harness.check.reference import compute_reference

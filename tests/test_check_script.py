@@ -485,7 +485,7 @@ def test_a_per_rank_seed_is_named(tmp_path):
 def test_padding_without_a_mask_is_not_content(tmp_path):
     """Rows padded to the longest of their micro-batch with no attention_mask (LitGPT):
     the same samples, padded differently at each split, are the same samples."""
-    from harness.grad_check.script.explain import same_samples
+    from harness.check.causes.samples import same_samples
 
     def rows(*tensors):
         return [samples.sample(torch.tensor(t)) for t in tensors]
@@ -695,7 +695,7 @@ def test_what_a_run_finds_exits_1_and_an_interrupt_with_its_signals_code(
 def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(capsys,
                                                                                tmp_path):
     """Two checks into one --out would mix their logs and overwrite each other's rows."""
-    from harness.grad_check.script.lock import LOCK_NAME, out_lock
+    from harness.out_lock import LOCK_NAMES, out_lock
 
     out = tmp_path / "out"
     ready_read, ready_write = os.pipe()
@@ -719,8 +719,8 @@ def test_an_out_another_check_is_writing_into_is_refused_until_that_check_ends(c
         os.write(done_write, b"1")
         os.waitpid(holder, 0)
     with out_lock(out):  # free again once its holder ended
-        assert (out / LOCK_NAME).exists()
-    assert not (out / LOCK_NAME).exists()  # --out holds the rows and logs alone
+        assert (out / LOCK_NAMES["grad-check run"]).exists()
+    assert not (out / LOCK_NAMES["grad-check run"]).exists()  # --out holds rows and logs alone
 
 
 def test_other_values_for_the_references_dataset_items_are_an_augmentation_not_the_sampler(
@@ -950,17 +950,29 @@ def test_a_float32_residual_within_tolerance_above_rounding_is_unresolved_not_a_
 
 
 def test_an_update_off_after_a_gradient_off_beyond_rounding_is_not_the_learning_rate():
+    from harness.check.causes.update_learning_rate import rounding_only
     from harness.check.compare import Comparison
     from harness.check.fix import Facts
     from harness.fit import ScaleFit
-    from harness.grad_check.script.split_judge import amplified_fix, rounding_only
 
     facts = Facts(world_size=1, accum_steps=2, rtol=1e-3)
     near = Comparison(ScaleFit(1.0, 9.6e-4), Equivalence.MATCHES, {})
     tight = Comparison(ScaleFit(1.0, 2e-7), Equivalence.MATCHES, {})
     assert not rounding_only(near, facts) and rounding_only(tight, facts)
-    assert "Adam" in amplified_fix(near, facts) and "residual 0.00096" in amplified_fix(
-        near, facts)
+    fix = amplified(near, facts).fix
+    assert "Adam" in fix and "residual 0.00096" in fix
+
+
+def amplified(gradient, facts):
+    """The cause of an update off after ``gradient`` matched, in a script's step."""
+    from harness.check.causes import explain
+    from harness.check.causes.evidence import Evidence, ScriptStep
+    from harness.check.compare import Comparison
+    from harness.fit import ScaleFit
+
+    update = Comparison(ScaleFit(1.0, 0.05), Equivalence.DIFFERS, {})
+    script = ScriptStep(facts.world_size, facts.accum_steps, 8, (), ())
+    return explain(Evidence(0, "params", update, facts, gradient=gradient, script=script))
 
 
 def test_a_bfloat16_update_off_after_a_matching_gradient_is_unresolved_not_differs(capsys):
@@ -1002,31 +1014,20 @@ def test_a_bfloat16_gradient_match_is_never_called_rounding_alone():
     and AdamW's update 0.0315 off, at the edge of the tolerance. Past it, the fix must not
     blame the optimizer's settings: bfloat16 cannot tell rounding from a small difference,
     and Adam magnifies either."""
+    from harness.check.causes.update_learning_rate import rounding_only
     from harness.check.compare import Comparison
     from harness.check.fix import Facts
     from harness.fit import ScaleFit
-    from harness.grad_check.script.split_judge import amplified_fix, rounding_only
 
     bf16 = Facts(world_size=2, accum_steps=1, rtol=tolerance(torch.bfloat16))
     gradient = Comparison(ScaleFit(0.9992, 1.5e-3), Equivalence.MATCHES, {})
     assert not rounding_only(gradient, bf16)
-    fix = amplified_fix(gradient, bf16)
+    explained = amplified(gradient, bf16)
+    assert explained.cause == "update-amplified"
+    fix = explained.fix
     assert "float32" in fix and "rounding" in fix and "settings" not in fix
     exact = Facts(world_size=2, accum_steps=1, rtol=tolerance(torch.float64))
     assert rounding_only(Comparison(ScaleFit(1.0, 1e-12), Equivalence.MATCHES, {}), exact)
-
-
-def test_tokens_are_counted_from_the_samples_where_no_labels_are_passed():
-    """LitGPT passes the model its padded token ids and no labels: each micro-batch's
-    tokens are its samples' lengths without the padding (0 here, ending several rows)."""
-    from harness.grad_check.script.explain import padding_of, tokens
-
-    micro = [samples.sample(torch.tensor(row)) for row in ([5, 6, 7, 0, 0], [8, 9, 0, 0, 0])]
-    other = [samples.sample(torch.tensor(row)) for row in ([4, 4, 4, 4, 4], [3, 1, 2, 9, 9])]
-    padding = padding_of(micro + other)
-    assert tokens(micro, padding) == 5 and tokens(other, padding) == 10
-    features = [samples.sample(torch.tensor([0.5, 0.0, 0.0]))]  # floats are not padded
-    assert tokens(features, padding_of(features * 2)) == 3
 
 
 def test_a_reference_that_ended_before_its_steps_says_so(tmp_path, monkeypatch):

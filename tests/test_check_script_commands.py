@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UsageError, error_file
-from harness.grad_check.script import guard, wire
+from harness.grad_check.script import guard, pids, wire
 from harness.grad_check.script.failures import (
     SplitFailure,
     first_failure,
@@ -306,7 +306,7 @@ def raised(code: str) -> str:
     try:
         exec(compile(code, str(path), "exec"), namespace)
     except Exception as error:  # noqa: BLE001 -- the error is what is looked at
-        return guard.failing_line(error, error.__traceback__)
+        return guard.failed(error, error.__traceback__).line
     raise AssertionError("nothing raised")
 
 
@@ -321,6 +321,13 @@ def test_an_error_names_the_file_and_line_of_the_failing_frame(monkeypatch):
         "RuntimeError: boom (at tests/script_program.py:3)"
     # An error raised inside an installed package names the user's frame that called it.
     assert raised("import json\njson.loads('{')").endswith("(at tests/script_program.py:2)")
+    namespace: dict = {}
+    try:
+        exec(compile("\nraise ValueError('no GPU. At all')", SCRIPT, "exec"), namespace)
+    except ValueError as error:
+        fields = guard.failed(error, error.__traceback__)
+    assert (fields.type, fields.message) == ("ValueError", "no GPU")
+    assert fields.at.endswith("script_program.py:2")
 
 
 # ---------------------------------------------------------------- blame
@@ -497,7 +504,7 @@ def guard_in_child(tmp_path: Path, work, **environment: str) -> tuple[int, dict 
 def test_a_second_live_process_claiming_a_rank_ends_the_split_naming_both(tmp_path):
     (tmp_path / wire.CLAIMS).mkdir()
     (tmp_path / wire.CLAIMS / "rank0").write_text(json.dumps({
-        "pid": os.getpid(), "start": wire.process_start(os.getpid()),
+        "pid": os.getpid(), "start": pids.process_start(os.getpid()),
         "command": "trl sft --model_name_or_path m"}))
     code, fatal = guard_in_child(tmp_path, lambda it: it.claim(-1))
     assert code == 1
@@ -534,7 +541,7 @@ def test_what_a_split_left_running_is_killed_after_it(tmp_path):
     try:
         (tmp_path / wire.PROCESSES).mkdir()
         (tmp_path / wire.PROCESSES / str(left.pid)).write_text(json.dumps({
-            "pid": left.pid, "start": wire.process_start(left.pid), "pgid": left.pid,
+            "pid": left.pid, "start": pids.process_start(left.pid), "pgid": left.pid,
             "rank": 0, "command": "worker"}))
         sweep(tmp_path)
         assert left.wait(timeout=10) == -9

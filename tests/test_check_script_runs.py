@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ def test_a_sound_loop_takes_the_big_batch_step_at_every_split(tmp_path):
     assert set(done.rows["split"]) == set(SPLITS.split(","))
     assert set(done.rows["precision"]) == {"float64"}
     assert (done.rows["residual"] < 1e-12).all()
+    host = socket.gethostname()  # each row says where its split's ranks ran
+    assert set(done.rows[done.rows["world_size"] == 2]["ran_on"]) == {f"0@{host},1@{host}"}
     assert "split 2x2 (N=2, k=2, b=2)" in done.stdout  # progress, then the table
     assert "-> " in done.stdout.splitlines()[-1]
 
@@ -133,6 +136,13 @@ def test_a_rank_that_fails_is_one_line_in_its_rows_and_the_others_go_on(tmp_path
     line = f"rank 1: RuntimeError: rank 1 lost its data shard (at {where})"
     assert set(failed["error"]) == {line}
     assert line in done.stdout
+    # The same, by its fields, for a program that reads the check.
+    from harness.grad_check.script.failures import CheckFailures
+    from harness.grad_check.script.wire import RankError
+
+    [run] = CheckFailures.from_json((tmp_path / "out" / "failures.json").read_text()).runs
+    assert (run.split, run.rank, run.line) == ("2x1", 1, line.removeprefix("rank 1: "))
+    assert run.error == RankError("RuntimeError", "rank 1 lost its data shard", where)
     # Every run's output is kept in --out: the failing rank's traceback is there.
     log = tmp_path / "out" / "logs" / "2x1" / "rank1.log"
     assert "RuntimeError: rank 1 lost its data shard" in log.read_text()

@@ -257,13 +257,18 @@ def test_a_warmup_from_lr_0_skips_its_zero_first_update_and_matches_the_rest():
 
 
 def test_a_grad_scaler_inside_the_micro_step_is_seen_and_named_in_the_fix():
-    from harness.check.step import micro_step_edit_fix, watching_gradient_edits
+    from harness.check.causes import micro_step_edit
+    from harness.check.causes.evidence import Evidence, MatrixStep
+    from harness.check.fix import Facts
+    from harness.check.step import watching_gradient_edits
 
     seen: set[str] = set()
     with watching_gradient_edits(seen):
         torch.amp.GradScaler("cpu").scale(torch.ones(()))
     assert seen == {"GradScaler"}
-    assert micro_step_edit_fix(seen).startswith("scale and unscale once per window")
+    evidence = Evidence(0, "grad", None, Facts(world_size=2, accum_steps=2),
+                        matrix=MatrixStep(edits=frozenset(seen)))
+    assert micro_step_edit.CAUSE.fix(evidence).startswith("scale and unscale once per window")
 
 
 class _InfiniteGradientOnStep0(torch.autograd.Function):

@@ -177,8 +177,28 @@ def test_at_most_twenty_differences_are_listed_then_counted(tmp_path, capsys):
     assert compare(tmp_path, many, [{**r, "verdict": "sum"} for r in many]) == 1
     out = capsys.readouterr().out.splitlines()
     assert sum("verdict" in line and "toy/case=" in line for line in out) == MAX_SHOWN
-    assert "... and 5 more" in out
+    assert "... and 5 more (--all lists every one)" in out
     assert len(out) <= MAX_SHOWN + 12
+
+
+def test_all_lists_every_difference(tmp_path, capsys):
+    many = [row(str(i)) for i in range(MAX_SHOWN + 5)]
+    assert compare(tmp_path, many, [{**r, "verdict": "sum"} for r in many], "--all") == 1
+    out = capsys.readouterr().out.splitlines()
+    assert sum("verdict" in line and "toy/case=" in line for line in out) == MAX_SHOWN + 5
+    assert not any("more" in line for line in out)
+
+
+def test_common_rows_compares_only_the_rows_both_sides_hold(tmp_path, capsys):
+    """A quick form (fewer rows) against the full run: the rows both hold are judged, the
+    others counted; a row both hold that differs still disagrees."""
+    assert compare(tmp_path / "same", BASE, BASE[:1], "--common-rows") == 0
+    out = capsys.readouterr().out
+    assert "rows only one side has (--common-rows: not compared): 1 only in A" in out
+    assert out.rstrip().endswith("every number is within tolerance")
+    changed = [{**BASE[0], "verdict": "sum"}]
+    assert compare(tmp_path / "differs", BASE, changed, "--common-rows") == 1
+    assert "0 unmatched row(s)" in capsys.readouterr().out
 
 
 def test_the_column_rules():

@@ -5,14 +5,18 @@ torchrun worker does; torchrun's own reaction to a failed worker (stop the rest,
 exit non-zero) is exercised in tests/test_end_to_end.py.
 """
 
+import contextlib
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from filelock import FileLock
 
+from harness.out_lock import out_lock
 from harness.results import JOURNAL_DIR
 from tests.distributed import launch, shared_cli_run, shared_folder
 from tests.scheduling import launching
@@ -150,3 +154,67 @@ def test_a_study_without_cases_is_refused_when_named_and_left_out_by_default(nam
         assert runnable_plan(plan, config, (1,)) == ([(reduction, ["a case"])], ["hooks"])
         with pytest.raises(UsageError, match="^reduction, hooks: no case"):
             runnable_plan([(reduction, []), (hooks, [])], config, (1,))
+
+
+@pytest.mark.launches(seconds=2)
+def test_resume_refuses_a_corrupted_journal_naming_it(tmp_path, capfd, raised_copy):
+    """A journal of the wrong shape (once "rank 0 failed: KeyError: 'rows'", naming no
+    file): one line naming the journal and the way out, exit 2 on every rank."""
+    journal = raised_copy / JOURNAL_DIR / "journal.rank1.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join([lines[0], '{"case_id": "x"}', *lines[1:]]) + "\n")
+    codes = launch(WORLD, [*ARGS, "--out", str(raised_copy), "--resume"], tmp_path)
+    err = capfd.readouterr().err
+    assert codes == [2, 2]
+    assert err.count(f"study.py: error: --resume: the journal {str(journal)!r} is corrupted "
+                     "(line 2 is not a finished case's rows); allowed: delete it and resume "
+                     "(that rank's cases run again), or run without --resume") == 1, err
+
+
+@contextlib.contextmanager
+def holding(out: Path) -> Iterator[int]:
+    """Another process holding ``out`` as a grad-study does while it runs (its pid)."""
+    ready_read, ready_write = os.pipe()
+    done_read, done_write = os.pipe()
+    holder = os.fork()
+    if holder == 0:
+        with out_lock(out, "grad-study"):
+            os.write(ready_write, b"1")
+            os.read(done_read, 1)
+        os._exit(0)
+    try:
+        os.read(ready_read, 1)
+        yield holder
+    finally:
+        os.write(done_write, b"1")
+        os.waitpid(holder, 0)
+
+
+def in_use(out: Path, holder: int) -> str:
+    return (f"study.py: error: --out {str(out)!r} is in use by another grad-study (pid "
+            f"{holder}); allowed: another --out, or this one once that run has ended")
+
+
+def test_nproc_refuses_an_out_another_run_holds_before_any_rank_starts(tmp_path, capfd):
+    """Two runs into one --out once both exited 0, run.json of one beside the other's rows:
+    the launcher holds the folder while its ranks run."""
+    from harness.grad_study import main
+
+    out = tmp_path / "out"
+    with holding(out) as holder:
+        assert main([*ARGS, "--nproc", "2", "--out", str(out)]) == 2
+    assert capfd.readouterr().err.strip() == in_use(out, holder)
+    # Nothing of the second run: the holder, which made the folder, removed it empty.
+    assert not out.exists()
+
+
+@pytest.mark.launches(seconds=2)
+def test_ranks_under_torchrun_refuse_an_out_another_run_holds(tmp_path, capfd):
+    """Without --nproc rank 0 holds --out, and every rank of a second run refuses it."""
+    out = tmp_path / "out"
+    with holding(out) as holder:
+        codes = launch(WORLD, [*ARGS, "--out", str(out)], tmp_path)
+    err = capfd.readouterr().err
+    assert codes == [2, 2]
+    assert err.count(in_use(out, holder)) == 1, err
+    assert not out.exists()

@@ -1,15 +1,18 @@
-"""What a framework's row says to change, from what was seen (harness/adapters/fixes.py):
-each cause on a hand-made measurement whose truth is known, no framework run."""
+"""What a framework's row says to change, from what was seen (the framework causes of
+harness/check/causes/): each cause on a hand-made measurement whose truth is known, no
+framework run."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from harness.adapters.fixes import framework_fix
+from harness.adapters.data import IGNORE, label_counts
 from harness.adapters.hf_trainer import FRAMEWORK as TRAINER
 from harness.adapters.registry import DEFAULT, Applied, Job
 from harness.adapters.step_capture import StepCapture
+from harness.check.causes import Explanation, explain
+from harness.check.causes.evidence import Evidence, FrameworkStep
 from harness.check.compare import Comparison
 from harness.check.fix import Facts
 from harness.check.setup import Setup
@@ -45,10 +48,19 @@ def comparison(verdict: Equivalence, scale: float, residual: float = 0.0) -> Com
 NOTHING_APPLIED = Applied("")
 
 
-def fix(plain: Comparison, recipe: Comparison | None = None,
-        applied: Applied = NOTHING_APPLIED, lrs=((0.1,), (0.1,))) -> str:
+def explained(plain: Comparison, recipe: Comparison | None = None,
+              applied: Applied = NOTHING_APPLIED, lrs=((0.1,), (0.1,))) -> Explanation:
+    """The gradient row's cause, as the frameworks' measure hands its evidence."""
     facts = Facts(world_size=3, accum_steps=1, rtol=RTOL)
-    return framework_fix("grad", plain, recipe or plain, facts, TRAINER, applied, lrs, job())
+    step = FrameworkStep(recipe or plain, TRAINER.name, TRAINER.clip_setting, TRAINER.clip_off,
+                         TRAINER.schedules, applied.clip, applied.counts_passed,
+                         applied.count_ignored, label_counts(job().windows[0]), IGNORE, lrs,
+                         job().setup.make_model)
+    return explain(Evidence(0, "grad", plain, facts, framework=step))
+
+
+def fix(*args, **kwargs) -> str:
+    return explained(*args, **kwargs).fix
 
 
 def test_a_count_of_the_labels_before_the_shift_is_named_with_both_counts():
@@ -56,6 +68,9 @@ def test_a_count_of_the_labels_before_the_shift_is_named_with_both_counts():
     text = fix(scaled, applied=Applied("", counts_passed=(COUNTED,), count_ignored=False))
     assert f"num_items_in_batch = {COUNTED}" in text and f"the {PREDICTED} tokens" in text
     assert "CausalLM.loss_type is None" in text and 'loss_type = "ForCausalLM"' in text
+    assert explained(scaled, applied=Applied("", counts_passed=(COUNTED,),
+                                             count_ignored=False)).cause == \
+        "trainer-count-unshifted"
 
 
 def test_another_scale_with_a_count_passed_is_not_blamed_on_the_count():
@@ -86,7 +101,7 @@ def test_a_learning_rate_other_than_the_big_batchs_names_how_the_framework_sched
 
 
 def test_a_match_needs_no_fix():
-    assert fix(comparison(Equivalence.MATCHES, 1.0)) == ""
+    assert explained(comparison(Equivalence.MATCHES, 1.0)) == Explanation()
 
 
 def test_a_binding_clip_does_not_explain_a_recipe_scaled_below_1():

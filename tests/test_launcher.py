@@ -86,7 +86,8 @@ def test_a_rank_failing_outside_any_case_still_says_why(tmp_path):
 
 @pytest.mark.parametrize("nproc, message", [
     ("0", "--nproc 0 is not allowed; allowed: 1..256"),
-    ("two", "--nproc 'two' is not an integer"),
+    ("two", "--nproc 'two' is not an integer; allowed: ASCII digits with an optional sign, "
+            "e.g. 4"),
 ])
 def test_bad_nproc(nproc, message, tmp_path):
     done = study("--nproc", nproc, "--out", str(tmp_path / "out"))

@@ -36,7 +36,7 @@ def test_each_fragment_is_in_the_code_once_and_its_mutation_changes_it(mutation)
 
 def test_the_list_covers_verdict_fix_split_capture_compare_bus_and_lr_factor():
     targets = {m.path for m in mutate.MUTATIONS}
-    assert {"harness/fit.py", "harness/check/fix.py", "harness/check/batches.py",
+    assert {"harness/fit.py", "harness/check/causes/words.py", "harness/check/batches.py",
             "harness/adapters/step_capture.py", "harness/grad_compare.py",
             "harness/studies/comm/collectives.py",
             "harness/studies/update/experiments/lr_factor_measure.py", "harness/check/step.py",

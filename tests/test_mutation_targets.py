@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from harness.check.batches import piece
+from harness.check.causes.words import scale_fix
 from harness.check.compare import Comparison
-from harness.check.fix import Facts, scale_fix
+from harness.check.fix import Facts
 from harness.check.judge import Compared, Memory, judge_step
 from harness.check.outcome import FAIL_ON, exit_code, failing_cases
-from harness.check.precision import tolerance, unresolved_below
+from harness.check.precision import tolerance
 from harness.check.setup import Setup
 from harness.check.step import WholeStep, not_finite
 from harness.fit import ScaleFit
@@ -154,11 +155,20 @@ def test_float32_rounds_an_update_coarser_than_its_gradient():
     divides by sqrt(v), and a parameter's update loses digits to cancellation). A residual
     of 5e-5 is beyond rounding on a gradient, and a match there says so; on an update it
     is rounding, and says nothing."""
-    rtol = 1e-3
-    assert "above its rounding" in unresolved_below(torch.float32, rtol, 5e-5, "grad")
-    assert unresolved_below(torch.float32, rtol, 5e-5, "params") == ""
-    assert unresolved_below(torch.float32, rtol, 5e-6, "grad") == ""
-    assert "above its rounding" in unresolved_below(torch.float32, rtol, 5e-4, "params")
+    from harness.check.causes import precision_unresolved
+    from harness.check.causes.evidence import Evidence
+
+    def unresolved(residual: float, point: str) -> str:
+        matching = Comparison(ScaleFit(1.0, residual), Equivalence.MATCHES, {})
+        evidence = Evidence(0, point, matching, Facts(world_size=1, accum_steps=2, rtol=1e-3),
+                            precision=torch.float32)
+        cause = precision_unresolved.CAUSE
+        return cause.fix(evidence) if cause.applies(evidence) else ""
+
+    assert "above its rounding" in unresolved(5e-5, "grad")
+    assert unresolved(5e-5, "params") == ""
+    assert unresolved(5e-6, "grad") == ""
+    assert "above its rounding" in unresolved(5e-4, "params")
 
 
 def test_every_front_end_ends_on_one_path_from_its_rows_to_its_exit_code(tmp_path, capsys):
@@ -182,3 +192,12 @@ def test_every_front_end_ends_on_one_path_from_its_rows_to_its_exit_code(tmp_pat
     assert finish(rows, path, list(rows[0]), replace(judging, fail_on="differs"), None) == 0
     with pytest.raises(ValueError, match="--fail-on sometimes"):
         Judging("sometimes", "prog", str)
+
+
+def test_a_case_is_named_by_its_first_failing_row_not_its_last():
+    """A case whose step 0 gradient differs fails for that, whatever its later rows say:
+    the first difference is the cause the later ones follow from."""
+    rows = [{"step": step, "point": point, "verdict": verdict, "status": "ok", "error": ""}
+            for step, point, verdict in ((0, "grad", "differs"), (0, "params", "scaled"),
+                                         (1, "grad", "scaled"))]
+    assert failing_cases(rows, "scaled", lambda row: "2x1") == {"2x1": "step 0 grad differs"}

@@ -112,6 +112,23 @@ def test_the_clip_factor_is_what_the_clip_multiplied_the_gradient_by(tmp_path):
         assert torch.allclose(factor * before[name], received[name], rtol=1e-12), name
 
 
+def test_texts_of_other_lengths_are_no_token_count_without_a_loss_that_counts_them():
+    """A contrastive loss (in-batch negatives over pooled embeddings) counts no labels: its
+    micro-batches' texts of other lengths are not what weighs them, and no cause of token
+    counts is named; a loss that counted them names one."""
+    texts = [["a", "a", "0", 9, 7], ["b", "b", "0", 9, 2]]
+    def step(counts: list[int]) -> list[list[dict]]:
+        return [[{**record(grad=1.0, forwards=2), "compared": {"grad": fit(1.0, 0.3),
+                                                              "params": fit(1.0, 0.3)},
+                  "samples": texts, "per_forward": [1, 1], "counts": counts}]]
+    reference = captured(Split(1, 1), [[{**record(), "samples": texts, "per_forward": [2]}]])
+    uncounted = captured(Split(1, 2), step([]))
+    assert uncounted.counts(0, 0) == ()
+    assert SplitJudge(uncounted, reference, {}, 2).rows()[0]["cause"] == "no-single-scale"
+    counted = SplitJudge(captured(Split(1, 2), step([7, 2])), reference, {}, 2).rows()
+    assert counted[0]["cause"] == "window-token-count"
+
+
 # ---------------------------------------------------------------- the judge's own causes
 def test_a_rank_whose_forwards_went_unseen_is_no_partial_window():
     """A window the data ran out in has fewer forwards than k on some rank, but at least
@@ -307,3 +324,124 @@ def test_the_labels_a_loss_module_counts_are_the_last_forward_s(tmp_path):
             setattr(torch.nn.functional, name, original)
     seen.before_step(optimizer, (optimizer,), {})
     assert seen.tracked[0].record.counts == [3, 5]
+
+
+# ---------------------------------------------------------------- one-line rules besides
+def test_a_value_both_n_and_k_is_named_neither_where_the_splits_contradict():
+    """At 2x2 a scale of 2 is N or k. The other splits tell which only where they agree:
+    at 2x1 the gradient matches (N scales nothing), at 4x1 it is 4 times (N scales it):
+    no telling, so the tie is said as 'N or k', not named after whichever came first."""
+    from harness.grad_check.script import factors
+
+    def row(world_size: int, verdict: str, scale: float) -> dict:
+        return {"verdict": verdict, "scale": scale, "precision": "float64",
+                "world_size": world_size, "accum_steps": 1, "optimizer": "SGD", "step": 0,
+                "point": "grad"}
+
+    shown = factors.evidence([row(2, "matches", 1.0), row(4, "scaled", 4.0)])
+    assert factors.tie_name(shown.get(("SGD", 0, "grad"), {})) == factors.EITHER
+    agreeing = factors.evidence([row(2, "scaled", 2.0), row(4, "scaled", 4.0)])
+    assert factors.tie_name(agreeing[("SGD", 0, "grad")]) == "N"
+
+
+def test_a_dropout_of_probability_0_is_no_active_dropout():
+    """Dropout(p=0) draws no mask: blaming it as randomness sends the user to a module that
+    changes nothing."""
+    from harness.grad_check.script.naming import model_facts
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0), nn.Dropout(0.1), nn.Dropout(0.2))
+    model[3].eval()
+    assert model_facts(model)["dropout"] == {"2"}
+
+
+def test_a_float32_gradient_off_by_more_than_its_rounding_is_not_called_rounding():
+    """A float32 gradient within float32's tolerance but 5e-5 from the reference's,
+    five times what float32 rounding leaves in a gradient (FLOAT32_ROUNDING['grad']), under
+    an update that differs: the gradient's difference is the cause (amplified by Adam), not
+    the learning rate. The update's own rounding bound (1.5e-4) would call it rounding."""
+    reference = captured(Split(1, 1), [[record()]], dtypes=("torch.float32",))
+    split = captured(Split(1, 2), [[record(forwards=2, compared={
+        "grad": fit(1.0, 5e-5), "params": fit(1.0, 0.05)})]], dtypes=("torch.float32",))
+    grad, update = SplitJudge(split, reference, {}, 8).rows()
+    assert grad["status"] == "unresolved" and update["verdict"] == "differs"
+    assert update["fix"].startswith("the gradient is within the precision's tolerance but off "
+                                    "by more than its rounding (residual 5e-05)"), update["fix"]
+
+
+def test_a_rank_keeps_the_first_line_recorded_for_it(tmp_path):
+    """The rank's one line is written where none is yet, and the first stays: the cause,
+    not what failed after it."""
+    from harness.errors import error_file
+    from harness.grad_check.script.ending import record_line
+
+    record_line(tmp_path, 1, "RuntimeError: the cause")
+    record_line(tmp_path, 1, "RuntimeError: what followed")
+    assert error_file(tmp_path, 1).read_text() == "RuntimeError: the cause\n"
+
+
+def test_a_rank_left_is_one_that_exited_0_without_its_summary_while_others_did_not(tmp_path):
+    """Rank 1 exited 0 before its summary (rank1.pt) while rank 0 runs: it left. A rank
+    that exited 0 with its summary did not, nor does anyone where every rank exited 0."""
+    from harness.grad_check.script.failures import left_early, left_line
+
+    (tmp_path / "rank0.pt").write_bytes(b"")
+    assert left_early([None, 0], tmp_path) == [1]
+    assert left_early([0, 1], tmp_path) == []  # rank 0 exited 0 with its summary
+    assert left_early([0, 0], tmp_path) == []
+    assert left_line(tmp_path, 1, [None, 0]).startswith(
+        "exited with code 0 before joining the process group, while rank 0 waited")
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / "rank1").write_text("{}")
+    assert left_line(tmp_path, 1, [None, 0]).startswith(
+        "exited with code 0 after joining the process group, before its first optimizer step")
+
+
+@pytest.mark.parametrize(("given", "environment", "refused"), [
+    ({"world_size": 3}, "2", "world_size=3"),
+    ({}, "3", "WORLD_SIZE=3 from its environment"),
+    ({"world_size": -1}, "2", None),  # init_process_group's default: the environment's
+    ({"world_size": 2}, "2", None),
+])
+def test_a_rank_joining_another_world_size_than_its_splits_is_refused(given, environment,
+                                                                      refused, monkeypatch,
+                                                                      tmp_path):
+    """Positional or by keyword, the world size a script hands init_process_group is the
+    one compared with the split's N; where it gives none, the environment's."""
+    import torch.distributed as dist
+
+    from harness.grad_check.script import guard as guards
+    from harness.grad_check.script.wire import RankSettings
+
+    monkeypatch.setenv("WORLD_SIZE", environment)
+    guard = guards.Guard(RankSettings(tmp_path, 1, False, 10.0, 0, "", 0, 2, "2x1"),
+                         {"RANK": "1"})
+    said = []
+    monkeypatch.setattr(guard, "fail", lambda line, code: said.append(line))
+    guard.check_joining(guards.joining(dist.init_process_group, ("gloo",), given,
+                                       "world_size"))
+    if refused is None:
+        assert said == []
+    else:
+        assert said == [f"joined the process group with {refused}, but split 2x1 runs 2 "
+                        "rank(s); allowed: the launch's world size (init_process_group() "
+                        "without world_size, or world_size=int(os.environ['WORLD_SIZE']))"]
+    positional = guards.joining(dist.init_process_group, ("gloo", None, None, 5), {},
+                                "world_size")
+    assert positional == 5
+
+
+def test_the_tensors_named_not_finite_are_those_holding_a_nan_or_an_infinity():
+    from harness.check.shards import Piece
+    from harness.grad_check.script.points import not_finite
+
+    pieces = [Piece("a", 0, torch.tensor([1.0, 2.0])), Piece("b", 0, torch.tensor([float("nan")])),
+              Piece("b", 1, torch.tensor([1.0])), Piece("c", 0, torch.tensor([float("-inf")])),
+              Piece("d", 0, torch.tensor([3], dtype=torch.int64))]
+    assert not_finite(pieces) == ["b", "c"]
+
+
+def test_a_run_holds_its_steps_only_where_every_rank_took_every_one():
+    whole = captured(Split(2, 1), [[record(0), record(1)], [record(0), record(1)]])
+    assert whole.holds(2) and not whole.holds(3)
+    short = captured(Split(2, 1), [[record(0), record(1)], [record(0)]])
+    assert short.holds(1) and not short.holds(2)

@@ -116,3 +116,79 @@ def test_a_rank_still_running_a_timeout_after_the_others_finished_hung(tmp_path)
                                          "had finished)")
     with pytest.raises(ProcessLookupError):
         os.kill(int((tmp_path / "sleeping.pid").read_text()), 0)
+
+
+LAUNCHER = """
+import sys
+from pathlib import Path
+from harness.ranks import run_ranks
+
+run_ranks(1, print, lambda rank: (rank,), Path(sys.argv[1]), preload=["tests.stalled_import"])
+"""
+
+
+@pytest.mark.launches(seconds=2)
+def test_a_fork_server_ends_with_its_launcher_even_in_its_preload(tmp_path):
+    """Its launcher killed outright while the server still imports its preload (torch, on
+    a loaded machine: seconds; here, a module whose import never ends), the server ends
+    with it rather than living on as an orphan until the import is done."""
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT
+    from tests.process_tree import descendants, kill_left, running, wait_until
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], cwd=ROOT)
+    servers: set[int] = set()
+    try:
+        def started() -> bool:
+            servers.update(pid for pid in descendants(launcher.pid)
+                           if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
+            return bool(servers) or launcher.poll() is not None
+
+        wait_until(started, 120, "no fork server started")
+        [server] = servers
+        wait_until(lambda: b"stalled_import" in Path(f"/proc/{server}/cmdline").read_bytes(),
+                   5, "not the server of this preload")
+        launcher.kill()
+        launcher.wait()
+        # Its preload never ends: only its launcher's death can end it.
+        wait_until(lambda: not running(server), 60, "the fork server outlived its launcher")
+    finally:
+        launcher.kill()
+        kill_left(servers)
+
+
+C10_LOGGING = """
+import sys
+from pathlib import Path
+from harness.ranks import run_ranks
+from tests.c10_logging_rank import unreachable_store
+
+run_ranks(1, unreachable_store, lambda rank: (rank,), Path(sys.argv[1]), preload=["torch"])
+"""
+
+
+@pytest.mark.launches(seconds=4)
+def test_what_a_rank_logs_in_cpp_as_it_fails_stays_off_the_console(tmp_path):
+    """c10 reads its log level once, as the fork server imports torch: the server is
+    started with TORCH_CPP_LOG_LEVEL=FATAL (unless set), so a rank that logs in C++ what it
+    also raises (gloo's 'connectFullMesh failed ... Connection closed by peer' once its peer
+    was interrupted) prints nothing beside the launcher's one line; a level the user set
+    holds."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT
+
+    environment = {name: value for name, value in os.environ.items()
+                   if name != "TORCH_CPP_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", C10_LOGGING, str(tmp_path)], cwd=ROOT,
+                           env=environment, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0 and quiet.stdout.strip() == "raised DistNetworkError"
+    assert quiet.stderr == ""
+    told = subprocess.run([sys.executable, "-c", C10_LOGGING, str(tmp_path)], cwd=ROOT,
+                          env={**environment, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+                          capture_output=True, text=True, timeout=120)
+    assert told.returncode == 0 and "[c10d] The client socket has timed out" in told.stderr

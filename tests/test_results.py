@@ -1,5 +1,6 @@
 """Atomic writes and the journal: what a crash can and cannot leave behind."""
 
+import contextlib
 import json
 import os
 
@@ -65,3 +66,92 @@ def test_journal_of_another_configuration_is_refused(tmp_path):
         Journal(tmp_path, "other").load()
     header = json.loads(journal.path.read_text().splitlines()[0])
     assert header == {"fingerprint": "abc"}
+
+
+@pytest.mark.parametrize("damage, what", [
+    ('[1, 2]\n', "line 1 is not its header"),
+    ('{"fingerprint": "abc"}\n{"case_id": "s/case=1"}\n{"case_id": "s/case=2", "rows": []}\n',
+     "line 2 is not a finished case's rows"),
+    ('{"fingerprint": "abc"}\n"rows"\n{"case_id": "s/case=2", "rows": []}\n',
+     "line 2 is not a finished case's rows"),
+    ('{"fingerprint": "abc"}\nnot json\n{"case_id": "s/case=2", "rows": []}\n',
+     "line 2 is not a finished case's rows"),
+    ('{"fingerprint": "abc"}\n{"case_id": "s/case=1", "rows": [1]}\n',
+     "line 2 is not a finished case's rows"),
+])
+def test_a_journal_this_run_did_not_write_is_refused_naming_its_file(damage, what, tmp_path):
+    """JSON of another shape (once "KeyError: 'rows'", naming no file) anywhere but a last
+    line a crash cut short: one line naming the journal and the way out."""
+    journal = Journal(tmp_path, "abc", rank=1)
+    journal.path.parent.mkdir(parents=True)
+    journal.path.write_text(damage)
+    with pytest.raises(UsageError) as refused:
+        journal.load()
+    assert str(refused.value) == (
+        f"--resume: the journal {str(journal.path)!r} is corrupted ({what}); allowed: delete "
+        "it and resume (that rank's cases run again), or run without --resume")
+
+
+def test_a_journal_of_bytes_that_are_not_utf8_is_refused_naming_its_file(tmp_path):
+    journal = Journal(tmp_path, "abc")
+    journal.path.parent.mkdir(parents=True)
+    journal.path.write_bytes(b'{"fingerprint": "abc"}\n\xff\xfe\x00garbage\n')
+    with pytest.raises(UsageError, match=r"journal\.rank0\.jsonl' is corrupted \(bytes that "
+                                         r"are not UTF-8 at offset 23\)"):
+        journal.load()
+
+
+def test_a_file_that_cannot_be_written_is_named_not_its_temporary_stand_in(tmp_path,
+                                                                            monkeypatch):
+    """A full disk fails the write to the temporary file, which names no file: the error
+    names the file meant, and the one there before stays whole."""
+    import errno
+
+    from harness.results import WriteError
+
+    target = tmp_path / "rows.csv"
+    write_text_atomic(target, "before\n")
+
+    def full(self, text, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(target), "write_text", full)
+    with pytest.raises(WriteError) as failed:
+        write_text_atomic(target, "after\n")
+    monkeypatch.undo()
+    assert failed.value.filename == str(target) and failed.value.errno == errno.ENOSPC
+    assert failed.value.line() == (f"cannot write {target}: No space left on device; every "
+                                   "file written before is kept whole")
+    assert target.read_text() == "before\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rows.csv"]  # no stand-in left
+
+
+def test_a_journal_line_that_cannot_be_written_names_the_journal(tmp_path):
+    from harness.results import WriteError
+
+    journal = Journal(tmp_path, "abc")
+    journal.start({})
+    journal._handle.close()
+    # Every write: No space left on device (its close, flushing again, too).
+    with contextlib.suppress(OSError), open("/dev/full", "a") as full:
+        journal._handle = full
+        with pytest.raises(WriteError) as failed:
+            journal.append("s/case=1", [{"x": 1}])
+    assert failed.value.filename == str(journal.path)
+
+
+def test_a_failed_rename_names_the_file_meant_not_the_temporary_one(tmp_path, monkeypatch):
+    import errno
+
+    import harness.results
+    from harness.results import WriteError
+
+    target = tmp_path / "rows.csv"
+
+    def refused(source, destination):
+        raise OSError(errno.EIO, "Input/output error", str(source), str(destination))
+
+    monkeypatch.setattr(harness.results.os, "replace", refused)
+    with pytest.raises(WriteError) as failed:
+        write_text_atomic(target, "rows\n")
+    assert failed.value.filename == str(target)

@@ -12,7 +12,6 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 
 from harness.check.load import validated_setups
 from harness.check.outcome import DEFAULT_FAIL_ON, FAIL_ON, Judging, exit_code, finish, rows_of
@@ -36,6 +35,7 @@ from harness.options import (
     parse_int_list,
     parse_name_list,
     parse_nproc,
+    parse_out,
 )
 from harness.placement import (
     Launch,
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategies", metavar="NAME[,NAME]", default=",".join(CHECK_STRATEGIES),
                         help="; ".join(f"{k} = {v}" for k, v in CHECK_STRATEGIES.items())
                              + " (default: all)")
-    parser.add_argument("--world-sizes", metavar="N[,N]", default="",
+    parser.add_argument("--world-sizes", metavar="N[,N]", default=None,
                         help="world sizes, each on ranks 0..N-1 of this launch (default: 1..N "
                              "for N launched ranks)")
     add_dtype_flag(parser, "model and batch type")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-last", action="store_true",
                         help="drop the samples of a global batch that do not split evenly "
                              "into N x k pieces (default: refuse such a batch)")
-    parser.add_argument("--frameworks", metavar="NAME[,NAME]", default="",
+    parser.add_argument("--frameworks", metavar="NAME[,NAME]", default=None,
                         help="train the setup through real frameworks instead of the "
                              "strategies, on every launched rank: accelerate, lightning, "
                              "transformers, deepspeed (each as shipped), or NAME:SETTING "
@@ -109,9 +109,9 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         accum_steps=parse_int_list(args.accum_steps, "--accum-steps"),
         strategies=parse_name_list(args.strategies, "--strategies"),
         world_sizes=(parse_int_list(args.world_sizes, "--world-sizes")
-                     if args.world_sizes else ()),
+                     if args.world_sizes is not None else ()),
         dtype=args.dtype,
-        out=Path(args.out),
+        out=parse_out(args.out),
         drop_last=args.drop_last,
         quiet=args.quiet,
         timeout=parse_float(args.timeout, "--timeout"),
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     leader = leader_from_environment()
     try:
         args = build_parser().parse_args(argv)
-        if args.frameworks:
+        if args.frameworks is not None:
             from harness.grad_check.frameworks_check import main as frameworks_main
 
             return frameworks_main(args, argv, leader, PROG)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.adapters.columns import NAMES, case_label, judged_verdict
-from harness.adapters.registry import DEFAULT, Framework, Setting
+from harness.adapters.registry import DEFAULT, Framework, FrameworkSetting
 from harness.check import batches
 from harness.check.load import validated_setups
 from harness.check.outcome import Judging, exit_code, finish, rows_of
@@ -42,6 +42,7 @@ from harness.options import (
     parse_int_list,
     parse_name_list,
     parse_nproc,
+    parse_out,
 )
 from harness.placement import Launch, under_torchrun
 
@@ -63,7 +64,7 @@ class FrameworksRun:
     setting, at each k, on every launched rank."""
 
     setups: list[tuple[str, Setup]]
-    chosen: list[tuple[Framework, Setting]]
+    chosen: list[tuple[Framework, FrameworkSetting]]
     accum_steps: tuple[int, ...]
     out: Path
     dtype: str
@@ -79,12 +80,16 @@ def frameworks() -> dict[str, Framework]:
     return FRAMEWORKS
 
 
-def selections(text: str) -> list[tuple[Framework, Setting]]:
+def selections(text: str) -> list[tuple[Framework, FrameworkSetting]]:
     """``accelerate,deepspeed:zero1`` -> the frameworks and settings it names; a missing
     framework, an unknown name or setting is bad input."""
     known = frameworks()
     chosen = []
-    for item in parse_name_list(text, "--frameworks"):
+    items = parse_name_list(text, "--frameworks")
+    if not items:
+        raise UsageError(f"--frameworks is empty; allowed: comma-separated names of "
+                         f"{', '.join(known)}, each optionally :SETTING, e.g. accelerate")
+    for item in items:
         name, _, setting_name = item.partition(":")
         framework = known.get(name)
         if framework is None:
@@ -100,7 +105,7 @@ def selections(text: str) -> list[tuple[Framework, Setting]]:
     return chosen
 
 
-def check_trainable(setup: Setup, target: str, chosen: list[tuple[Framework, Setting]],
+def check_trainable(setup: Setup, target: str, chosen: list[tuple[Framework, FrameworkSetting]],
                     world_size: int, accum_steps: Sequence[int]) -> None:
     """Each framework must be able to run the setup's whole step, and its data loader
     feeds micro-batches of one size: every step's batch must give the same size."""
@@ -133,11 +138,11 @@ def main(args: argparse.Namespace, argv: Sequence[str], leader: bool, prog: str)
     try:
         chosen = selections(args.frameworks)
         accum_steps = parse_int_list(args.accum_steps, "--accum-steps")
-        out = Path(args.out).absolute()  # before the user's code can change the folder
+        out = parse_out(args.out).absolute()  # before the user's code can change the folder
         check_out_folder(out)
         timeout = parse_float(args.timeout, "--timeout")
         world_size = _world_size(args, prog)
-        if args.world_sizes and args.world_sizes != str(world_size):
+        if args.world_sizes is not None and args.world_sizes != str(world_size):
             raise UsageError(f"--world-sizes {args.world_sizes} with --frameworks: the "
                              f"frameworks train on every launched rank; allowed: "
                              f"{world_size} (or leave it out)")

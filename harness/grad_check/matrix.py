@@ -22,24 +22,26 @@ import torch.distributed as dist
 from harness.check import batches
 from harness.check.baseline import Baseline, UsedSamples
 from harness.check.case import CaseModel, not_finite_message
+from harness.check.causes.evidence import MatrixStep
 from harness.check.compare import compare, compare_each, same_on_every_rank, sampled_fingerprint
 from harness.check.fix import Facts, batchnorm_tensors, measure_loss_combination
 from harness.check.judge import (
-    Cause,
     Compared,
     Judged,
     JudgedStep,
     Memory,
+    Seeing,
+    Seen,
     at_full_precision,
     judge_step,
     judged_row,
 )
 from harness.check.load import prepared_model
-from harness.check.precision import case_precision, tolerance, unsplit_fix
+from harness.check.precision import case_precision, tolerance
 from harness.check.reference import ReferenceStep, state_names, window_of
 from harness.check.setup import Setup
 from harness.check.spread import Spread
-from harness.check.step import check_step_device, micro_step_edit_fix, run_dtype
+from harness.check.step import check_step_device, run_dtype
 from harness.errors import UsageError, first_sentence, timed_out_in_collective
 from harness.grad_check.check_config import CSV_NAME, CheckConfig
 from harness.grad_check.schema import COLUMN_NAMES, COLUMNS
@@ -47,7 +49,7 @@ from harness.placement import Launch, Placement
 from harness.results import write_csv_atomic
 from harness.strategies import STRATEGIES
 from harness.tolerances import dtype_name
-from harness.verdicts import Equivalence, Status, skipped
+from harness.verdicts import Status, skipped
 
 
 class NotFinite(Exception):
@@ -273,7 +275,8 @@ class SetupCheck:
         compared += self._compare_after_step(model, ref, group, rtol)
         return judge_step(step, compared, precision,
                           replace(facts, loss_combination=combination, learning_rates=ref.lrs),
-                          memory, cause=self._cause(model.whole.edits_in_forward))
+                          memory, seen=self._seen(model.whole.edits_in_forward),
+                          explaining=self.launch.is_leader)
 
     def _scaler_skipped(self, model: CaseModel, group: dist.ProcessGroup | None) -> bool:
         """Whether the case's GradScaler skips this step on any rank (all skip together:
@@ -335,20 +338,12 @@ class SetupCheck:
                      finds_unused=bool(self.setup.ddp_options.get("find_unused_parameters")),
                      rtol=self.rtol)
 
-    def _cause(self, edits_in_micro_step: set[str]) -> Cause:
-        """What only the matrix knows of a row's cause: nothing is split at N = 1, k = 1,
-        or the custom micro_step edits what the forward saw. Only rank 0 writes rows, so
-        only rank 0 looks for a fix (the engine's may forward pieces)."""
-        def cause(measured: Compared, facts: Facts, _judged) -> str | None:
-            if not self.launch.is_leader:
-                return ""
-            if facts.world_size == facts.accum_steps == 1:
-                return unsplit_fix(measured.point, measured.comparison, self.setup)
-            if edits_in_micro_step and measured.comparison.verdict is not Equivalence.MATCHES:
-                return micro_step_edit_fix(edits_in_micro_step)
-            return None
-
-        return cause
+    def _seen(self, edits_in_micro_step: set[str]) -> Seeing:
+        """What only the matrix knows of a row's cause (harness/check/causes/): whether the
+        setup runs a micro_step of its own, and what it edited that the forward saw. Only
+        rank 0 writes rows, so only rank 0 looks for a cause (one may forward pieces)."""
+        matrix = MatrixStep(self.setup.micro_step is not None, frozenset(edits_in_micro_step))
+        return lambda _measured: Seen(matrix=matrix)
 
     def _loss_combination(self, window, samples: int, case: MatrixCase):
         """How the loss of the step's window combines its pieces' losses: measured once per

@@ -8,9 +8,10 @@ A sentence that states a verdict first checks that the rows still show it: where
 they do not, generation stops with :class:`Unsupported`, naming the sentence and
 the rows, instead of writing a claim the results no longer make.
 
-Reads CSVs and JSON only (no torch), like the report. Imports no study: the studies'
-columns and parts come in a catalogue (:mod:`harness.report.catalogue`) that
-``scripts/docs.py`` hands to :func:`main`.
+Reads CSVs and JSON (no torch), like the report, but for the list of the check's causes,
+which it reads from their declarations. Imports no study: the studies' columns and parts
+come in a catalogue (:mod:`harness.report.catalogue`) that ``scripts/docs.py`` hands to
+:func:`main`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,19 @@ def schema_parts(catalogue: Catalogue) -> dict[str, DocPart]:
         parts[f"columns:{name}"] = lambda _, study=study: tables_text(study.tables)
     parts["columns:check"] = lambda _: column_table(_check_columns())
     parts["columns:script"] = lambda _: column_table(_script_columns())
+    parts["causes"] = lambda _: causes_table()
     return parts
+
+
+def causes_table() -> str:
+    """Every cause a judged row's ``cause`` column may name, in the judge's order, then the
+    judge's own rules (the one place that reads the check's engine: its causes' ids and
+    summaries are declared in their modules)."""
+    from harness.check.causes import CAUSES, JUDGE_RULES
+
+    return table(["cause", "what it says happened"],
+                 [[code(cause.id), cause.summary] for cause in (*CAUSES, *JUDGE_RULES)],
+                 [False, False])
 
 
 def _check_columns() -> tuple[Column, ...]:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from harness.placement import Placement
-    from harness.strategies.common import StepMeasurement, StepSpec, Trainer
+    from harness.strategies.common import StepMeasurement, StepSpec, StrategyTrainer
 
 
 class Run(Protocol):
@@ -76,7 +76,7 @@ class Strategy:
     #: One measured step of a StepSpec over k devices (None: the strategy has none).
     measure: Callable[[StepSpec, int, Run], StepMeasurement | None] | None = None
     #: A model under the strategy over k devices, fed one micro-step at a time.
-    trainer: Callable[[nn.Module, int, Run], Trainer] | None = None
+    trainer: Callable[[nn.Module, int, Run], StrategyTrainer] | None = None
     #: grad-check: the :class:`harness.check.case.CaseModel` that runs a user's step under
     #: this strategy, from the strategy's own module (None: the check does not offer it),
     #: and one line for its --help.

@@ -104,7 +104,7 @@ class CommCounter:
         self.calls = self.bytes = 0
 
 
-class Trainer(ABC):
+class StrategyTrainer(ABC):
     """A model under a strategy, fed one micro-step at a time (the accumulation study's view).
 
     ``shards`` always holds one batch per device slot of the micro-step; each

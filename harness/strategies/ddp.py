@@ -23,7 +23,7 @@ from harness.strategies.common import (
     CommCounter,
     StepMeasurement,
     StepSpec,
-    Trainer,
+    StrategyTrainer,
     buffers_of,
     clear_grad,
     flat_grad,
@@ -112,7 +112,7 @@ def measurement_on_leader(spec: StepSpec, grads: list[torch.Tensor], local: torc
                            rank_spread=spread, buffers=buffers)
 
 
-class DDPTrainer(Trainer):
+class DDPTrainer(StrategyTrainer):
     """DDP on a subgroup, with every all-reduce counted; reusable across cases via ``reset``.
 
     Wrapping once per (world size, model) and resetting weights between cases

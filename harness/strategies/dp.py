@@ -17,7 +17,7 @@ from torch import nn
 from harness.strategies.common import (
     StepMeasurement,
     StepSpec,
-    Trainer,
+    StrategyTrainer,
     dataparallel_passes,
 )
 from harness.tasks import Batch
@@ -81,7 +81,7 @@ def measure_step(spec: StepSpec, replicas: int) -> StepMeasurement:
                            buffers=buffers)
 
 
-class DPTrainer(Trainer):
+class DPTrainer(StrategyTrainer):
     """Real DataParallel over cuda:0..replicas-1, fed the concatenated micro-batch."""
 
     def __init__(self, module: nn.Module, replicas: int) -> None:

@@ -32,7 +32,7 @@ from harness.strategies.common import (
     CommCounter,
     StepMeasurement,
     StepSpec,
-    Trainer,
+    StrategyTrainer,
     dataparallel_passes,
 )
 from harness.tasks import Batch
@@ -112,7 +112,7 @@ def measure_step(spec: StepSpec, replicas: int, device: torch.device) -> StepMea
                            chunk_sizes=wrapper.last_chunk_sizes, buffers=buffers)
 
 
-class EmulatedDPTrainer(Trainer):
+class EmulatedDPTrainer(StrategyTrainer):
     """The emulated DataParallel, fed the concatenated micro-batch of every device."""
 
     def __init__(self, module: nn.Module, replicas: int, device: torch.device) -> None:

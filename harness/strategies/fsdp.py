@@ -22,7 +22,7 @@ from torch import nn
 
 from harness.check.case import CaseModel, shard_rows
 from harness.models import device_slot
-from harness.strategies.common import StepMeasurement, StepSpec, Trainer, buffers_of
+from harness.strategies.common import StepMeasurement, StepSpec, StrategyTrainer, buffers_of
 from harness.strategies.ddp import measurement_on_leader
 from harness.strategies.local import local_gradient
 
@@ -81,7 +81,7 @@ def measure_step(spec: StepSpec, group: dist.ProcessGroup, device: torch.device
     return measurement_on_leader(spec, grads, local, buffers, group, device)
 
 
-class FSDPTrainer(Trainer):
+class FSDPTrainer(StrategyTrainer):
     """FSDP2's ``fully_shard`` on a subgroup: each rank feeds its own shard."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:

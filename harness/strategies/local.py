@@ -19,7 +19,7 @@ from torch import nn
 
 from harness.check.case import CaseModel
 from harness.models import device_slot
-from harness.strategies.common import Trainer, buffers_of, clear_grad, flat_grad
+from harness.strategies.common import StrategyTrainer, buffers_of, clear_grad, flat_grad
 from harness.tasks import Batch, Task
 
 
@@ -62,7 +62,7 @@ def running_stats_after(model: nn.Module, shards: Sequence[Batch]) -> dict[str, 
     return buffers_of(replica)
 
 
-class LocalTrainer(Trainer):
+class LocalTrainer(StrategyTrainer):
     """One process, no reduction: micro-steps straight into the module."""
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:

@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import functools
 import os
+import socket
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -57,7 +58,7 @@ from torch.optim.optimizer import (
 from harness.errors import USAGE_EXIT
 from harness.grad_check.script import ending, engines, naming, points, samples, wire, wrappers
 from harness.grad_check.script.graph import graph_dtypes
-from harness.grad_check.script.guard import failing_line
+from harness.grad_check.script.guard import failed
 from harness.grad_check.script.naming import owner, parameter_names
 from harness.grad_check.script.never_raising import Refused, never_raising
 from harness.grad_check.script.sharded import reader_for
@@ -117,7 +118,7 @@ class Capture:
         original_hook = sys.excepthook
 
         def excepthook(kind, error, traceback):
-            self.record_line(failing_line(error, traceback))  # with the failing file:line
+            ending.record_error(self.folder, self.rank, failed(error, traceback))
             original_hook(kind, error, traceback)
 
         sys.excepthook = excepthook
@@ -221,6 +222,7 @@ class Capture:
             before_norm=points.norm(pieces, tracked.sharded) if clips else None,
             received_norm=points.norm(tracked.read(received, "grad", self.rank)[1],
                                       tracked.sharded) if clips and not clip else None,
+            non_finite={"grad": points.not_finite(pieces)},
             compared={"grad": self.points.done(tracked.index, tracked.steps, "grad", specs,
                                                pieces, tracked.sharded)})
 
@@ -239,7 +241,8 @@ class Capture:
         captured = tracked.record is not None
         if captured:
             specs, pieces, kept = tracked.read(tracked.parameters, "params", self.rank)
-            tracked.record = replace(tracked.record, params_digests=kept, compared={
+            tracked.record = replace(tracked.record, params_digests=kept, non_finite={
+                **tracked.record.non_finite, "params": points.not_finite(pieces)}, compared={
                 **tracked.record.compared, "params": self.points.done(
                     tracked.index, tracked.steps, "params", specs, pieces, tracked.sharded)})
             self.records.append(tracked.close_record(self.window))
@@ -279,7 +282,7 @@ class Capture:
     def saw_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """An outermost training forward: its samples and its counted labels, where its
         input is data (not another module's output) the capture can read."""
-        first = samples.first_tensor((args, kwargs))
+        first = samples.first_tensor((args, kwargs), self.micro_batch)
         if (first is None or not samples.is_data(first) or not samples.readable(first)
                 or self.window.is_activation(first)):
             return
@@ -366,7 +369,7 @@ class Capture:
                    if module in sys.modules),
             [tracked.summary() for tracked in self.tracked], list(self.records),
             sorted(self.dtypes), sorted(self.model_dtypes), sorted(self.unknown),
-            sorted(self.facts["batchnorm"]), sorted(self.facts["dropout"]))
+            sorted(self.facts["batchnorm"]), sorted(self.facts["dropout"]), socket.gethostname())
 
     def write_summary(self) -> None:
         """Once, where this process stepped an optimizer: a process that never did (a

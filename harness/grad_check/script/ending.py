@@ -21,7 +21,7 @@ from pathlib import Path
 from harness.errors import error_file
 from harness.grad_check.script.files import partial_file, save_atomically, summary_file
 from harness.grad_check.script.guard import waiting_in_exchange
-from harness.grad_check.script.wire import RankSummary
+from harness.grad_check.script.wire import RankError, RankSummary, error_record
 
 #: Seconds between looks for the other ranks' summaries.
 POLL_S = 0.01
@@ -59,6 +59,16 @@ def record_line(folder: Path, rank: int, line: str) -> None:
     with contextlib.suppress(OSError):
         if not path.exists():
             path.write_text(line + "\n")
+
+
+def record_error(folder: Path, rank: int, error: RankError) -> None:
+    """A Python error of the rank: its line, and its fields beside it (the first one
+    recorded is kept, and only with the line it stands for)."""
+    if error_file(folder, rank).exists():
+        return
+    with contextlib.suppress(OSError):
+        error_record(folder, rank).write_text(error.to_json())
+    record_line(folder, rank, error.line)
 
 
 def exit_now(code: int) -> None:

@@ -26,7 +26,9 @@ import contextlib
 import json
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 
 from harness.errors import USAGE_EXIT, error_file, timed_out_in_collective
@@ -51,10 +53,70 @@ _DEEPSPEED_EXIT = re.compile(r"--local_rank=(\d+)'?(?:, [^\]]*)?\]\s+exits with 
 _ARGPARSE_ERROR = re.compile(r"^\S+: error: .+$", re.MULTILINE)
 
 
+class Unusable(StrEnum):
+    """Why the reference's runs give nothing to compare with: a stable id, as
+    ``failures.json`` says it."""
+
+    FAILED = "reference-failed"
+    REFUSED = "arguments-refused"
+    NEVER_STEPPED = "never-stepped"
+    NOT_DETERMINISTIC = "not-deterministic"
+    NOT_FINITE = "not-finite"
+
+
 class ReferenceUnusable(Exception):
     """The reference's runs give nothing to compare with: the command failed or refused its
     input, never stepped an optimizer, or did not repeat itself. One line, exit code 1:
-    found by running the command, not bad input found before it ran (exit code 2)."""
+    found by running the command, not bad input found before it ran (exit code 2).
+    ``reason``: why, as an id; ``alike``: the line as every run of the same script on the
+    same machine says it (``line`` without what differs from run to run: a magnitude drawn
+    at random, the temporary folder of its output, which of the ranks that fail alike said
+    it first)."""
+
+    def __init__(self, line: str, reason: Unusable, alike: str = "") -> None:
+        super().__init__(line)
+        self.reason, self.alike = reason, alike or line
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """A run of the command that failed: which run, at which split, its line (without the
+    rank, a field of its own), and the rank it names with its exit code and, where it
+    raised, its error's fields."""
+
+    run: str
+    split: str
+    line: str
+    rank: int | None = None
+    exitcode: int | None = None
+    error: wire.RankError | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunFailure:
+        run = cls(**wire.known_fields(cls, data))
+        error = run.error
+        return replace(run, error=wire.RankError(**wire.known_fields(wire.RankError, error))
+                       if error else None)
+
+
+@dataclass(frozen=True)
+class CheckFailures:
+    """What failed in one ``grad-check run``, by its fields (``failures.json`` in --out, for
+    a program that reads the check: the trainers study): the reference found unusable (why,
+    its line as every run says it alike, and the line said), and every run that failed."""
+
+    unusable: str = ""
+    alike: str = ""
+    line: str = ""
+    runs: tuple[RunFailure, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckFailures:
+        found = wire.known_fields(cls, json.loads(text))
+        return replace(cls(**found), runs=tuple(map(RunFailure.from_json, found.get("runs", []))))
 
 
 def lost_a_peer(line: str) -> bool:
@@ -66,12 +128,14 @@ def lost_a_peer(line: str) -> bool:
 @dataclass(frozen=True)
 class SplitFailure:
     """The rank that failed first (None: the run as a whole), its exit code and its line;
-    ``hung``: the ranks named as hung (their line says so itself)."""
+    ``hung``: the ranks named as hung (their line says so itself); ``error``: the Python
+    error the line says, by its fields, where the rank raised one."""
 
     rank: int | None
     exitcode: int | None
     line: str
     hung: tuple[int, ...] = ()
+    error: wire.RankError | None = None
 
     @property
     def refused(self) -> bool:
@@ -83,28 +147,67 @@ class SplitFailure:
         return self.line if self.rank is None or self.hung else f"rank {self.rank}: {self.line}"
 
 
+def rank_error(folder: Path, rank: int) -> wire.RankError | None:
+    """The fields of the Python error behind rank ``rank``'s line, where it raised one."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return wire.RankError.from_json(wire.error_record(folder, rank).read_text())
+    return None
+
+
 def line_time(folder: Path, rank: int) -> float | None:
     with contextlib.suppress(OSError):
         return error_file(folder, rank).stat().st_mtime
     return None
 
 
+def left_early(codes: Sequence[int | None], folder: Path) -> list[int]:
+    """The ranks that exited with code 0 without their summary (``rank<R>.pt``: a rank that
+    took its steps writes one before it ends) while another rank still ran or failed:
+    they left the split, and the others wait for them or lose them."""
+    if all(code == 0 for code in codes):
+        return []
+    return [rank for rank, code in enumerate(codes)
+            if code == 0 and not (folder / f"rank{rank}.pt").exists()]
+
+
+def left_line(folder: Path, rank: int, codes: Sequence[int | None]) -> str:
+    """What a rank that left did: how far it got (it never joined the process group, or
+    how many steps it took) and the ranks it left behind."""
+    others = [r for r, code in enumerate(codes) if r != rank and code != 0]
+    who = f"rank {others[0]}" if len(others) == 1 else "ranks " + ", ".join(map(str, others))
+    found = progress(folder, rank)
+    if not (folder / wire.CLAIMS / f"rank{rank}").exists():
+        when, left = "before joining the process group", f"while {who} waited for it to join"
+    else:
+        steps = found.steps if found else 0
+        when = ("after joining the process group, before its first optimizer step"
+                if not steps else f"after {steps} optimizer step(s), before grad-check had "
+                "captured its steps")
+        left = f"while {who} went on without it"
+    return (f"exited with code 0 {when}, {left}: every rank must take each step (look for "
+            "a condition on the rank that ends the script early)")
+
+
 def first_failure(codes: list[int | None], ended: dict[int, float], folder: Path,
                   logs: Path | None = None) -> SplitFailure:
     """Among ranks started by grad-check: the first that failed for a reason of its own
-    (its line, else its exit code, dated by when its end was seen: ``ended``, wall
-    time), else the first victim."""
+    (its line, else its exit code, or its exit with code 0 before the others were done:
+    :func:`left_early`; dated by when its end was seen: ``ended``, wall time), else the
+    first victim."""
     logs = logs or folder
+    left = left_early(codes, folder)
     candidates = []
     for rank, code in enumerate(codes):
-        line = error_line(folder, rank)
+        line = error_line(folder, rank) or (left_line(folder, rank, codes)
+                                            if rank in left else "")
         if not line and code in (None, 0):
             continue
         own = not lost_a_peer(line) if line else True
-        when = line_time(folder, rank) if line else ended.get(rank)
+        when = line_time(folder, rank) if error_line(folder, rank) else ended.get(rank)
         candidates.append((not own, float("inf") if when is None else when, rank, line))
     _, _, rank, line = min(candidates)
-    return SplitFailure(rank, codes[rank], line or log_line(logs / f"rank{rank}.log", codes[rank]))
+    return SplitFailure(rank, codes[rank], line or log_line(logs / f"rank{rank}.log", codes[rank]),
+                        error=rank_error(folder, rank))
 
 
 def launched_failure(folder: Path, log: Path, nproc: int, code: int | None,
@@ -117,15 +220,16 @@ def launched_failure(folder: Path, log: Path, nproc: int, code: int | None,
     own = [rank for rank, line in lines.items() if not lost_a_peer(line)]
     if own:
         rank = min(own, key=lambda r: line_time(folder, r) or float("inf"))
-        return SplitFailure(rank, 1, lines[rank])
+        return SplitFailure(rank, 1, lines[rank], error=rank_error(folder, rank))
     output = read(log)
     named = summary_of(output)
     if named is not None:
         rank, exitcode = named
-        return SplitFailure(rank, exitcode, lines.get(rank) or exit_line(output, exitcode))
+        return SplitFailure(rank, exitcode, lines.get(rank) or exit_line(output, exitcode),
+                            error=rank_error(folder, rank))
     if lines:
         rank = min(lines, key=lambda r: line_time(folder, r) or float("inf"))
-        return SplitFailure(rank, 1, lines[rank])
+        return SplitFailure(rank, 1, lines[rank], error=rank_error(folder, rank))
     return SplitFailure(None, code, f"{launcher} {log_line(log, code)}"
                    if code is not None and code > 0 else f"{launcher} was {describe_exit(code)}"
                    if code is not None else f"{launcher} stopped")
@@ -181,9 +285,9 @@ def log_line(log: Path, code: int | None) -> str:
 def fatal(folder: Path) -> SplitFailure | None:
     """A failure that ends the split at once (guard.py: a rank claimed twice, a launcher
     that started another number of ranks)."""
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        found = json.loads((folder / wire.FATAL).read_text())
-        return SplitFailure(int(found["rank"]), int(found["exitcode"]), str(found["line"]))
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        found = wire.Fatal.from_json((folder / wire.FATAL).read_text())
+        return SplitFailure(found.rank, found.exitcode, found.line)
     return None
 
 
@@ -218,10 +322,9 @@ NOWHERE = (-1, -1, False)
 
 def progress(folder: Path, rank: int) -> RankProgress | None:
     path = folder / wire.PROGRESS / f"rank{rank}"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        found = json.loads(path.read_text())
-        return RankProgress(int(found["steps"]), int(found["forwards"]), path.stat().st_mtime,
-                        found.get("waiting"))
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        found = wire.Progress.from_json(path.read_text())
+        return RankProgress(found.steps, found.forwards, path.stat().st_mtime, found.waiting)
     return None
 
 

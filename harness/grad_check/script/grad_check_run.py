@@ -39,11 +39,18 @@ from harness.grad_check.script.script_config import (
     CSV_NAME,
     DEFAULT_FAIL_ON,
     DEFAULT_STEPS,
+    FAILURES_NAME,
     LOGS,
     ScriptConfig,
 )
 from harness.grad_check.script.splits import PLACEHOLDERS, parse_split, parse_splits
-from harness.options import CommandParser, check_out_folder, parse_float, parse_int
+from harness.options import (
+    CommandParser,
+    check_out_folder,
+    parse_float,
+    parse_int,
+    parse_out,
+)
 
 DEFAULT_SPLITS = "1x1,1x2,2x1,2x2"
 #: The names the script mode answers to, as the user typed the program.
@@ -189,22 +196,27 @@ def split_command(argv: list[str], prog: str | None = None) -> tuple[list[str], 
     return argv[:cut], argv[cut + 1:]
 
 
-def config_from_args(args: argparse.Namespace, command: list[str]) -> ScriptConfig:
-
-    from harness.grad_check.script import slurm
-
-    config = ScriptConfig(command=tuple(command),
+def config_from_args(args: argparse.Namespace, command: list[str], gpus: int) -> ScriptConfig:
+    """The check the flags ask for, on a machine of ``gpus`` GPUs (:func:`machine_gpus`):
+    parsed, and checked by its own rules (ScriptConfig refuses what no machine could run)."""
+    return ScriptConfig(command=tuple(command),
                           global_batch=parse_int(args.global_batch, "--global-batch"),
                           splits=parse_splits(args.splits),
                           reference=parse_split(args.reference, "--reference"),
                           steps=parse_int(args.steps, "--steps"), keep_going=args.keep_going,
                           reference_once=args.reference_once,
-                          out=Path(args.out), fail_on=args.fail_on,
+                          out=parse_out(args.out), fail_on=args.fail_on,
                           timeout=parse_float(args.timeout, "--timeout"), quiet=args.quiet,
                           launcher=args.launcher, torchrun_env=args.torchrun_env,
-                          gpus=visible_gpus() * slurm.nodes())
-    check_out_folder(config.out)
-    return config
+                          gpus=gpus)
+
+
+def machine_gpus() -> int:
+    """The GPUs a split's ranks may spread over: this node's (as the command's processes
+    see them), times the nodes of the Slurm job it runs in."""
+    from harness.grad_check.script import slurm
+
+    return visible_gpus() * slurm.nodes()
 
 
 def main(argv: Sequence[str] | None = None, starter=None) -> int:
@@ -214,15 +226,20 @@ def main(argv: Sequence[str] | None = None, starter=None) -> int:
     prog = program_name()
     try:
         options, command = split_command(argv, prog)
-        config = config_from_args(build_parser(prog).parse_args(options), command)
+        config = config_from_args(build_parser(prog).parse_args(options), command,
+                                  machine_gpus())
+        check_out_folder(config.out)
     except UsageError as error:
         return refuse(error, 0, prog)
     return run(config, starter, prog)
 
 
 def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
-    """The check, its --out held for it alone (another check's is refused: bad input)."""
-    from harness.grad_check.script.lock import out_lock
+    """The check, its --out held for it alone (another check's is refused: bad input); a
+    row it cannot write (a disk that filled during the check) ends it in one line, exit 1,
+    ``script.csv`` keeping the splits written before."""
+    from harness.out_lock import out_lock
+    from harness.results import WriteError
 
     prog = prog or program_name()
     try:
@@ -230,6 +247,9 @@ def run(config: ScriptConfig, starter=None, prog: str | None = None) -> int:
             return checked(config, starter, prog)
     except UsageError as error:
         return refuse(error, 0, prog)
+    except WriteError as error:
+        print(f"{prog}: error: {error.line()}", file=sys.stderr, flush=True)
+        return 1
 
 
 def checked(config: ScriptConfig, starter, prog: str) -> int:
@@ -259,7 +279,7 @@ def ended(config: ScriptConfig, check, prog: str) -> int:
     """The check run to its end, or to a reference found unusable (one line, exit code 1),
     or to Ctrl-C or SIGTERM caught outside a split's run (raised as Interrupted)."""
     from harness.failure import STOPPED_EXIT
-    from harness.grad_check.script.failures import ReferenceUnusable
+    from harness.grad_check.script.failures import CheckFailures, ReferenceUnusable
     from harness.grad_check.script.runs import Interrupted
     from harness.launcher import Stopped, stopped_by_sigterm
 
@@ -267,11 +287,14 @@ def ended(config: ScriptConfig, check, prog: str) -> int:
         with stopped_by_sigterm():
             rows = check.rows()
     except ReferenceUnusable as unusable:
+        write_failures(config, CheckFailures(unusable.reason, unusable.alike, str(unusable),
+                                             tuple(check.failed)))
         return ended_early(config, check.finished, prog, f"error: {unusable}", 1)
     except KeyboardInterrupt:
         raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
     except Stopped:
         raise Interrupted(STOPPED_EXIT, "stopped by SIGTERM") from None
+    write_failures(config, CheckFailures(runs=tuple(check.failed)))
     return finish(rows, config.out / CSV_NAME, COLUMN_NAMES,
                   Judging(config.fail_on, prog, case_label),
                   None if config.quiet else render(rows),
@@ -287,6 +310,18 @@ def ended_early(config: ScriptConfig, rows: list[dict[str, Any]], prog: str, lin
         line += f" ({len(rows)} rows, every step that finished and where it stopped -> {path})"
     print(f"{prog}: {line}", file=sys.stderr, flush=True)
     return code
+
+
+def write_failures(config: ScriptConfig, failures) -> None:
+    """``failures.json`` in --out where anything failed (what a program reading the check
+    reads, by fields); an earlier check's removed where nothing did."""
+    from harness.results import write_text_atomic
+
+    path = config.out / FAILURES_NAME
+    if failures.unusable or failures.runs:
+        write_text_atomic(path, failures.to_json())
+    else:
+        path.unlink(missing_ok=True)
 
 
 def write_rows(config: ScriptConfig, rows: list[dict[str, Any]]) -> Path:

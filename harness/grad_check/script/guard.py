@@ -28,7 +28,6 @@ capture has (a launcher's process need not load it).
 from __future__ import annotations
 
 import contextlib
-import json
 import linecache
 import os
 import select
@@ -43,14 +42,18 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import USAGE_EXIT
+from harness.grad_check.script.pids import alive, marked, process_start
 from harness.grad_check.script.wire import (
     CLAIMS,
     FATAL,
     PROCESSES,
     PROGRESS,
+    Claim,
+    Fatal,
+    ProcessEntry,
+    Progress,
+    RankError,
     RankSettings,
-    alive,
-    process_start,
 )
 
 #: Seconds between looks at grad-check where no pidfd is to be had, and between writes
@@ -115,19 +118,19 @@ def shown_path(filename: str) -> str:
     return path[len(here):] if path.startswith(here) else filename
 
 
-def failing_line(error: BaseException, traceback) -> str:
-    """``Type: first sentence (at file:line)``; where the error says nothing (a bare
-    ``assert``), the failing source line stands for its message."""
+def failed(error: BaseException, traceback) -> RankError:
+    """The error as a rank reports it: its type, its first sentence (where it says nothing,
+    a bare ``assert``, the failing source line stands for it), and the frame it names."""
     from harness.errors import first_sentence
 
-    line = first_sentence(error)
+    kind = type(error).__name__
+    message = first_sentence(error).removeprefix(f"{kind}: ")
     frame = failing_frame(traceback)
     if frame is None:
-        return line
+        return RankError(kind, message)
     if not str(error).strip():
-        source = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-        line = f"{type(error).__name__}: {source}" if source else type(error).__name__
-    return f"{line} (at {shown_path(frame.filename)}:{frame.lineno})"
+        message = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+    return RankError(kind, message, f"{shown_path(frame.filename)}:{frame.lineno}")
 
 
 # ---------------------------------------------------------------- the guard
@@ -160,10 +163,9 @@ class Guard:
         """Register this process and watch grad-check from a thread of its own."""
         with contextlib.suppress(OSError):
             (self.folder / PROCESSES).mkdir(exist_ok=True)
-            write_atomically(self.folder / PROCESSES / str(os.getpid()), json.dumps({
-                "pid": os.getpid(), "start": process_start(os.getpid()),
-                "pgid": os.getpgrp(), "rank": None if self.is_launcher else self.rank,
-                "command": " ".join(sys.argv)}))
+            write_atomically(self.folder / PROCESSES / str(os.getpid()), ProcessEntry(
+                os.getpid(), process_start(os.getpid()), os.getpgrp(),
+                None if self.is_launcher else self.rank, " ".join(sys.argv)).to_json())
         if self.grad_check:
             threading.Thread(target=self._watch, name="grad-check-watch", daemon=True).start()
 
@@ -191,8 +193,12 @@ class Guard:
                 self.write_progress()
 
     def end(self) -> None:
-        """grad-check is gone: this process's group (its DataLoader workers, a launcher's
-        own children) killed, and this process with it."""
+        """grad-check is gone: every other process of the split (a daemon the script
+        started in a session of its own too: pids.py :func:`marked`), this process's group
+        (its DataLoader workers, a launcher's own children), and this process."""
+        for pid in marked(self.folder):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         group = os.getpgrp()
         if group != self.grad_check_group and group > 1:
             with contextlib.suppress(OSError):
@@ -231,12 +237,28 @@ class Guard:
             original = c10d.init_process_group
 
             def init_process_group(*args: Any, **kwargs: Any) -> Any:
+                self.check_joining(joining(original, args, kwargs, "world_size"))
                 self.claim(kwargs.get("rank", -1))
                 return original(*args, **kwargs)
 
             init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
             c10d.init_process_group = init_process_group
             torch.distributed.init_process_group = init_process_group
+
+    def check_joining(self, world_size: Any) -> None:
+        """The process group this rank joins is the split's N ranks: a world size the
+        script sets itself (``init_process_group(world_size=4)``) waits forever for ranks
+        nobody starts, or leaves some out; said at once, naming the value."""
+        told = os.environ.get("WORLD_SIZE")
+        asked = told if world_size in (None, -1) else world_size
+        with contextlib.suppress(TypeError, ValueError):
+            if int(asked) != self.nproc:
+                given = (f"world_size={world_size}" if world_size not in (None, -1)
+                         else f"WORLD_SIZE={told} from its environment")
+                self.fail(f"joined the process group with {given}, but "
+                          f"split {self.split} runs {self.nproc} rank(s); allowed: the "
+                          "launch's world size (init_process_group() without world_size, "
+                          "or world_size=int(os.environ['WORLD_SIZE']))", 1)
 
     def _entering(self, _module, _args) -> None:
         self.depth += 1
@@ -259,8 +281,8 @@ class Guard:
             self._written = now
             with contextlib.suppress(OSError):
                 (self.folder / PROGRESS).mkdir(exist_ok=True)
-                write_atomically(self.folder / PROGRESS / f"rank{self.rank}", json.dumps(
-                    {"steps": now[0], "forwards": now[1], "waiting": now[2]}))
+                write_atomically(self.folder / PROGRESS / f"rank{self.rank}",
+                                 Progress(*now).to_json())
 
     @contextlib.contextmanager
     def waits_in_exchange(self, where: str) -> Iterator[None]:
@@ -278,23 +300,22 @@ class Guard:
         """This process joins the process group as ``rank`` (its RANK where not given):
         another live process that did already is named with it, and the split ends."""
         rank = self.rank if rank is None or int(rank) < 0 else int(rank)
-        me = {"pid": os.getpid(), "start": process_start(os.getpid()),
-              "command": " ".join(sys.argv)}
+        me = Claim(os.getpid(), process_start(os.getpid()), " ".join(sys.argv))
         claims = self.folder / CLAIMS
         with contextlib.suppress(OSError):
             claims.mkdir(exist_ok=True)
         path = claims / f"rank{rank}"
         for _ in range(2):
             with contextlib.suppress(OSError):
-                if write_exclusively(path, json.dumps(me)):
+                if write_exclusively(path, me.to_json()):
                     return
             try:
-                other = json.loads(path.read_text())
-            except (OSError, ValueError):
+                other = Claim.from_json(path.read_text())
+            except (OSError, ValueError, TypeError):
                 return  # nothing to name: let it join
-            if other["pid"] == me["pid"]:
+            if other.pid == me.pid:
                 return  # the same process again (after destroy_process_group)
-            if alive(other["pid"], other["start"]):
+            if alive(other.pid, other.start):
                 self.fail(twice_line(rank, other, me, self.launched_by_command,
                                      self.launcher_name), 1)
             with contextlib.suppress(OSError):
@@ -306,9 +327,7 @@ class Guard:
         from harness.errors import error_file
 
         with contextlib.suppress(OSError):
-            write_exclusively(self.folder / FATAL, json.dumps({"rank": self.rank,
-                                                                "line": line,
-                                                                "exitcode": code}))
+            write_exclusively(self.folder / FATAL, Fatal(self.rank, line, code).to_json())
             write_exclusively(error_file(self.folder, self.rank), line + "\n")
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -316,19 +335,25 @@ class Guard:
         os._exit(code)
 
 
-def twice_line(rank: int, first: dict, second: dict, launched_by_command: bool,
+def joining(function: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value of parameter ``name`` in a call of ``function`` (positional or keyword),
+    None where not given or where the call does not bind."""
+    import inspect
+
+    with contextlib.suppress(TypeError, ValueError):
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(name)
+    return None
+
+
+def twice_line(rank: int, first: Claim, second: Claim, launched_by_command: bool,
                launcher_name: str) -> str:
     """Two live processes joining the process group as one rank, named."""
-    def named(claim: dict) -> str:
-        command = claim["command"]
-        return f"pid {claim['pid']} ({command[:120] + '...' if len(command) > 120 else command})"
-
     what = (f"the command's processes join as the ranks {launcher_name} started; let only "
             "the workers it starts join" if launched_by_command else
             "the command starts workers of its own, which join as the ranks grad-check "
             "started; let it start them: --launcher command, with {nproc} passed to it")
-    return (f"rank {rank} joined the process group twice, by {named(first)} and "
-            f"{named(second)}: {what}")
+    return (f"rank {rank} joined the process group twice, by {first.named} and "
+            f"{second.named}: {what}")
 
 
 def install(settings: RankSettings, environment: Mapping[str, str]) -> Guard:

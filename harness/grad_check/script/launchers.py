@@ -50,13 +50,9 @@ ACCELERATE_CHOOSES = ("--multi_gpu", "--multi-gpu", "--config_file", "--config-f
 
 
 @dataclass(frozen=True)
-class Launcher:
-    """A launcher at the head of a command."""
+class Kind:
+    """The flags a family of launchers takes (torchrun's, Accelerate's, DeepSpeed's)."""
 
-    #: As the user would say it: ``torchrun``, ``accelerate launch``, ``trl sft``.
-    name: str
-    #: Where its own arguments begin in the command (after ``accelerate launch``).
-    arguments_at: int
     #: The flags that give its number of processes, the first as messages name it.
     count_flags: tuple[str, ...]
     #: Its number of processes where the count is not given.
@@ -70,22 +66,104 @@ class Launcher:
     #: None: they end at the first ``.py`` word.
     switches: tuple[str, ...] | None = None
 
+
+@dataclass(frozen=True)
+class Launcher:
+    """A launcher at the head of a command."""
+
+    #: As the user would say it: ``torchrun``, ``accelerate launch``, ``trl sft``.
+    name: str
+    #: Where its own arguments begin in the command (after ``accelerate launch``).
+    arguments_at: int
+    kind: Kind
+
+    @property
+    def count_flags(self) -> tuple[str, ...]:
+        return self.kind.count_flags
+
     @property
     def example(self) -> str:
         return f"{self.count_flags[0]} {{nproc}}"
 
 
-TORCHRUN = dict(count_flags=("--nproc_per_node", "--nproc-per-node"),
-                default_count="1", machine_flags=("--nnodes",))
-ACCELERATE = dict(count_flags=("--num_processes", "--num-processes"),
+TORCHRUN = Kind(count_flags=("--nproc_per_node", "--nproc-per-node"), default_count="1",
+                machine_flags=("--nnodes",))
+ACCELERATE = Kind(count_flags=("--num_processes", "--num-processes"),
                   default_count="1 on a machine without GPUs, else one per GPU",
                   machine_flags=("--num_machines", "--num-machines"), accelerate=True)
 #: torchrun's flags that take no value: ``tune run`` passes torchrun's options on.
 TORCHRUN_SWITCHES = ("--standalone", "-m", "--module", "--no-python", "--no_python",
                      "--run-path", "--run_path", "--virtual-local-rank",
                      "--virtual_local_rank", "-h", "--help")
-DEEPSPEED = dict(count_flags=("--num_gpus", "--num-gpus", "--num_accelerators"),
+TUNE_RUN = dataclasses.replace(TORCHRUN, switches=TORCHRUN_SWITCHES)
+DEEPSPEED = Kind(count_flags=("--num_gpus", "--num-gpus", "--num_accelerators"),
                  default_count="one per GPU", machine_flags=("--num_nodes", "--num-nodes"))
+#: A spec's subcommand that is any word but one of trl's that do not train.
+TRAINING = "<a trl command that trains>"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How a launcher is named at a command's head: its program (``torchrun``) or the
+    module ``python -m`` runs, and the subcommand that makes it one (``accelerate launch``;
+    :data:`TRAINING`: any of trl's that trains)."""
+
+    kind: Kind
+    #: As messages say it; ``{subcommand}`` is the word the command gave.
+    name: str
+    program: str = ""
+    module: str = ""
+    subcommand: str = ""
+    #: ``tune run``: a launcher only where its own arguments come before its recipe (it
+    #: runs torchrun inside); else the recipe runs in tune's own process.
+    only_with_arguments: bool = False
+
+    def arguments_at(self, command: Sequence[str]) -> int | None:
+        """Where its own arguments begin in ``command``, where ``command`` names it."""
+        if self.program:
+            at = 1 if command and os.path.basename(command[0]) == self.program else None
+        else:
+            at = (3 if len(command) > 2 and is_python(command[0]) and command[1] == "-m"
+                  and command[2] == self.module else None)
+        if at is None or not self.subcommand:
+            return at
+        word = command[at] if len(command) > at else None
+        if self.subcommand == TRAINING:
+            return at + 1 if word is not None and word not in TRL_OTHER_COMMANDS else None
+        return at + 1 if word == self.subcommand else None
+
+    def launcher(self, command: Sequence[str]) -> Launcher | None:
+        at = self.arguments_at(command)
+        if at is None:
+            return None
+        named = self.name.replace("{subcommand}", command[at - 1]) if self.subcommand else \
+            self.name
+        launcher = Launcher(named, at, self.kind)
+        if self.only_with_arguments and not own_arguments(launcher, command):
+            return None
+        return launcher
+
+
+#: Every launcher grad-check run knows at a command's head.
+LAUNCHERS: tuple[Spec, ...] = (
+    Spec(TORCHRUN, "torchrun", program="torchrun"),
+    Spec(TORCHRUN, "python -m torch.distributed.run", module="torch.distributed.run"),
+    Spec(TORCHRUN, "python -m torch.distributed.launch", module="torch.distributed.launch"),
+    Spec(ACCELERATE, "accelerate launch", program="accelerate", subcommand="launch"),
+    Spec(ACCELERATE, "accelerate launch", program="accelerate-launch"),
+    Spec(ACCELERATE, "accelerate launch", module="accelerate.commands.launch"),
+    Spec(ACCELERATE, "accelerate launch", module="accelerate.commands.accelerate_cli",
+         subcommand="launch"),
+    Spec(DEEPSPEED, "deepspeed", program="deepspeed"),
+    Spec(DEEPSPEED, "deepspeed", module="deepspeed.launcher.runner"),
+    # trl's commands that train call accelerate launch themselves.
+    Spec(ACCELERATE, "trl {subcommand}", program="trl", subcommand=TRAINING),
+    *(Spec(ACCELERATE, "trl {subcommand}", module=module, subcommand=TRAINING)
+      for module in ("trl", "trl.cli", "trl.cli.main")),
+    Spec(TUNE_RUN, "tune run", program="tune", subcommand="run", only_with_arguments=True),
+    Spec(TUNE_RUN, "tune run", module="torchtune._cli.tune", subcommand="run",
+         only_with_arguments=True),
+)
 
 
 def is_python(program: str) -> bool:
@@ -124,59 +202,10 @@ def launcher_of(command: Sequence[str]) -> Launcher | None:
     """The launcher at the head of ``command`` (behind ``env`` and its assignments), if one
     is there."""
     skipped = env_prefix(command)
-    found = launcher_at_head(command[skipped:])
+    found = next(filter(None, (spec.launcher(command[skipped:]) for spec in LAUNCHERS)), None)
     if found is None or not skipped:
         return found
     return dataclasses.replace(found, arguments_at=found.arguments_at + skipped)
-
-
-def launcher_at_head(command: Sequence[str]) -> Launcher | None:
-    """The launcher whose program is ``command[0]``, if one is."""
-    if not command:
-        return None
-    program, rest = os.path.basename(command[0]), list(command[1:])
-    if is_python(command[0]) and rest[:1] == ["-m"] and len(rest) > 1:
-        return module_launcher(rest[1], command)
-    if program == "torchrun":
-        return Launcher("torchrun", 1, **TORCHRUN)
-    if program == "accelerate" and rest[:1] == ["launch"]:
-        return Launcher("accelerate launch", 2, **ACCELERATE)
-    if program == "accelerate-launch":
-        return Launcher("accelerate launch", 1, **ACCELERATE)
-    if program == "deepspeed":
-        return Launcher("deepspeed", 1, **DEEPSPEED)
-    if program == "trl" and rest and rest[0] not in TRL_OTHER_COMMANDS:
-        return Launcher(f"trl {rest[0]}", 2, **ACCELERATE)
-    if program == "tune" and rest[:1] == ["run"]:
-        return tune_run(2, command)
-    return None
-
-
-def module_launcher(module: str, command: Sequence[str]) -> Launcher | None:
-    """The launcher that ``python -m module`` (``command``'s head) is, if one is."""
-    rest, at = list(command[3:]), 3
-    if module in ("torch.distributed.run", "torch.distributed.launch"):
-        return Launcher(f"python -m {module}", at, **TORCHRUN)
-    if module == "accelerate.commands.launch":
-        return Launcher("accelerate launch", at, **ACCELERATE)
-    if module == "accelerate.commands.accelerate_cli" and rest[:1] == ["launch"]:
-        return Launcher("accelerate launch", at + 1, **ACCELERATE)
-    if module == "deepspeed.launcher.runner":
-        return Launcher("deepspeed", at, **DEEPSPEED)
-    if module in ("trl", "trl.cli", "trl.cli.main") and rest and \
-            rest[0] not in TRL_OTHER_COMMANDS:
-        return Launcher(f"trl {rest[0]}", at + 1, **ACCELERATE)
-    if module == "torchtune._cli.tune" and rest[:1] == ["run"]:
-        return tune_run(at + 1, command)
-    return None
-
-
-def tune_run(arguments_at: int, command: Sequence[str]) -> Launcher | None:
-    """torchtune's ``tune run [TORCHRUN-OPTIONS] RECIPE ...``: torchrun, run inside it,
-    where any option comes before the recipe (its own test: more words than the recipe and
-    its arguments); else the recipe in tune's own process, which is no launcher."""
-    launcher = Launcher("tune run", arguments_at, **TORCHRUN, switches=TORCHRUN_SWITCHES)
-    return launcher if own_arguments(launcher, command) else None
 
 
 def own_arguments(launcher: Launcher, command: Sequence[str]) -> list[str]:
@@ -184,8 +213,8 @@ def own_arguments(launcher: Launcher, command: Sequence[str]) -> list[str]:
     (the first ``.py`` word, or the first word that is not a flag or its value where the
     launcher knows its flags); all of them where it names none (``trl sft``, a module)."""
     arguments = list(command[launcher.arguments_at:])
-    if launcher.switches is not None:
-        return arguments[:first_positional(arguments, launcher.switches)]
+    if launcher.kind.switches is not None:
+        return arguments[:first_positional(arguments, launcher.kind.switches)]
     script = next((at for at, argument in enumerate(arguments) if argument.endswith(".py")),
                   len(arguments))
     return arguments[:script]
@@ -216,9 +245,9 @@ def flag_value(command: Sequence[str], flags: Sequence[str]) -> str | None:
 def check_launcher(launcher: Launcher, command: Sequence[str], splits: Sequence[Split]) -> None:
     """Refuse, by name, a launcher that cannot run the splits on this machine."""
     arguments = own_arguments(launcher, command)
-    machines = flag_value(arguments, launcher.machine_flags)
+    machines = flag_value(arguments, launcher.kind.machine_flags)
     if machines is not None and machines not in ("1", "1:1"):
-        raise UsageError(f"{launcher.name} {launcher.machine_flags[0]} {machines} spans "
+        raise UsageError(f"{launcher.name} {launcher.kind.machine_flags[0]} {machines} spans "
                          "machines; allowed: one machine (leave it out, or 1): grad-check run "
                          "runs every split on this one")
     count = flag_value(arguments, launcher.count_flags)
@@ -226,7 +255,7 @@ def check_launcher(launcher: Launcher, command: Sequence[str], splits: Sequence[
                                          for name in names_in(expression)}:
         return
     given = (f"{launcher.count_flags[0]} {count}" if count is not None else
-             f"without {launcher.count_flags[0]} ({launcher.default_count})")
+             f"without {launcher.count_flags[0]} ({launcher.kind.default_count})")
     needs = [split for split in splits if count is None or str(split.world_size) != count]
     if count is None:
         needs = [split for split in splits if split.world_size > 1]
@@ -253,7 +282,7 @@ def visible_gpus() -> int:
 def adapted(launcher: Launcher | None, command: list[str], split: Split,
             gpus: int) -> tuple[list[str], dict[str, str]]:
     """The command as it runs on this machine, and the variables it is given besides."""
-    if launcher is None or not launcher.accelerate:
+    if launcher is None or not launcher.kind.accelerate:
         return command, {}
     head = command[:launcher.arguments_at]
     arguments = own_arguments(launcher, command)

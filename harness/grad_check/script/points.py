@@ -31,6 +31,7 @@ from harness.check import shards
 from harness.check.compare import compare, compare_each
 from harness.check.memory import peak_tensor_bytes
 from harness.check.shards import Piece
+from harness.check.step import not_finite as holds_not_finite
 from harness.grad_check.script.files import tensors_file
 from harness.grad_check.script.guard import waiting_in_exchange
 from harness.grad_check.script.wire import MEMORY_VARIABLE, PointFit
@@ -64,6 +65,14 @@ def squares(pieces: Sequence[Piece], sharded: bool) -> float:
         with waiting_in_exchange("a gradient norm's sum over the ranks"):
             dist.all_reduce(total, group=group())
     return float(total.cpu())
+
+
+def not_finite(pieces: Sequence[Piece]) -> list[str]:
+    """The tensors of ``pieces`` holding a NaN or an infinity, in order: nothing equals
+    them, not even the same run again, so a comparison of theirs says nothing."""
+    return list(dict.fromkeys(piece.name for piece in pieces
+                              if piece.tensor.is_floating_point()
+                              and holds_not_finite(piece.tensor)))
 
 
 def norm(pieces: Sequence[Piece], sharded: bool) -> float:

@@ -29,7 +29,6 @@ none outlives it however it ends.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -47,15 +46,16 @@ from harness.grad_check.script.failures import (
     first_failure,
     hang,
     launched_failure,
+    left_early,
     missing_ranks,
 )
+from harness.grad_check.script.pids import alive, grad_check_process, marked
 from harness.grad_check.script.splits import Split
 from harness.grad_check.script.wire import (
     PROCESSES,
     SETTINGS_VARIABLES,
+    ProcessEntry,
     RankSettings,
-    alive,
-    grad_check_process,
 )
 from harness.launcher import rank_environment, rendezvous_store
 from harness.ranks import SETTLE_S, STOP_GRACE_S
@@ -230,7 +230,10 @@ class CommandLauncher:
                 return found
             if all(code is not None for code in codes):
                 break
-            failed = any(code not in (None, 0) for code in codes)
+            # A rank that ended with 0 before its steps were captured has left the others
+            # waiting for it (to join, or in a collective): a failure, settled alike.
+            failed = any(code not in (None, 0) for code in codes) or (
+                self.launcher is None and bool(left_early(codes, folder)))
             if failed and settle_until is None:
                 settle_until = time.monotonic() + SETTLE_S
             if (settle_until is not None and time.monotonic() > settle_until) or \
@@ -242,7 +245,8 @@ class CommandLauncher:
             return found
         if all(code == 0 for code in codes):
             return None
-        if all(code in (None, 0) for code in codes):  # nobody failed: the deadline passed
+        if all(code in (None, 0) for code in codes) and (  # nobody failed: the deadline
+                self.launcher is not None or not left_early(codes, folder)):
             return hang(folder, nproc, self.timeout, started_at)
         if self.launcher is not None:
             return launched_failure(folder, logs / LAUNCHER_LOG, nproc, codes[0],
@@ -282,14 +286,24 @@ def stop(processes: Sequence[Process]) -> None:
 
 
 def sweep(folder: Path) -> None:
-    """Every process of the run that registered itself in ``folder`` (guard.py) and still
-    runs, killed, with the process group it leads: what a launcher's SIGKILL left of its
-    workers, in sessions of their own."""
+    """Every process of the run that still runs, killed: those that registered themselves
+    in ``folder`` (guard.py), with the process group each leads (what a launcher's SIGKILL
+    left of its workers, in sessions of their own), then any other process whose
+    environment names ``folder`` as its split's (:func:`marked`: a daemon the script
+    started with ``setsid``, which is no Python process and in no group grad-check
+    knows)."""
+    _sweep_registered(folder)
+    for pid in marked(folder):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _sweep_registered(folder: Path) -> None:
     for path in sorted((folder / PROCESSES).glob("[0-9]*")):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            entry = json.loads(path.read_text())
-            pid, group = int(entry["pid"]), int(entry["pgid"])
-            if pid == os.getpid() or not alive(pid, entry["start"]):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            entry = ProcessEntry.from_json(path.read_text())
+            pid, group = entry.pid, entry.pgid
+            if pid == os.getpid() or not alive(pid, entry.start):
                 continue
             if group == pid and group != os.getpgrp():
                 with contextlib.suppress(OSError):

@@ -9,19 +9,11 @@ from functools import cached_property
 
 import torch
 
-from harness.grad_check.script.explain import padding_of, tokens
+from harness.check.causes.evidence import RankDisagreement, clip_factor
 from harness.grad_check.script.files import partial_file, summary_file
 from harness.grad_check.script.naming import optimizer_label
 from harness.grad_check.script.processes import SplitRun
 from harness.grad_check.script.wire import OptimizerRecord, PointFit, RankSummary, StepRecord
-
-
-@dataclass(frozen=True)
-class RankDisagreement:
-    """Ranks whose tensors differ from rank 0's at one point, and which tensors."""
-
-    ranks: tuple[int, ...]
-    tensors: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -50,6 +42,12 @@ class Captured:
         return self.summaries[0] or RankSummary()
 
     @property
+    def ran_on(self) -> str:
+        """Where the run's ranks ran, ``rank@host`` each (those that wrote a summary)."""
+        return ",".join(f"{summary.rank}@{summary.host}" for summary in self.summaries
+                        if summary is not None)
+
+    @property
     def stepped(self) -> bool:
         return any(summary is not None for summary in self.summaries)
 
@@ -75,6 +73,11 @@ class Captured:
         """Steps of ``optimizer`` captured on every rank."""
         return min((len(self._records_of(summary, optimizer)) for summary in self.summaries),
                    default=0)
+
+    def holds(self, steps: int) -> bool:
+        """Whether every rank's summary holds ``steps`` steps of every optimizer."""
+        return (all(summary is not None for summary in self.summaries)
+                and all(self.steps(o) >= steps for o in range(len(self.optimizers))))
 
     @property
     def total_steps(self) -> int:
@@ -108,21 +111,25 @@ class Captured:
                 for index in record.indices]
 
     def counts(self, optimizer: int, step: int) -> tuple[int, ...]:
-        """The labelled tokens of each of the step's training forwards, over all ranks;
-        where the forwards took no ``labels`` (LitGPT computes its loss outside the model),
-        the tokens of their samples, padding left out."""
-        records = self.records(optimizer, step)
-        labelled = tuple(count for record in records for count in record.counts)
-        if labelled:
-            return labelled
-        padding = padding_of([s for record in records for s in record.samples])
-        counted = []
-        for record in records:
-            start = 0
-            for size in record.per_forward:
-                counted.append(tokens(record.samples[start:start + size], padding))
-                start += size
-        return tuple(counted)
+        """The labels each of the step's training losses counted (those not ignored), over
+        all ranks. Only a loss's own targets are counted: a loss whose targets the capture
+        does not see (in-batch negatives, a loss over pooled embeddings) has no count, and
+        no cause of token counts is named for it (a text's length is not what weighs it)."""
+        return tuple(count for record in self.records(optimizer, step) for count in record.counts)
+
+    def not_finite(self, optimizer: int, step: int, point: str) -> list[str]:
+        """The tensors at ``point`` of the step that held a NaN or an infinity on any rank."""
+        return list(dict.fromkeys(name for record in self.records(optimizer, step)
+                                  for name in record.non_finite.get(point, [])))
+
+    def first_not_finite(self) -> tuple[int, int, str, list[str]] | None:
+        """The first (optimizer, step, point, tensors) that held a NaN or an infinity."""
+        for optimizer in range(len(self.optimizers)):
+            for step in range(self.steps(optimizer)):
+                for point in ("grad", "params"):
+                    if names := self.not_finite(optimizer, step, point):
+                        return optimizer, step, point, names
+        return None
 
     def forwards(self, optimizer: int, step: int) -> list[int]:
         """Each rank's training forwards in the step's window (its micro-steps)."""
@@ -140,11 +147,7 @@ class Captured:
 
     def clip_factor(self, optimizer: int, step: int) -> float:
         """``||received|| / ||before the clip||`` on rank 0 (1 where nothing was clipped)."""
-        record = self.records(optimizer, step)[0]
-        before, received = record.before_norm, record.received_norm
-        if before is None or received is None:
-            return 1.0
-        return received / before if before > 0 else math.nan
+        return clip_factor(self.records(optimizer, step)[0])
 
     def disagreement(self, optimizer: int, step: int, point: str) -> RankDisagreement | None:
         """The ranks whose tensors at ``point`` differ from rank 0's (None: all agree, or

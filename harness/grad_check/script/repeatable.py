@@ -6,31 +6,37 @@ two runs agree, how far apart they are at each point is the rows' ``reference_no
 
 from __future__ import annotations
 
+from harness.check.causes.samples import same_samples
+from harness.check.causes.words import WHAT, shown
 from harness.check.precision import tolerance
 from harness.columns import POINTS
-from harness.grad_check.script import explain
-from harness.grad_check.script.failures import ReferenceUnusable
+from harness.grad_check.script.failures import ReferenceUnusable, Unusable
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.split_judge import (
-    WHAT,
     Noise,
     Unmatched,
     compared,
     noise,
     precision,
-    shown,
 )
 from harness.tolerances import dtype_name
 from harness.verdicts import Equivalence
 
 
-def not_deterministic(label: str, what: str, dropout: list[str]) -> ReferenceUnusable:
+def not_deterministic(label: str, what: str, dropout: list[str],
+                      alike: str = "") -> ReferenceUnusable:
+    """The reference's two runs did not repeat each other (``what``: how; ``alike``: the
+    same without what no two such runs say alike, a magnitude drawn at random)."""
     modules = f" (the model's {shown(dropout)})" if dropout else ""
-    return ReferenceUnusable(f"the reference {label} ran twice and {what}: the script is not "
-                      f"deterministic; allowed: a script that repeats its steps exactly: look at "
-                      f"dropout{modules}, an unseeded sampler or generator (seed torch, numpy "
-                      "and random at the start, DataLoader(generator=...)), nondeterministic "
-                      "kernels (torch.use_deterministic_algorithms(True))")
+
+    def line(how: str) -> str:
+        return (f"the reference {label} ran twice and {how}: the script is not deterministic; "
+                f"allowed: a script that repeats its steps exactly: look at dropout{modules}, "
+                "an unseeded sampler or generator (seed torch, numpy and random at the start, "
+                "DataLoader(generator=...)), nondeterministic kernels "
+                "(torch.use_deterministic_algorithms(True))")
+
+    return ReferenceUnusable(line(what), Unusable.NOT_DETERMINISTIC, line(alike or what))
 
 
 def check_deterministic(first: Captured, again: Captured) -> Noise:
@@ -45,7 +51,7 @@ def check_deterministic(first: Captured, again: Captured) -> Noise:
     measured: Noise = {}
     for optimizer, count in enumerate(steps):
         for step in range(count):
-            if not explain.same_samples(again.samples(optimizer, step),
+            if not same_samples(again.samples(optimizer, step),
                                         first.samples(optimizer, step)):
                 raise not_deterministic(label, f"fed other samples in step {step}",
                                         first.dropout)
@@ -66,7 +72,8 @@ def _repeated(first: Captured, again: Captured, optimizer: int, step: int, point
         raise not_deterministic(label, str(unmatched_), first.dropout) from None
     distance = noise(again, first, optimizer, step, point)
     if comparison.verdict is not Equivalence.MATCHES:
+        beyond = f"beyond {dtype_name(precision(first, again))}'s tolerance {rtol:g}"
         raise not_deterministic(
-            label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, beyond "
-            f"{dtype_name(precision(first, again))}'s tolerance {rtol:g})", first.dropout)
+            label, f"its step {step} {WHAT[point]} differed ({distance:.3g} relative, {beyond})",
+            first.dropout, f"its step {step} {WHAT[point]} differed ({beyond})")
     return distance

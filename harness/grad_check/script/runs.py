@@ -11,6 +11,7 @@ temporary folder, removed at the end; every run's output stays in ``--out``'s ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 import shutil
@@ -19,14 +20,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.check.causes.not_finite import not_finite_text
+from harness.check.causes.words import WHAT, shown
 from harness.errors import INTERRUPTED_EXIT
 from harness.failure import STOPPED_EXIT
 from harness.grad_check.script import factors
-from harness.grad_check.script.failures import ReferenceUnusable, SplitFailure
+from harness.grad_check.script.failures import (
+    ReferenceUnusable,
+    RunFailure,
+    SplitFailure,
+    Unusable,
+)
 from harness.grad_check.script.processes import CommandLauncher, SplitRun
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.repeatable import check_deterministic
-from harness.grad_check.script.script_config import LOGS, ScriptConfig
+from harness.grad_check.script.schema import COLUMN_NAMES
+from harness.grad_check.script.script_config import CSV_NAME, LOGS, ScriptConfig
 from harness.grad_check.script.split_judge import Noise, SplitJudge
 from harness.grad_check.script.splits import Split
 from harness.launcher import Stopped
@@ -50,6 +59,8 @@ class ScriptCheck:
         self.judged: dict[Split, list[dict[str, Any]]] = {}
         #: The splits of N == k, kept until the others have run (name_ties).
         self.tied: dict[Split, Captured] = {}
+        #: Every run of the command that failed, in the order they ran.
+        self.failed: list[RunFailure] = []
 
     @property
     def finished(self) -> list[dict[str, Any]]:
@@ -82,8 +93,8 @@ class ScriptCheck:
                 self.judge(self.stopped_run(split, scratch, interrupted), first, noise)
                 raise
             if measured.run.failure is not None and split != reference:
-                self.say(f"split {split.label} failed: {measured.run.failure} (its output: "
-                         f"{measured.run.logs})")
+                self.say(f"split {split.label} failed{self.after_steps(measured)}: "
+                         f"{measured.run.failure} (its output: {measured.run.logs})")
             self.judge(measured, first, noise)
         self.name_ties(first, noise)
 
@@ -93,20 +104,28 @@ class ScriptCheck:
             measured, first, noise, self.config.global_batch, ties or {}).rows()
         if measured.run.split.world_size == measured.run.split.accum_steps > 1:
             self.tied[measured.run.split] = measured
+        self.keep()
+
+    def keep(self) -> None:
+        """Every row judged so far into ``script.csv``, replacing what it held: a check that
+        cannot go on (a full disk, SIGKILL) leaves the splits that finished before."""
+        from harness.results import write_csv_atomic
+
+        write_csv_atomic(self.config.out / CSV_NAME, self.finished, COLUMN_NAMES)
 
     def name_ties(self, first: Captured, noise: Noise) -> None:
         """A split of N == k judged again once every split ran: whether its scale follows
         N or k, the other splits tell (factors.py)."""
         others = [row for split, rows in self.judged.items() if split not in self.tied
                   for row in rows]
-        shown = factors.evidence(others)
-        ties = {key: factors.tie_name(powers) for key, powers in shown.items()}
+        seen = factors.evidence(others)
+        ties = {key: factors.tie_name(powers) for key, powers in seen.items()}
         for measured in self.tied.values():
             self.judge(measured, first, noise, ties)
 
     def stopped_run(self, split: Split, scratch: Path, interrupted: Interrupted) -> Captured:
         """What a split stopped by Ctrl-C or SIGTERM left: its ranks' finished steps."""
-        stopped = SplitRun(split, tuple(self.config.command_of(split)), scratch / split.label,
+        stopped = SplitRun(split, self.config.shown_of(split), scratch / split.label,
                       math.nan, SplitFailure(None, interrupted.exit_code, interrupted.line),
                       self.logs / split.label)
         return Captured.read(stopped)
@@ -134,7 +153,7 @@ class ScriptCheck:
         shutil.rmtree(self.logs / name, ignore_errors=True)
         self.say(f"{what} {split.label} (N={split.world_size}, k={split.accum_steps}, "
                  f"b={split.micro_batch(self.config.global_batch)}){attempt}: "
-                 f"{shlex.join(command)}")
+                 f"{shlex.join(self.config.shown_of(split))}")
         try:
             run = self.launch.run_split(split, command, scratch / name, self.logs / name,
                                   self.config.variables_of(split), against)
@@ -142,7 +161,19 @@ class ScriptCheck:
             raise Interrupted(INTERRUPTED_EXIT, "interrupted") from None
         except Stopped:
             raise Interrupted(STOPPED_EXIT, "stopped by SIGTERM") from None
-        return Captured.read(run)
+        if (failure := run.failure) is not None:
+            self.failed.append(RunFailure(name, split.label, failure.line, failure.rank,
+                                          failure.exitcode, failure.error))
+        # Its rows keep the command with the variables it was given: the run, repeatable.
+        return Captured.read(dataclasses.replace(run, command=self.config.shown_of(split)))
+
+    def after_steps(self, captured: Captured) -> str:
+        """Where a run failed after every step it was to capture (``--keep-going`` let the
+        script go on), the words saying so: its steps are compared as any run's."""
+        if not (self.config.keep_going and captured.holds(self.config.steps)):
+            return ""
+        return (f" after its {self.config.steps} captured step(s), as --keep-going let it "
+                "go on (its steps are compared)")
 
     def reference_run(self, scratch: Path, name: str, attempt: int,
                       against: Path | None = None, runs: int = 2) -> Captured:
@@ -153,13 +184,28 @@ class ScriptCheck:
                             against)
         failure = captured.run.failure
         where = f"the reference {split.label}"
+        if failure is not None and (after := self.after_steps(captured)):
+            # What failed ran after the steps compared (an evaluation, a checkpoint): the
+            # steps stand, and so does every split's comparison with them.
+            self.say(f"{where} failed{after}: {failure}")
+            failure = None
         if failure is not None and failure.refused:
-            raise ReferenceUnusable(f"{where}: {failure}")
+            raise ReferenceUnusable(f"{where}: {failure}", Unusable.REFUSED,
+                                    f"{where}: {failure.line}")
         if failure is not None:
             raise ReferenceUnusable(f"{where} failed: {failure} (its output: "
-                                    f"{captured.run.logs})")
+                                    f"{captured.run.logs})", Unusable.FAILED,
+                                    f"{where} failed: {failure.line}")
         if not captured.stepped:
             raise ReferenceUnusable(f"{where}: the command ended without stepping an optimizer (no "
                              "torch.optim.Optimizer's step() ran in it); allowed: a command "
-                             "that trains for at least one step, e.g. python train.py")
+                             "that trains for at least one step, e.g. python train.py",
+                             Unusable.NEVER_STEPPED)
+        if (found := captured.first_not_finite()) is not None:
+            _, step, point, tensors = found
+            text = not_finite_text(step, WHAT[point], shown(tensors))
+            raise ReferenceUnusable(
+                f"{where}: {text}; allowed: a script whose loss and gradients stay finite over "
+                "--steps (look at its loss, its learning rate, its data, a GradScaler's "
+                "unscale)", Unusable.NOT_FINITE)
         return captured

@@ -31,18 +31,23 @@ PACKED_BOUNDARIES = ("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q")
 IGNORE_INDEX = -100
 
 
-def first_tensor(value: Any) -> torch.Tensor | None:
+def first_tensor(value: Any, micro_batch: int | None = None) -> torch.Tensor | None:
     """The first tensor in ``value``, depth first through tuples, lists and dicts (a
-    framework's wrapper may be called with the whole batch, ``[x, y]``)."""
+    framework's wrapper may be called with the whole batch, ``[x, y]``); given the split's
+    micro-batch, the first whose axis 0 or 1 has that size, where one has (a detection
+    batch, a dict whose keys sort its per-box ``batch_idx`` before its ``img``)."""
+    tensors = list(_tensors_in(value))
+    sized = [tensor for tensor in tensors
+             if micro_batch and tensor.dim() and micro_batch in tensor.shape[:2]]
+    return (sized or tensors or [None])[0]
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(items, (tuple, list)) or isinstance(value, dict):
-        for item in items:
-            found = first_tensor(item)
-            if found is not None:
-                return found
-    return None
+        yield value
+    elif isinstance(value, dict | tuple | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _tensors_in(item)
 
 
 def readable(tensor: torch.Tensor) -> bool:

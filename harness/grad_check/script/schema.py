@@ -50,6 +50,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("reference_noise", "ratio",
            "`||second - first|| / ||second||` of the reference's two runs at this step and "
            "point: what rerunning the same split moves"),
+    Column("ran_on", "`rank@host,...`",
+           "the ranks of this split's run, each with the host it ran on (those that stepped)"),
     Column("command", "text", "the command as run at this split, placeholders substituted"),
 )
 COLUMN_NAMES = tuple(column.name for column in COLUMNS)

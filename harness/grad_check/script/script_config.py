@@ -25,6 +25,7 @@ from harness.grad_check.script.launchers import (
     launcher_of,
 )
 from harness.grad_check.script.splits import (
+    MAX_GLOBAL_BATCH,
     Split,
     check_divides,
     check_placeholders,
@@ -34,6 +35,9 @@ from harness.options import check_known, check_timeout
 from harness.verdicts import Equivalence
 
 CSV_NAME = "script.csv"
+#: What failed, by its fields, where anything did (harness/grad_check/script/failures.py
+#: ``CheckFailures``).
+FAILURES_NAME = "failures.json"
 #: The folder in ``--out`` that keeps every run's output (matrix.py).
 LOGS = "logs"
 #: Optimizer steps compared per split: enough for a second step to show what the first
@@ -80,9 +84,10 @@ class ScriptConfig:
         if not self.command:
             raise UsageError("no command after --; allowed: grad-check run [options] -- "
                              "python train.py --batch-size {batch} --grad-accum {accum}")
-        if self.global_batch < 1:
+        if not 1 <= self.global_batch <= MAX_GLOBAL_BATCH:
             raise UsageError(f"--global-batch {self.global_batch} is not allowed; allowed: "
-                             "integers >= 1")
+                             f"1..{MAX_GLOBAL_BATCH} (2^24: the capture records every "
+                             "sample of a step)")
         for split in self.splits:
             check_divides(split, self.global_batch, "--splits")
         check_divides(self.reference, self.global_batch, "--reference")
@@ -147,6 +152,14 @@ class ScriptConfig:
         """What the command's processes get besides at ``split`` (launchers.adapted)."""
         return adapted(self.head, substituted(self.command, split, self.global_batch), split,
                        self.gpus)[1]
+
+    def shown_of(self, split: Split) -> tuple[str, ...]:
+        """The command as it runs at ``split``, as a shell types it: the variables it is
+        given besides first (``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu ...``),
+        so that the line shown and kept, run bare, is the run measured."""
+        variables = self.variables_of(split)
+        return (*(f"{name}={variables[name]}" for name in sorted(variables)),
+                *self.command_of(split))
 
 
 def check_program(command: tuple[str, ...]) -> None:

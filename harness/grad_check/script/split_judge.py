@@ -8,55 +8,53 @@ tensors they hold); each of their steps was compared by the split's own ranks, s
 shard, with the engine's compare (harness/grad_check/script/points.py,
 harness/check/compare.py: least-squares scale, residual), and is judged here by the
 engine's judge (harness/check/judge.py) at the tolerance of the lowest precision either
-run used. What only a script's step shows explains a difference before the engine's fixes do: other
-samples (explain.py: the fingerprints explain, they never overrule a measurement), a
-partial window, ranks that disagree, active dropout, an update off although its gradient
-matched, a clip that hid the gradient's scale.
+run used. What only a script's step shows (each rank's record of it and the reference's:
+other samples, a partial window, ranks that disagree, active dropout, a clip per
+micro-step, a clip that hid the gradient's scale) is handed to the causes
+(harness/check/causes/), which explain a difference before the check's own do: the
+fingerprints explain, they never overrule a measurement.
 """
 
 from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from harness.check.causes.evidence import ScriptStep
+from harness.check.causes.words import WHAT, shown
 from harness.check.compare import Comparison
-from harness.check.fix import Facts, named_value, suggest, window_count_fix
+from harness.check.fix import Facts
 from harness.check.judge import (
-    WHAT,
     Compared,
     Judged,
     JudgedStep,
     Memory,
+    Seeing,
+    Seen,
     judge_step,
     judged_row,
 )
 from harness.check.precision import lowest, tolerance
 from harness.check.shards import comparison_of
 from harness.columns import POINTS
-from harness.grad_check.script import explain, factors
+from harness.grad_check.script import factors
 from harness.grad_check.script.records import Captured
 from harness.grad_check.script.schema import COLUMNS
 from harness.grad_check.script.wire import PointFit
-from harness.tolerances import CLIPPED_ALIKE, FLOAT32_ROUNDING, close
-from harness.verdicts import Equivalence, Status
+from harness.tolerances import FLOAT32_ROUNDING
+from harness.verdicts import Status
 
-#: Names shown where a list is named in a line.
-SHOWN = 3
 #: (optimizer, step, point) -> the reference's noise there.
 Noise = dict[tuple[int, int, str], float]
 
 
 class Unmatched(Exception):
     """The split's optimizer holds other tensors than the reference's: nothing to fit."""
-
-
-def shown(names: Sequence[str]) -> str:
-    return ", ".join(names[:SHOWN]) + (", ..." if len(names) > SHOWN else "")
 
 
 def precision(*runs: Captured) -> torch.dtype:
@@ -114,49 +112,6 @@ def compared(measured: Captured, reference: Captured, optimizer: int, step: int,
 def noise(again: Captured, first: Captured, optimizer: int, step: int, point: str) -> float:
     """``||again - first|| / ||again||`` at scale 1 (updates for ``params``)."""
     return recorded(again, first, optimizer, step, point).each
-
-
-def learning_rate_fix(update: Comparison, facts: Facts) -> str:
-    """The optimizer got the reference's gradient, yet its update differs: the step itself
-    (its learning rate) is not the reference's."""
-    if update.verdict is Equivalence.MATCHES:
-        return ""
-    if update.verdict is Equivalence.SCALED:
-        scale = named_value(update.scale, facts.world_size, facts.accum_steps, facts.rtol,
-                            facts.tie)
-        return (f"the gradient matches but the update is {scale} times the reference's: the "
-                "learning rate of this step differs, e.g. a scheduler stepped another number "
-                "of times (once per micro-step, or once per rank as Accelerate steps a "
-                "prepared scheduler) or an lr scaled with N or k; step it once per optimizer "
-                "step")
-    return ("the gradient matches but the update does not: the optimizer's state or settings "
-            "differ from the reference's (a scheduler, an lr or weight decay set from N or k, "
-            "state carried from an earlier step, a clip that bound differently)")
-
-
-def rounding_only(gradient: Comparison, facts: Facts) -> bool:
-    """Whether a matching gradient is off by no more than its precision's rounding (float32:
-    ``FLOAT32_ROUNDING``; float64: its tolerance, which sits at rounding). Below float32 no
-    such bound is known: bfloat16's tolerance holds its rounding and small differences
-    alike, so a gradient matching there is never called rounding alone."""
-    if facts.rtol == tolerance(torch.float32):
-        return gradient.residual <= FLOAT32_ROUNDING["grad"]
-    return facts.rtol <= tolerance(torch.float64) and gradient.residual <= facts.rtol
-
-
-def amplified_fix(gradient: Comparison, facts: Facts) -> str:
-    """An update off where the gradient is within its tolerance but not known to be only
-    its rounding: an adaptive optimizer magnifies what is left in its step."""
-    if facts.rtol <= tolerance(torch.float32):
-        return (f"the gradient is within the precision's tolerance but off by more than its "
-                f"rounding (residual {gradient.residual:.2g}), and the update follows from it: "
-                "an adaptive optimizer (Adam) magnifies a small gradient difference in its "
-                "step; the gradient's difference is the cause: run once in float64 to "
-                "resolve it")
-    return (f"the gradient is within the precision's tolerance (residual "
-            f"{gradient.residual:.2g}), where its rounding and a small difference look alike, "
-            "and the update follows from it: an adaptive optimizer (Adam) magnifies either in "
-            "its step: run once in float32 to tell them apart")
 
 
 @dataclass
@@ -231,7 +186,7 @@ class SplitJudge:
                 self.measured.ranks_agree(optimizer, step, point),
                 {**own, "reference_noise": self.reference_noise.get((optimizer, step, point),
                                                                    math.nan)}, cast))
-        return judge_step(step, points, dtype, facts, memory, cause=self.cause(optimizer, step),
+        return judge_step(step, points, dtype, facts, memory, seen=self.seen(optimizer, step),
                           say_unresolved=True, rank_zero_only=True)
 
     def own_cells(self, optimizer: int, step: int) -> dict[str, Any]:
@@ -241,132 +196,20 @@ class SplitJudge:
                 "clip": "; ".join(dict.fromkeys(clips)),
                 "clip_factor": self.measured.clip_factor(optimizer, step) if clips else math.nan}
 
-    def cause(self, optimizer: int, step: int):
-        """What a script's step shows of a row's cause before the engine's fixes."""
-        def cause(measured: Compared, facts: Facts, judged: Sequence[Judged]) -> str | None:
-            comparison = measured.comparison
-            gradient = judged[0].comparison if judged else None
-            if comparison.verdict is Equivalence.MATCHES and measured.ranks_agree is not False:
-                return None
-            if measured.ranks_agree is False:  # before a clip every micro-step, which
-                return self.ranks_fix(optimizer, step, measured.point)  # leaves ranks alike
-            if (why := self.repeated_clip_fix(optimizer, step)) is not None:
-                return why
-            if (why := self.data_fix(optimizer, step)) is not None:
-                return why
-            if self.measured.dropout:
-                return (f"the model's dropout ({shown(self.measured.dropout)}) is active: "
-                        "each split draws other masks, so no split can give the reference's "
-                        "step; set its probability to 0 while checking")
-            if (measured.point == "params" and gradient is not None
-                    and gradient.verdict is Equivalence.MATCHES
-                    and facts.gradient_scale is None):  # else the step-0 scale explains it
-                return (learning_rate_fix(comparison, facts)
-                        if rounding_only(gradient, facts) else amplified_fix(gradient, facts))
-            return (self.scaled_fix(optimizer, step, measured, facts)
-                    or self.trainer_count_fix(measured, facts))
-
-        return cause
-
-    def repeated_clip_fix(self, optimizer: int, step: int) -> str | None:
-        """A clip called once per micro-step: each clips the gradient accumulated so far, so
-        the window is not the big batch's gradient clipped once."""
-        calls = self.measured.clip_calls(optimizer, step)
-        if calls < 2:
-            return None
-        clip = self.measured.clips(optimizer, step)[0]
-        return (f"{clip} ran {calls} times in this step's window, once per micro-step: each "
-                "call clips the gradient accumulated so far, so the step is not the big "
-                "batch's gradient clipped once (the gradient compared is the one before the "
-                "window's last clip); clip once per window, after the last micro-step's "
-                "backward, right before optimizer.step()")
-
-    def data_fix(self, optimizer: int, step: int) -> str | None:
-        """Other samples, or a window the data ran out in, where the samples show one."""
-        ours = [record.samples for record in self.measured.records(optimizer, step)]
-        theirs = self.reference.samples(optimizer, step)
-        if not explain.same_samples([s for rank in ours for s in rank], theirs):
-            drawn = self.measured.indices(optimizer, step)
-            if explain.drawn_alike(drawn, self.reference.indices(optimizer, step)):
-                return explain.augmentation_fix(step, len(drawn))
-            return explain.samples_fix(step, ours, theirs, self.global_batch,
-                                       frozenset(self.measured.frameworks))
-        forwards = self.measured.forwards(optimizer, step)
+    def seen(self, optimizer: int, step: int) -> Seeing:
+        """What the split's and the reference's ranks recorded of the step, for the causes
+        only a script's run shows (harness/check/causes/: its samples, clips, dropout)."""
         split = self.measured.run.split
-        short = any(0 < count < split.accum_steps for count in forwards)
-        if short or (theirs and len(theirs) < self.global_batch):
-            return explain.partial_window_fix(step, len(theirs), self.global_batch, forwards,
-                                              split.accum_steps)
-        return None
+        records = tuple(self.measured.records(optimizer, step))
+        reference = tuple(self.reference.records(optimizer, step))
 
-    def trainer_count_fix(self, measured: Compared, facts: Facts) -> str | None:
-        """Micro-batches of different token counts under the Trainer or TRL: the window's
-        count, said in their terms."""
-        if (measured.comparison.verdict is not Equivalence.DIFFERS
-                or len(set(facts.piece_counts)) < 2
-                or not self.measured.frameworks & {"trainer", "trl"}):
-            return None
-        return (f"{window_count_fix(facts.piece_counts)}; with the Trainer or TRL that count "
-                "is num_items_in_batch: keep average_tokens_across_devices=True "
-                "(TrainingArguments, SFTConfig) and a model whose forward takes **kwargs, so "
-                "that the count reaches the loss and spans every rank's window")
+        def seeing(measured: Compared) -> Seen:
+            return Seen(script=ScriptStep(
+                split.world_size, split.accum_steps, self.global_batch, records, reference,
+                tuple(self.measured.dropout), frozenset(self.measured.frameworks),
+                self.measured.disagreement(optimizer, step, measured.point)))
 
-    def ranks_fix(self, optimizer: int, step: int, point: str) -> str:
-        disagreement = self.measured.disagreement(optimizer, step, point)
-        ranks = ", ".join(map(str, disagreement.ranks)) if disagreement else "some"
-        tensors = shown(list(disagreement.tensors)) if disagreement else "some tensors"
-        held = "gradients" if point == "grad" else "parameters"
-        return (f"rank(s) {ranks} held other {held} than rank 0 ({tensors}): nothing averages "
-                "the gradients over the N ranks before the step (wrap the model in "
-                "DistributedDataParallel, or all-reduce them), or something changes them on "
-                "some ranks only (a clip, a scheduler or a condition on the rank)")
-
-    def scaled_fix(self, optimizer: int, step: int, measured: Compared,
-                   facts: Facts) -> str | None:
-        """A scaled gradient's fix, the engine's, with what the script shows besides: that
-        the window's clip hid the scale at this step, that the Trainer's loss contract
-        explains it. None where neither does (the engine's fix then stands alone)."""
-        comparison = measured.comparison
-        if measured.point != "grad" or comparison.verdict is not Equivalence.SCALED:
-            return None
-        notes = [note for note in (self.clip_note(optimizer, step, comparison, facts),
-                                   self.trainer_scale_note(comparison.scale, facts))
-                 if note is not None]
-        return "; ".join([suggest("grad", comparison, facts), *notes]) if notes else None
-
-    def clip_note(self, optimizer: int, step: int, comparison: Comparison,
-                  facts: Facts) -> str | None:
-        """That the window's clip undid the gradient's scale at this step (the optimizer
-        received the reference's gradient)."""
-        clips = self.measured.clips(optimizer, step)
-        if not clips:
-            return None
-        ours = self.measured.clip_factor(optimizer, step)
-        theirs = self.reference.clip_factor(optimizer, step)
-        received = ours * comparison.scale / theirs if theirs else math.nan
-        if not close(received, 1.0, max(facts.rtol, CLIPPED_ALIKE)):
-            return None
-        return (f"at this step {clips[0]} hid it: it scaled this gradient and the "
-                "reference's to the same norm, so the optimizer received the reference's "
-                "gradient (a clip that does not bind lets the scale through)")
-
-    def trainer_scale_note(self, scale: float, facts: Facts) -> str | None:
-        """Under the Trainer (TRL's included) a gradient k, N or N*k times the big batch's
-        is its loss contract broken: a loss given num_items_in_batch (a compute_loss_func,
-        or a model whose forward takes **kwargs) is not divided by k, and is multiplied by
-        N under average_tokens_across_devices (transformers' Trainer.training_step and
-        compute_loss), so it must be the window's sum divided by that count."""
-        split = self.measured.run.split
-        factors = {split.accum_steps, split.world_size, split.world_size * split.accum_steps}
-        if (not self.measured.frameworks & {"trainer", "trl"}
-                or not any(factor > 1 and close(scale, factor, facts.rtol)
-                           for factor in factors)):
-            return None
-        return ("with the Trainer or TRL: a loss given num_items_in_batch (a "
-                "compute_loss_func, or a model whose forward takes **kwargs) is divided by "
-                "neither k nor N (and is multiplied by N under "
-                "average_tokens_across_devices): it must return the window's summed loss "
-                "divided by num_items_in_batch, not a micro-batch's mean")
+        return seeing
 
     def row(self, judged: Judged) -> dict[str, Any]:
         split = self.measured.run.split
@@ -374,6 +217,7 @@ class SplitJudge:
                           accum_steps=split.accum_steps,
                           micro_batch=split.micro_batch(self.global_batch),
                           reference=self.reference.run.split.label,
+                          ran_on=self.measured.ran_on,
                           command=shlex.join(self.measured.run.command))
 
     def errors(self, optimizer: int, step: int, error: str) -> list[Judged]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.errors import UsageError
+from harness.options import MAX_NPROC
 
 #: Placeholder -> what it stands for, in the order ``--help`` lists them.
 PLACEHOLDERS = {
@@ -31,9 +32,13 @@ _EXPRESSION_TEXT = r"[a-z0-9_\s+\-*/()]*[a-z_][a-z0-9_\s+\-*/()]*"
 #: One piece of an argument: an escaped brace, a placeholder, or any other character.
 _PIECE = re.compile(r"(?P<open>\{\{)|(?P<close>\}\})|\{(?P<expression>" + _EXPRESSION_TEXT
                     + r")\}|(?P<other>[\s\S])")
-_TOKEN = re.compile(r"\s*(?:(?P<number>\d+)|(?P<name>[a-z_][a-z0-9_]*)|(?P<op>//|[-+*/()]))")
+_TOKEN = re.compile(r"\s*(?:(?P<number>[0-9]+)|(?P<name>[a-z_][a-z0-9_]*)|(?P<op>//|[-+*/()]))")
 #: More micro-steps per optimizer step than any real recipe needs only makes a check slow.
 MAX_ACCUM_STEPS = 1024
+#: A global batch larger than this cannot be checked: the capture keeps a fingerprint of
+#: every sample a step feeds (a few strings, ~100 bytes each once saved) and the launcher
+#: reads every rank's, so 2^24 samples are already ~2 GB of records per step.
+MAX_GLOBAL_BATCH = 2**24
 
 
 @dataclass(frozen=True, order=True)
@@ -63,10 +68,12 @@ class Split:
 
 def parse_split(text: str, flag: str) -> Split:
     """``'2x4'`` -> Split(2, 4); one line naming the flag and the text otherwise."""
-    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not match or int(match[1]) < 1 or not 1 <= int(match[2]) <= MAX_ACCUM_STEPS:
-        raise UsageError(f"{flag}: {text.strip()!r} is not a split; allowed: NxK with N >= 1 "
-                         f"ranks and 1 <= K <= {MAX_ACCUM_STEPS} micro-steps, e.g. 2x4")
+    match = re.fullmatch(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*", text)
+    if (not match or not 1 <= int(match[1]) <= MAX_NPROC
+            or not 1 <= int(match[2]) <= MAX_ACCUM_STEPS):
+        raise UsageError(f"{flag}: {text.strip()!r} is not a split; allowed: NxK with 1 <= N "
+                         f"<= {MAX_NPROC} ranks and 1 <= K <= {MAX_ACCUM_STEPS} micro-steps "
+                         "(ASCII digits), e.g. 2x4")
     return Split(int(match[1]), int(match[2]))
 
 

@@ -11,9 +11,8 @@ head (torchrun, ``tune run``) reads it before any rank has loaded torch.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -63,8 +62,9 @@ SETTINGS_VARIABLES = (FOLDER_VARIABLE, STEPS_VARIABLE, KEEP_GOING_VARIABLE, TIME
                       LAUNCHER_VARIABLE, LAUNCHER_NAME_VARIABLE)
 
 #: What the guards write in the split's folder, for grad-check to read: every process's
-#: registration (``processes/<pid>``), each rank's progress (``progress/rank<R>``), each
-#: RANK's claim (``claims/rank<R>``), and a failure that ends the split at once (``fatal``).
+#: registration (``processes/<pid>``: :class:`ProcessEntry`), each rank's progress
+#: (``progress/rank<R>``: :class:`Progress`), each RANK's claim (``claims/rank<R>``:
+#: :class:`Claim`), and a failure that ends the split at once (``fatal``: :class:`Fatal`).
 PROCESSES, PROGRESS, CLAIMS, FATAL = "processes", "progress", "claims", "fatal"
 
 
@@ -146,34 +146,6 @@ class RankSettings:
         return self.launcher is not None
 
 
-def process_start(pid: int) -> str:
-    """When ``pid`` started (clock ticks since boot, from ``/proc``; '' where unknown):
-    with the pid, it names one process, not whichever reuses the number later."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    return ""
-
-
-def alive(pid: int, start: str) -> bool:
-    """Whether process ``pid`` that started at ``start`` still runs (a zombie does not)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return fields[0] not in "ZX" and (not start or fields[19] == start)
-
-
-def grad_check_process() -> tuple[int, str, int]:
-    """This process (grad-check's) as its ranks know it: pid, start time, process group."""
-    return os.getpid(), process_start(os.getpid()), os.getpgrp()
-
-
 # ---------------------------------------------------------------- what a rank reports
 class BadRecord(ValueError):
     """A rank's report that holds what this version does not know, or lacks what it must
@@ -190,6 +162,91 @@ def known_fields(kind: type, data: Mapping[str, Any]) -> dict[str, Any]:
         raise BadRecord(f"{kind.__name__}: unknown field(s) {', '.join(unknown)}; known: "
                         f"{', '.join(sorted(names))}")
     return dict(data)
+
+
+# ---------------------------------------------------------------- what a guard writes
+class JsonRecord:
+    """A record of the guards' written as one JSON object of its fields, read back refusing
+    any field it does not declare."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls(**known_fields(cls, json.loads(text)))
+
+
+@dataclass(frozen=True)
+class ProcessEntry(JsonRecord):
+    """A process of the split, registered by its guard: grad-check ends what still runs of
+    it after the split (a launcher's workers, in sessions of their own)."""
+
+    pid: int
+    #: Its start time (``/proc``), with ``pid`` naming one process and not a later one.
+    start: str
+    pgid: int
+    #: Its RANK (None: the launcher at the command's head).
+    rank: int | None
+    command: str
+
+
+@dataclass(frozen=True)
+class Progress(JsonRecord):
+    """A rank's optimizer steps and forward passes so far, and where it waits inside
+    grad-check's own exchange (it reached that point), if it does."""
+
+    steps: int
+    forwards: int
+    waiting: str | None = None
+
+
+@dataclass(frozen=True)
+class Claim(JsonRecord):
+    """The live process that joined the process group as one RANK."""
+
+    pid: int
+    start: str
+    command: str
+
+    @property
+    def named(self) -> str:
+        """The process as a line names it: its pid and command, cut at 120 characters."""
+        command = self.command
+        return f"pid {self.pid} ({command[:120] + '...' if len(command) > 120 else command})"
+
+
+@dataclass(frozen=True)
+class RankError(JsonRecord):
+    """A rank's Python error as its capture caught it: its type, the first sentence of its
+    message (the failing source line where it says nothing, a bare ``assert``), and where
+    it was raised (``file:line``: the innermost frame of the user's own code, else the
+    innermost; "" where no frame is known)."""
+
+    type: str
+    message: str
+    at: str = ""
+
+    @property
+    def line(self) -> str:
+        """``Type: message (at file:line)``: the rank's one line."""
+        return f"{self.type}: {self.message}" + (f" (at {self.at})" if self.at else "")
+
+
+def error_record(folder: Path, rank: int) -> Path:
+    """Where a rank's :class:`RankError` is kept, beside its line (``rank<R>.txt``)."""
+    return folder / f"rank{rank}.error.json"
+
+
+@dataclass(frozen=True)
+class Fatal(JsonRecord):
+    """A failure that ends the split at once: the rank that found it, its line, the exit
+    code the rank ends with."""
+
+    rank: int
+    line: str
+    exitcode: int
+
 
 
 @dataclass(frozen=True)
@@ -244,6 +301,8 @@ class StepRecord:
     kept_bytes: int = 0
     before_norm: float | None = None
     received_norm: float | None = None
+    #: Each point's tensors holding a NaN or an infinity on this rank (``grad``, ``params``).
+    non_finite: dict[str, list[str]] = field(default_factory=dict)
     compared: dict[str, PointFit | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -288,6 +347,8 @@ class RankSummary:
     unknown: list[str] = field(default_factory=list)
     batchnorm: list[str] = field(default_factory=list)
     dropout: list[str] = field(default_factory=list)
+    #: The host the rank ran on.
+    host: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)  # its optimizers and records too

@@ -45,7 +45,7 @@ from harness.fit import ScaleFit, equivalence_verdict, fit_scale, relative_error
 from harness.options import StudyOptions, check_positive_unique, option, parse_int_list
 from harness.seeding import generator_for
 from harness.strategies import STRATEGIES, row_device, step_cost, unavailable_reason
-from harness.strategies.common import Trainer, relative_spread
+from harness.strategies.common import StrategyTrainer, relative_spread
 from harness.strategies.ddp import DDPTrainer
 from harness.strategies.dp import DPTrainer
 from harness.strategies.dp_emulated import EmulatedDPTrainer
@@ -137,7 +137,7 @@ class AccumulationStudy(Study):
         super().__init__(options)
         #: Collective trainers by (strategy, world size, task): wrapped once, reset between
         #: cases.
-        self._collective_trainers: dict[tuple[str, int, str], Trainer] = {}
+        self._collective_trainers: dict[tuple[str, int, str], StrategyTrainer] = {}
 
     def cases(self, run: RunContext) -> list[Case]:
         full = run.config.matrix == "full"
@@ -178,7 +178,7 @@ class AccumulationStudy(Study):
         return None
 
     @staticmethod
-    def _unbatchable(recipe: Recipe, trainer: Trainer, data) -> str | None:
+    def _unbatchable(recipe: Recipe, trainer: StrategyTrainer, data) -> str | None:
         """DataParallel's scatter can hand a replica one sample, which BatchNorm refuses."""
         if "batchnorm" not in recipe.norm:
             return None
@@ -190,7 +190,7 @@ class AccumulationStudy(Study):
                             f"{';'.join(map(str, sizes))}); BatchNorm cannot normalise it")
         return None
 
-    def _trainer(self, recipe: Recipe, task: Task, run: RunContext) -> Trainer:
+    def _trainer(self, recipe: Recipe, task: Task, run: RunContext) -> StrategyTrainer:
         initial = self._initial_model(recipe, task, run)
         spec = STRATEGIES[recipe.strategy]
         if not spec.collective:
@@ -215,7 +215,7 @@ class AccumulationStudy(Study):
                                 run.dtype)
 
     # ------------------------------------------------------------ training
-    def _train_window(self, recipe: Recipe, task: Task, trainer: Trainer,
+    def _train_window(self, recipe: Recipe, task: Task, trainer: StrategyTrainer,
                       micro_steps: list[list[Batch]], reports: bool, last: bool
                       ) -> WindowResult:
         """k micro-steps and one optimizer step; the reporting rank keeps the gradient
@@ -254,7 +254,7 @@ class AccumulationStudy(Study):
 
     # ------------------------------------------------------------ results
     @staticmethod
-    def _measurements(windows: list[WindowResult], trainer: Trainer, rtol: float
+    def _measurements(windows: list[WindowResult], trainer: StrategyTrainer, rtol: float
                       ) -> dict[str, Any]:
         last = windows[-1]
         grad = last.grads[0]

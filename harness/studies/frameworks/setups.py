@@ -208,7 +208,7 @@ def gpt2(loss_type: str | None) -> Callable[[Setup], Setup]:
 
 
 @dataclass(frozen=True)
-class Variant:
+class SetupVariant:
     """A user setup the study measures, made from the plain one."""
 
     name: str
@@ -221,28 +221,28 @@ class Variant:
 
 PLAIN = "tiny-lm"
 VARIANTS = (
-    Variant(PLAIN, "loss = token mean of the micro-batch", lambda setup: setup,
+    SetupVariant(PLAIN, "loss = token mean of the micro-batch", lambda setup: setup,
             ("accelerate", "lightning", "transformers", "deepspeed"), core=True),
-    Variant("loss/k", "loss = token mean of the micro-batch / k",
+    SetupVariant("loss/k", "loss = token mean of the micro-batch / k",
             lambda setup: replace(setup, micro_step=divided_by_k), ("accelerate",)),
-    Variant("token-normalized", "loss = token sum * k * N / tokens of the window on all ranks",
+    SetupVariant("token-normalized", "loss = token sum * k * N / tokens of the window on all ranks",
             lambda setup: replace(setup, micro_step=window_normalized),
             ("accelerate", "lightning", "deepspeed")),
-    Variant("forward(labels)", "forward(input_ids, labels) returns the micro-batch's token "
+    SetupVariant("forward(labels)", "forward(input_ids, labels) returns the micro-batch's token "
             "mean", hf_style(MicroMean), ("transformers",)),
-    Variant("forward(num_items_in_batch)", "forward(input_ids, labels, "
+    SetupVariant("forward(num_items_in_batch)", "forward(input_ids, labels, "
             "num_items_in_batch=None): the count as a named parameter, no **kwargs",
             hf_style(NamedCount), ("transformers",)),
-    Variant("forward(**kwargs)", "forward(input_ids, labels, **kwargs) divides the token sum "
+    SetupVariant("forward(**kwargs)", "forward(input_ids, labels, **kwargs) divides the token sum "
             "by kwargs['num_items_in_batch']", hf_style(KwargsCount), ("transformers",),
             core=True),
-    Variant("drops-count", "forward(input_ids, labels, **kwargs) returns "
+    SetupVariant("drops-count", "forward(input_ids, labels, **kwargs) returns "
             "the micro-batch's token mean, dropping num_items_in_batch",
             hf_style(KwargsIgnored), ("transformers",)),
-    Variant("gpt2", "a tiny GPT2LMHeadModel from a config (loss_type None), its own loss, "
+    SetupVariant("gpt2", "a tiny GPT2LMHeadModel from a config (loss_type None), its own loss, "
             "labels = the tokens", gpt2(None), ("transformers",), core=True),
-    Variant("gpt2+loss_type", "the same GPT-2 with model.loss_type = \"ForCausalLM\"",
+    SetupVariant("gpt2+loss_type", "the same GPT-2 with model.loss_type = \"ForCausalLM\"",
             gpt2("ForCausalLM"), ("transformers",)),
-    Variant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
+    SetupVariant("accepts_loss_kwargs=False", "forward(..., **kwargs) as forward(**kwargs), the "
             "model's accepts_loss_kwargs = False", hf_style(OptedOut), ("transformers",)),
 )

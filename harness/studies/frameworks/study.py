@@ -20,12 +20,12 @@ from typing import Any
 from harness.adapters import FRAMEWORKS
 from harness.adapters.columns import COLUMNS as FRAMEWORK_COLUMNS
 from harness.adapters.measure import UNMEASURED, measure
-from harness.adapters.registry import DEFAULT, INSTALL_HINT, Framework, Setting
+from harness.adapters.registry import DEFAULT, INSTALL_HINT, Framework, FrameworkSetting
 from harness.check.judge import Judged, judged_row
 from harness.context import RunContext
 from harness.studies.base import Case, Study
 from harness.studies.frameworks.schema import COLUMNS
-from harness.studies.frameworks.setups import LOSSES, PLAIN, VARIANTS, Variant, make_setup
+from harness.studies.frameworks.setups import LOSSES, PLAIN, VARIANTS, SetupVariant, make_setup
 
 VARIANT = {variant.name: variant for variant in VARIANTS}
 #: The frameworks reduce over the default process group: exactly these ranks.
@@ -33,7 +33,7 @@ WORLD_SIZE = 2
 ACCUM_STEPS = (1, 4)
 
 
-def measured_pairs(framework: Framework) -> list[tuple[Setting, Variant]]:
+def measured_pairs(framework: Framework) -> list[tuple[FrameworkSetting, SetupVariant]]:
     """Every setting on the plain setup, and every variant of the user's code the framework
     is measured with, under its default setting and, where the default clips, with the
     clip off too (a binding clip scales any gradient to the same norm, hiding a wrong
@@ -46,7 +46,8 @@ def measured_pairs(framework: Framework) -> list[tuple[Setting, Variant]]:
                for name in names])
 
 
-def accum_steps(setting: Setting, variant: Variant, run: RunContext) -> tuple[int, ...]:
+def accum_steps(setting: FrameworkSetting, variant: SetupVariant,
+                run: RunContext) -> tuple[int, ...]:
     """Every k for the defaults and the settings and variants marked core (and with
     ``--matrix full``); the largest alone for the rest, where k = 1 only repeats what
     the default showed."""

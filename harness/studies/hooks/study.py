@@ -92,7 +92,7 @@ def as_float64(batch: Batch) -> Batch:
 
 
 @dataclass
-class StepRecord:
+class StepTrace:
     """What one step left on this rank."""
 
     collectives: CollectiveLog
@@ -103,18 +103,18 @@ class StepRecord:
     snapshot: torch.Tensor
 
 
-def train_step(replica: Replica, task: Task, shard: Batch, tap: CollectiveTap) -> StepRecord:
+def train_step(replica: Replica, task: Task, shard: Batch, tap: CollectiveTap) -> StepTrace:
     """One SGD step (a collective on every rank of the replica's group), the backward's
     gradient collectives counted."""
     replica.start_step()
     with tap.watching() as collectives:
         task.loss(replica.forward(shard.x), shard, "mean").backward()
     replica.optimizer.step()
-    return StepRecord(collectives, replica.buckets(), replica.state_elements(),
+    return StepTrace(collectives, replica.buckets(), replica.state_elements(),
                       replica.snapshot())
 
 
-def _collective_columns(record: StepRecord) -> dict[str, Any]:
+def _collective_columns(record: StepTrace) -> dict[str, Any]:
     """What the step sent: collectives, calls, bytes, dtypes, and DDP's buckets."""
     log = record.collectives
     return {"wire_dtype": ";".join(sorted(dtype_name(d) for d in log.dtypes)),
@@ -138,7 +138,7 @@ class Judge:
         self.applied_sum = torch.zeros_like(self.weights)
         self.exact_sum = torch.zeros_like(self.weights)
 
-    def measure(self, record: StepRecord, grads: list[torch.Tensor],
+    def measure(self, record: StepTrace, grads: list[torch.Tensor],
                 weights: list[torch.Tensor], shards: list[Batch],
                 replicated: bool) -> dict[str, Any]:
         """The row of one step: ``grads`` and ``weights`` after it, rank 0's first (the
@@ -255,7 +255,7 @@ TAP = CollectiveTap()
 
 
 def _train(replica: Replica, task: Task, data: list[list[Batch]], rank: int,
-           device: torch.device) -> tuple[list[StepRecord], str]:
+           device: torch.device) -> tuple[list[StepTrace], str]:
     """Every step of ``data`` on this rank's shard; the records, and why training stopped
     early ("" when it did not)."""
     records = []

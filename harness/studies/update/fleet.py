@@ -20,7 +20,7 @@ from torch import nn
 
 from harness.context import RunContext
 from harness.strategies import STRATEGIES
-from harness.strategies.common import Trainer, float64_vector
+from harness.strategies.common import StrategyTrainer, float64_vector
 
 
 class MLPCopy(nn.Module):
@@ -64,7 +64,7 @@ class Fleet(nn.Module):
         return torch.einsum("bmh,moh->bmo", hidden, w2) + b2
 
 
-def fleet_trainer(strategy: str, fleet: Fleet, world_size: int, run: RunContext) -> Trainer:
+def fleet_trainer(strategy: str, fleet: Fleet, world_size: int, run: RunContext) -> StrategyTrainer:
     """``fleet`` under ``strategy`` over ``world_size`` devices."""
     trainer = STRATEGIES[strategy].trainer
     if trainer is None:
@@ -72,11 +72,11 @@ def fleet_trainer(strategy: str, fleet: Fleet, world_size: int, run: RunContext)
     return trainer(fleet, world_size, run)
 
 
-def members(trainer: Trainer) -> nn.ModuleList:
+def members(trainer: StrategyTrainer) -> nn.ModuleList:
     return trainer.module.copies
 
 
-def micro_step_context(trainer: Trainer, sync: bool) -> contextlib.AbstractContextManager:
+def micro_step_context(trainer: StrategyTrainer, sync: bool) -> contextlib.AbstractContextManager:
     """DDP's ``no_sync`` for a micro-step that must not reduce; nothing otherwise."""
     return contextlib.nullcontext() if sync else trainer.no_sync()
 
@@ -102,7 +102,7 @@ def full_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
             for i, t in enumerate(tensors)]
 
 
-def every_member_parameters(trainer: Trainer) -> list[torch.Tensor]:
+def every_member_parameters(trainer: StrategyTrainer) -> list[torch.Tensor]:
     """Each copy's parameters as one float64 vector (a collective under FSDP)."""
     copies = members(trainer)
     params = [p for member in copies for p in member.parameters()]
@@ -111,7 +111,7 @@ def every_member_parameters(trainer: Trainer) -> list[torch.Tensor]:
     return [float64_vector(whole[i * per_member:(i + 1) * per_member]) for i in range(len(copies))]
 
 
-def member_gradients(trainer: Trainer, indices: list[int]) -> list[torch.Tensor]:
+def member_gradients(trainer: StrategyTrainer, indices: list[int]) -> list[torch.Tensor]:
     """The gradients of the copies at ``indices``, each as one float64 vector (a collective
     under FSDP, where each rank holds a shard of every gradient)."""
     copies = members(trainer)

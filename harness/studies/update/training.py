@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from harness.fit import relative_error
-from harness.strategies.common import Trainer, flat_grad, flat_params
+from harness.strategies.common import StrategyTrainer, flat_grad, flat_params
 from harness.studies.update.fleet import members, micro_step_context
 from harness.studies.update.optimizers import OPTIMIZERS, PLAIN, OptimizerSpec
 from harness.studies.update.recipes import (
@@ -44,7 +44,7 @@ class Member:
     optimizer: OptimizerSpec
 
 
-def fleet_loss(trainer: Trainer, output: torch.Tensor, batch: Batch,
+def fleet_loss(trainer: StrategyTrainer, output: torch.Tensor, batch: Batch,
                runs: Sequence[Member], shape: Shape) -> torch.Tensor:
     """The sum of every copy's loss: copies share no weight, so each gets its own gradient.
 
@@ -75,8 +75,9 @@ def copy_loss_terms(output: torch.Tensor, batch: Batch) -> torch.Tensor:
                            ).reshape(samples, copies)
 
 
-def accumulate_window(trainer: Trainer, runs: Sequence[Member], window: Window, shape: Shape,
-                      no_sync: bool, after_backward: Callable[[int], None] | None = None,
+def accumulate_window(trainer: StrategyTrainer, runs: Sequence[Member], window: Window,
+                      shape: Shape, no_sync: bool,
+                      after_backward: Callable[[int], None] | None = None,
                       scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """k micro-steps of forward and backward, no optimizer step.
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from harness.context import RunContext
-    from harness.strategies.common import Trainer
+    from harness.strategies.common import StrategyTrainer
     from harness.studies.update.training import Member, Start
     from harness.studies.update.trial import Trial
 
@@ -219,7 +219,7 @@ def _ddp_runs(plan: list[tuple[str, float]], runs: list[Member], recorder: ClipR
     before = [i for i, (s, _) in enumerate(plan) if s == "before-reduction"]
     shape = start.shape
     group = run_context.group(shape.world_size)
-    trainers: dict[str, Trainer] = {}
+    trainers: dict[str, StrategyTrainer] = {}
     optimizers = {}
     for name, indices in (("after", after), ("before", before)):
         trainers[name] = fleet.fleet_trainer("ddp", fleet.Fleet(start.initial, len(indices)),

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-    from harness.strategies.common import Trainer
+    from harness.strategies.common import StrategyTrainer
     from harness.studies.update.training import Member, Start
     from harness.studies.update.trial import ReferenceRuns, Trial
 
@@ -96,7 +96,7 @@ def measure(trial: Trial) -> list[dict[str, Any]] | None:
     return rows
 
 
-def train_scaled(trainer: Trainer, runs: list[Member], start: Start, max_norm: float,
+def train_scaled(trainer: StrategyTrainer, runs: list[Member], start: Start, max_norm: float,
                  device_type: str) -> tuple[list[list[float]], list[float]]:
     """Every window under one GradScaler, each copy clipping as its setting says; the clip
     coefficients of the first window per copy, and the scale before and after each window."""

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from harness.fit import ScaleFit
-    from harness.strategies.common import Trainer
+    from harness.strategies.common import StrategyTrainer
     from harness.studies.update.optimizers import OptimizerSpec
     from harness.studies.update.recipes import Shape
     from harness.studies.update.training import FleetOptimizers, Member, Window
@@ -109,7 +109,7 @@ def candidate_factor(candidate: str, scale: float) -> float:
     return 1.0
 
 
-def _train(trainer: Trainer, optimizer: FleetOptimizers, runs: list[tuple[Member, str]],
+def _train(trainer: StrategyTrainer, optimizer: FleetOptimizers, runs: list[tuple[Member, str]],
            data: list[Window], shape: Shape, initial: nn.Module, no_sync: bool
            ) -> dict[str, ScaleFit]:
     """Every window, each copy at its candidate's learning rate: set after the first window,
@@ -127,8 +127,8 @@ def _train(trainer: Trainer, optimizer: FleetOptimizers, runs: list[tuple[Member
     return scales
 
 
-def _gradient_scales(trainer: Trainer, runs: list[tuple[Member, str]], reference: torch.Tensor
-                     ) -> dict[str, ScaleFit]:
+def _gradient_scales(trainer: StrategyTrainer, runs: list[tuple[Member, str]],
+                     reference: torch.Tensor) -> dict[str, ScaleFit]:
     """Per loss recipe, its first window's gradient fitted against the big batch's.
 
     Read from the first copy of each recipe whose loss has no L2 term (that term is

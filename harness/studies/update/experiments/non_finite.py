@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-    from harness.strategies.common import Trainer
+    from harness.strategies.common import StrategyTrainer
     from harness.studies.update.training import Start, Window
     from harness.studies.update.trial import Trial
 
@@ -110,7 +110,7 @@ def inject_non_finite(data: list[Window], world_size: int) -> None:
     shard.x[0, 0] = float("inf")
 
 
-def _train_through_non_finite(trainer: Trainer, start: Start, device_type: str
+def _train_through_non_finite(trainer: StrategyTrainer, start: Start, device_type: str
                               ) -> tuple[list[tuple[float, float, float]], list[torch.Tensor]]:
     """One copy trained under a GradScaler; per window (skipped on this rank, scale before,
     scale after) and the parameters after it."""

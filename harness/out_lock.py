@@ -1,5 +1,6 @@
-"""One ``grad-check run`` at a time in an ``--out``: two would mix their logs and overwrite
-each other's script.csv, each announcing its rows there.
+"""One run of a command at a time in an ``--out``: two ``grad-check run`` would mix their
+logs and overwrite each other's script.csv, two ``grad-study`` each other's CSVs (run.json
+of one beside the rows of the other), each announcing its rows there.
 
 A POSIX lock on a file in ``--out`` (``lockf``): the kernel releases it when the holder
 ends, however it ends (a SIGKILL too), and a process the holder forks (a rank) does not
@@ -18,29 +19,38 @@ from pathlib import Path
 
 from harness.errors import UsageError
 
-#: The lock's file in --out, present while a check runs.
-LOCK_NAME = ".grad-check-run.lock"
+#: The command that holds an --out -> its lock's file there, present while it runs.
+LOCK_NAMES = {"grad-check run": ".grad-check-run.lock", "grad-study": ".grad-study.lock"}
 
 
 @contextlib.contextmanager
-def out_lock(out: Path) -> Iterator[None]:
-    """``--out`` for this check alone while inside; another check's is refused (bad input,
-    one line naming the folder and the pid that holds it)."""
+def out_lock(out: Path, command: str = "grad-check run") -> Iterator[None]:
+    """``--out`` for this run of ``command`` alone while inside; another run's is refused
+    (bad input, one line naming the folder and the pid that holds it). A folder made for
+    the lock is removed again where the run wrote nothing into it (it was refused)."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / LOCK_NAME
-    handle = locked(path)
+    path = out / LOCK_NAMES[command]
+    handle = locked(path, command)
     try:
-        handle.truncate(0)
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
+        # The pid only names the holder in another check's refusal: a disk too full to take
+        # it does not stop this check (what it writes later says so, with its path).
+        with contextlib.suppress(OSError):
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
         yield
     finally:
         with contextlib.suppress(OSError):
             path.unlink()  # before the lock goes: the next check makes its own file
-        handle.close()
+        with contextlib.suppress(OSError):  # a pid the full disk never took, flushed again
+            handle.close()
+        if made:
+            with contextlib.suppress(OSError):  # not empty: the run's own files
+                out.rmdir()
 
 
-def locked(path: Path):
+def locked(path: Path, command: str):
     """The lock file at ``path``, opened and locked by this process."""
     while True:
         handle = path.open("a+")
@@ -50,8 +60,8 @@ def locked(path: Path):
             handle.seek(0)
             holder = handle.read().strip()
             handle.close()
-            raise UsageError(f"--out {str(path.parent)!r} is in use by another grad-check "
-                             f"run{f' (pid {holder})' if holder else ''}; allowed: another "
+            raise UsageError(f"--out {str(path.parent)!r} is in use by another {command}"
+                             f"{f' (pid {holder})' if holder else ''}; allowed: another "
                              "--out, or this one once that run has ended") from None
         if still_named(handle, path):
             return handle
