@@ -116,6 +116,26 @@ def test_a_rendezvous_no_node_reached_names_the_nodes_and_what_the_store_said():
         "(controller, 29400); no rank started (check STUDY_RDZV_ENDPOINT)", 1)
 
 
+def test_a_store_lost_after_the_ranks_ran_leaves_the_ranks_to_say_what_happened(tmp_path):
+    # The hang of HUNG, then node1's agent shut the store it hosted and node2's monitoring
+    # loop (num_nodes_waiting) lost it: the ranks had run, so the hang is the cause.
+    lost_store = "\n".join([
+        "  File \".../dynamic_rendezvous.py\", line 1269, in num_nodes_waiting",
+        "torch.distributed.DistNetworkError: Broken pipe",
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection "
+        "to the C10d store has failed. See inner exception for details.",
+        "srun: error: node1: task 0: Exited with exit code 1",
+        "srun: error: node2: task 1: Exited with exit code 1"])
+    hung = (f"rank 2 on node2 hung in case {CASE}: no progress for 15 s (ranks 1, 3 timed "
+            "out waiting for it in a collective)", 1)
+    assert line_of(f"{HUNG}\n{lost_store}", timeout=15) == hung
+    # Ranks that noted their node ran, even where none of them left a line.
+    for rank, node in enumerate(["node1", "node1", "node2", "node2"]):
+        (tmp_path / f"rank{rank}").write_text(node + "\n")
+    assert "could not reach the rendezvous" not in str(line_of(lost_store, ranks_dir=tmp_path))
+    assert "could not reach the rendezvous" in line_of(lost_store)[0]
+
+
 def test_the_finished_cases_are_said_kept_where_a_journal_exists(tmp_path):
     (tmp_path / ".partial").mkdir()
     line, _ = line_of(KILLED, out=str(tmp_path))

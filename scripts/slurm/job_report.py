@@ -138,6 +138,11 @@ class Launch:
         return launch
 
     @property
+    def started(self) -> bool:
+        """Whether any rank ran: it noted its node, or the output tells how it ended."""
+        return bool(self.hosts or self.failures)
+
+    @property
     def world_size(self) -> int:
         return len(self.nodes) * self.ranks_per_node
 
@@ -243,8 +248,11 @@ def lost_node_line(launch: Launch) -> str | None:
 
 
 def rendezvous_line(launch: Launch, endpoint: str) -> str | None:
+    """The agents never met: only where no rank ran. Once ranks have run, an agent whose
+    workers failed shuts the store it hosts, and the other agents' monitoring loop then
+    loses it too: a consequence of the ranks' failure, which says the cause."""
     found = _RENDEZVOUS_ERROR.search(launch.text)
-    if found is None:
+    if found is None or launch.started:
         return None
     nodes = sorted(set(_TASK_EXITED.findall(launch.text))) or launch.nodes
     at = f" at {endpoint}" if endpoint else ""
